@@ -1,0 +1,34 @@
+# Two commands do all the set-up: `make demo` and `make test`. Each creates (or refreshes)
+# the virtualenv in .venv and installs what it needs before running.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A machine with an NVIDIA driver gets the registry's CUDA build of torch; one without gets
+# a pinned CPU build (small, and on our CI machines a local wheel). Override with TORCH_SPEC=...
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

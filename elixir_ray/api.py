@@ -1,0 +1,133 @@
+"""`elixir_ray.train(config) -> Result`: the whole run from the driver's side.
+
+Everything that can be checked without workers (config, dataset, cluster size) is checked here
+first, so bad input fails in a second with one line instead of after actors have started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import pyarrow as pa
+
+from elixir_ray import storage
+from elixir_ray.checkpoint import save_checkpoint
+from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
+from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
+from elixir_ray.errors import ConfigError
+from elixir_ray.metrics import metrics_table, write_metrics
+from elixir_ray.plan import Plan
+from elixir_ray.progress import ProgressBar
+
+log = logging.getLogger("elixir_ray")
+
+
+@dataclass
+class Result:
+    metrics: pa.Table
+    checkpoint_uri: str
+    plan: Plan
+    run_dir: str
+    metrics_uri: str
+    seconds: float
+
+    def summary(self) -> str:
+        losses = self.metrics.column("loss").to_pylist()
+        steps = self.metrics.num_rows
+        return "\n".join([
+            f"run finished: {steps} steps in {self.seconds:.1f}s on {self.plan.world_size} worker(s) "
+            f"({self.plan.strategy}, {self.plan.dtype})",
+            f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
+            f"metrics:    {self.metrics_uri}",
+            f"checkpoint: {self.checkpoint_uri}",
+            f"plan:       {os.path.join(self.run_dir, 'plan.json')}",
+        ])
+
+
+def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config_from_dict(config.to_dict(), overrides) if overrides else config
+    if isinstance(config, dict):
+        return config_from_dict(config, overrides)
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(str(config), overrides)
+    raise ConfigError(f"train() takes a RunConfig, a dict or a YAML path, got {type(config).__name__}")
+
+
+def check_data(cfg: RunConfig) -> RunConfig:
+    """Resolve and open the dataset on the driver; returns the config with an absolute data path."""
+    uri = resolve_data_uri(cfg.data.path, cfg.data.cache_dir)
+    if "://" not in uri:
+        uri = os.path.abspath(uri)
+    dataset = TokenDataset(uri)
+    shape = resolve_model_shape(cfg.model)
+    if dataset.vocab_size > shape["vocab_size"]:
+        raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than the dataset's vocabulary "
+                          f"({dataset.vocab_size}): use at least {dataset.vocab_size}")
+    BatchSampler(dataset, shape["seq_len"], cfg.train.seed)  # raises when no full window fits
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
+
+
+def _ensure_ray(cfg: RunConfig) -> bool:
+    """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=cfg.cluster.namespace)
+    else:
+        ray.init(num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
+                 include_dashboard=False, namespace=cfg.cluster.namespace)
+    return True
+
+
+def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
+          progress: bool = True) -> Result:
+    import ray
+
+    from elixir_ray.cluster.controller import TrainController
+    from elixir_ray.cluster.placement import resolve_worker_shape
+
+    cfg = check_data(as_config(config, overrides))
+    started_here = _ensure_ray(cfg)
+    try:
+        shape = resolve_worker_shape(cfg, ray.cluster_resources())
+        bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
+        on_metrics = (lambda m: bar.update(m["step"], m["loss"], m["tokens_per_s"])) if bar else (lambda m: None)
+        start = time.monotonic()
+        outcome = TrainController(cfg, shape, on_metrics=on_metrics).run()
+        if bar:
+            bar.close()
+        seconds = time.monotonic() - start
+        return _write_outputs(cfg, outcome, seconds)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
+    run_dir = cfg.run_dir
+    fs, run_path = storage.resolve(run_dir)
+    fs.create_dir(run_path, recursive=True)
+    table = metrics_table(outcome.metrics)
+    metrics_uri = os.path.join(run_dir, "metrics.parquet")
+    write_metrics(table, metrics_uri)
+    storage.write_bytes_atomic(fs, f"{run_path}/plan.json", outcome.plan.to_json().encode())
+    ckpt_root = cfg.checkpoint.uri or os.path.join(run_dir, "checkpoints")
+    extra = {
+        "samples_consumed": outcome.samples_consumed,
+        "plan": json.loads(outcome.plan.to_json()),
+        "config": cfg.to_dict(),
+        "world_size": outcome.plan.world_size,
+    }
+    ckpt = save_checkpoint(ckpt_root, outcome.final_step, outcome.shards, extra, keep=cfg.checkpoint.keep)
+    return Result(metrics=table, checkpoint_uri=ckpt, plan=outcome.plan, run_dir=run_dir,
+                  metrics_uri=metrics_uri, seconds=seconds)

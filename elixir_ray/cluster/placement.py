@@ -1,0 +1,81 @@
+"""Placing the workers: resource checks, the gang placement group, and rank order.
+
+Ranks are ordered by node, then by GPU, as the launchers of distributed torch do; the node that
+hosts the driver comes first so that rank 0 (the rendezvous host) sits beside it when it can.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+from elixir_ray.config import RunConfig
+from elixir_ray.errors import ClusterError, ConfigError
+
+
+@dataclass
+class WorkerShape:
+    num_workers: int
+    use_gpu: bool
+    cpus_per_worker: int
+
+    @property
+    def bundle(self) -> dict:
+        bundle = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        return bundle
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_gpu else "gloo"
+
+
+def resolve_worker_shape(cfg: RunConfig, resources: dict) -> WorkerShape:
+    """Defaults from what the cluster has; errors name the config field to change."""
+    gpus = int(resources.get("GPU", 0))
+    cpus = int(resources.get("CPU", 0))
+    use_gpu = cfg.cluster.use_gpu if cfg.cluster.use_gpu is not None else gpus > 0
+    if use_gpu and gpus == 0:
+        raise ConfigError("cluster.use_gpu is true but the Ray cluster has no GPUs (set cluster.use_gpu: false)")
+    num = cfg.cluster.num_workers or (gpus if use_gpu else 2)
+    per = cfg.cluster.cpus_per_worker
+    if use_gpu and num > gpus:
+        raise ConfigError(f"cluster.num_workers={num} but the Ray cluster has {gpus} GPU(s): use at most {gpus}")
+    if num * per > cpus:
+        raise ConfigError(
+            f"cluster.num_workers={num} x cluster.cpus_per_worker={per} needs {num * per} CPUs "
+            f"but the Ray cluster has {cpus}: lower one of them"
+        )
+    return WorkerShape(num_workers=num, use_gpu=use_gpu, cpus_per_worker=per)
+
+
+def create_placement_group(shape: WorkerShape, timeout_s: float):
+    pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        table = placement_group_table(pg)
+        remove_placement_group(pg)
+        raise ClusterError(
+            f"could not reserve {shape.num_workers} x {shape.bundle} within cluster.placement_timeout_s="
+            f"{timeout_s:g}s (placement group state: {table.get('state')}); free resources or wait longer"
+        )
+    return pg
+
+
+def bundle_rank_order(pg, driver_node_id: str, timeout_s: float = 10.0) -> list[int]:
+    """Bundle indices in rank order: grouped by node (driver's node first), bundle order within."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+        if len(nodes) == len(pg.bundle_specs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    node_order: dict[str, int] = {}
+    keys = sorted(nodes.items(), key=lambda kv: (kv[1] != driver_node_id, kv[1], kv[0]))
+    for _, node in keys:
+        node_order.setdefault(node, len(node_order))
+    return sorted(range(len(pg.bundle_specs)), key=lambda i: (node_order.get(nodes.get(i), 0), i))

@@ -1,0 +1,125 @@
+"""The per-GPU (or per-CPU-slot) actor. It owns one rank: its process group, device and trainer.
+
+The actor is threaded (max_concurrency > 1) so that `poll` and `stop` are answered while `run`
+is busy training; `__init__` touches no CUDA, because the device mask is set afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import traceback
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from elixir_ray.config import RunConfig, config_from_dict
+from elixir_ray.plan import Plan
+from elixir_ray.profile import WorkerProfile, profile_worker
+from elixir_ray.trainer import DTYPES, RankTrainer
+
+
+@ray.remote(max_concurrency=4)
+class TrainWorker:
+    def __init__(self, config: dict, rank: int, world_size: int):
+        self.cfg: RunConfig = config_from_dict(config)
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cpu")
+        self.trainer: RankTrainer | None = None
+        self._metrics: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
+
+    def node_info(self) -> dict:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
+
+    def set_devices(self, visible_gpu_ids: list[str], local_rank: int) -> None:
+        """Show every GPU of this node to each of its ranks (so peers can use P2P), then pick ours."""
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        if visible_gpu_ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids)
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+
+    def free_port(self, bind_address: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((bind_address, 0))
+            return s.getsockname()[1]
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
+            device_id=self.device if backend == "nccl" else None,
+        )
+
+    def profile(self) -> WorkerProfile:
+        """Measure this worker with the real model on a real micro-batch, then free it."""
+        from elixir_ray.plan import resolve_dtype
+
+        dtype_name = resolve_dtype(self.cfg.train.dtype, self.device.type)
+        probe_plan = Plan(version=1, strategy="data_parallel", world_size=1, micro_batch=self.cfg.train.micro_batch,
+                          grad_accum=1, dtype=dtype_name, device_memory_bytes=0, predicted_step_seconds=0.0)
+        trainer = RankTrainer(self.cfg, probe_plan, rank=0, device=self.device)
+        batch = trainer.micro_batch(0)
+
+        def micro_step():
+            trainer.forward_backward(batch)
+            trainer.optimizer.zero_grad(set_to_none=True)
+
+        result = profile_worker(self.rank, self.device, DTYPES[dtype_name], micro_step)
+        del trainer
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return result
+
+    def setup(self, plan: Plan) -> None:
+        self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)
+
+    def run(self, num_steps: int) -> int:
+        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
+        assert self.trainer is not None, "setup() must run before run()"
+        try:
+            for _ in range(num_steps):
+                if self._stop.is_set():
+                    break
+                metrics = self.trainer.step()
+                if self.rank == 0:
+                    with self._lock:
+                        self._metrics.append(metrics)
+        except Exception as exc:
+            raise RuntimeError(f"rank {self.rank} failed at step {self.trainer.state.step}: {exc}\n"
+                               f"{traceback.format_exc()}") from exc
+        return self.trainer.state.step
+
+    def poll(self) -> list[dict]:
+        with self._lock:
+            out, self._metrics = self._metrics, []
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def state_shard(self) -> dict:
+        """This rank's share of the training state, as numpy arrays (zero-copy in the object store)."""
+        assert self.trainer is not None
+        return {"tensors": self.trainer.state_tensors(), "step": self.trainer.state.step,
+                "samples_consumed": self.trainer.state.samples_consumed}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

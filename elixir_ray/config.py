@@ -1,0 +1,288 @@
+"""Run configuration: nested dataclasses loaded from YAML, with dotted `--set` overrides.
+
+Every field is checked when the config is built, so a typo or a bad size fails with one line
+naming the field and what is allowed, before Ray or any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from elixir_ray.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Which GPT to train. `size` picks a named shape; explicit fields override it."""
+
+    size: str = "tiny"
+    d_model: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    activation_checkpointing: bool = False
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. `builtin` builds a corpus from this Python's standard library."""
+
+    path: str = "builtin"
+    cache_dir: Optional[str] = None  # where the builtin dataset is written; default ~/.cache/elixir_ray
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    max_grad_norm: Optional[float] = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch: int = 8  # sequences per worker per micro-step
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    log_every: int = 10
+
+
+@dataclass
+class ClusterConfig:
+    num_workers: Optional[int] = None  # default: one per GPU, or 2 on a CPU-only cluster
+    use_gpu: Optional[bool] = None  # default: use GPUs when the cluster has any
+    cpus_per_worker: int = 1
+    namespace: str = "elixir_ray"
+    placement_timeout_s: float = 60.0
+    init_timeout_s: float = 120.0
+    local_num_cpus: Optional[int] = None  # CPUs of the embedded cluster started when RAY_ADDRESS is unset
+
+
+@dataclass
+class EngineConfig:
+    device_memory: Optional[str] = None  # e.g. "24GiB"; default: what the device has free
+
+
+@dataclass
+class CheckpointConfig:
+    uri: Optional[str] = None  # default: <output_dir>/<name>/checkpoints
+    every_steps: int = 0  # 0: only the final checkpoint
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(path: str, value: Any, tp) -> Any:
+    """Convert a YAML value to the field's type, or say which field is wrong and why."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(path, value, inner)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                return float(value)  # YAML reads "1e-3" as a string
+            except (TypeError, ValueError):
+                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    if tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(_coerce(f"{path}[{i}]", v, float) for i, v in enumerate(value))
+    return value
+
+
+def _build(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}' (allowed under '{prefix[:-1] or 'top level'}': {', '.join(names)})")
+        tp = hints[key]
+        if _is_dataclass_type(tp):
+            kwargs[key] = _build(tp, value, f"{path}.")
+        else:
+            kwargs[key] = _coerce(path, value, tp)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """Turn ['train.steps=50', ...] into a nested dict; values are read as YAML scalars."""
+    tree: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, for example train.steps=50")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: Optional[dict], overrides: Optional[list[str]] = None) -> RunConfig:
+    merged = _merge(data or {}, parse_overrides(overrides or []))
+    cfg = _build(RunConfig, merged, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    return config_from_dict(data, overrides)
+
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _positive(path: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{path} must be a positive number, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Range checks that need no cluster: sizes positive, names known, choices valid."""
+    from elixir_ray.model.sizes import MODEL_SIZES
+
+    if not cfg.name or "/" in cfg.name:
+        raise ConfigError(f"name must be a non-empty string without '/', got {cfg.name!r}")
+    m = cfg.model
+    if m.size not in MODEL_SIZES:
+        raise ConfigError(f"model.size {m.size!r} is unknown (allowed: {', '.join(MODEL_SIZES)})")
+    for key in ("d_model", "n_layers", "n_heads", "vocab_size", "seq_len"):
+        _positive(f"model.{key}", getattr(m, key), allow_none=True)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    shape = resolve_model_shape(m)
+    if shape["d_model"] % shape["n_heads"]:
+        raise ConfigError(
+            f"model.d_model ({shape['d_model']}) must be divisible by model.n_heads ({shape['n_heads']})"
+        )
+    t = cfg.train
+    for key in ("steps", "micro_batch", "grad_accum", "log_every"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.dtype not in _DTYPES:
+        raise ConfigError(f"train.dtype {t.dtype!r} is unknown (allowed: {', '.join(_DTYPES)})")
+    o = cfg.optim
+    _positive("optim.lr", o.lr)
+    _positive("optim.eps", o.eps)
+    _positive("optim.max_grad_norm", o.max_grad_norm, allow_none=True)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(o.betas)}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    c = cfg.cluster
+    _positive("cluster.num_workers", c.num_workers, allow_none=True)
+    _positive("cluster.cpus_per_worker", c.cpus_per_worker)
+    _positive("cluster.placement_timeout_s", c.placement_timeout_s)
+    _positive("cluster.init_timeout_s", c.init_timeout_s)
+    _positive("cluster.local_num_cpus", c.local_num_cpus, allow_none=True)
+    if cfg.engine.device_memory is not None:
+        from elixir_ray.units import parse_bytes
+
+        try:
+            _positive("engine.device_memory", parse_bytes(cfg.engine.device_memory))
+        except ValueError as exc:
+            raise ConfigError(f"engine.device_memory: {exc}") from None
+    ck = cfg.checkpoint
+    if ck.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 saves only at the end), got {ck.every_steps}")
+    _positive("checkpoint.keep", ck.keep)
+
+
+def resolve_model_shape(m: ModelConfig) -> dict:
+    """The named size with any explicit fields laid over it."""
+    from elixir_ray.model.sizes import MODEL_SIZES
+
+    shape = dict(MODEL_SIZES[m.size])
+    for key in ("d_model", "n_layers", "n_heads", "vocab_size", "seq_len"):
+        value = getattr(m, key)
+        if value is not None:
+            shape[key] = value
+    return shape

@@ -1,0 +1,175 @@
+"""Token datasets: one Arrow IPC file with a uint16 `tokens` column, memory-mapped for training.
+
+Training samples are windows of seq_len + 1 tokens at multiples of seq_len. Their order is a
+seeded permutation per epoch, so the whole data order is a pure function of (seed, sample index):
+the data position is one integer, `samples_consumed`, independent of the number of workers.
+Each rank takes a disjoint slice of every global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from elixir_ray import storage
+from elixir_ray.data.tokenizer import ByteTokenizer
+from elixir_ray.errors import ConfigError
+
+FORMAT = "elixir_ray.tokens/1"
+
+
+def write_token_file(tokens: np.ndarray, uri: str, tokenizer: ByteTokenizer, sources: int) -> None:
+    """Write tokens as Arrow IPC under a temporary name, then rename: readers never see a partial file."""
+    table = pa.table({"tokens": pa.array(np.ascontiguousarray(tokens, dtype=np.uint16))})
+    table = table.replace_schema_metadata({
+        "format": FORMAT,
+        "tokenizer": tokenizer.name,
+        "vocab_size": str(tokenizer.vocab_size),
+        "num_tokens": str(len(tokens)),
+        "sources": str(sources),
+    })
+    fs, path = storage.resolve(uri)
+    parent = os.path.dirname(path)
+    if parent:
+        fs.create_dir(parent, recursive=True)
+    tmp = storage.temp_sibling(path)
+    try:
+        with fs.open_output_stream(tmp) as out:
+            with pa.ipc.new_file(out, table.schema) as writer:
+                writer.write_table(table, max_chunksize=len(tokens) or None)
+        fs.move(tmp, path)
+    except BaseException:
+        if storage.exists(fs, tmp):
+            fs.delete_file(tmp)
+        raise
+
+
+def prepare_dataset(text_files: list[str], out_uri: str) -> int:
+    """Tokenise the user's text files into one dataset. Returns the number of tokens written."""
+    if not text_files:
+        raise ConfigError("prepare-data needs at least one text file")
+    for path in text_files:
+        if not os.path.isfile(path):
+            raise ConfigError(f"text file {path!r} does not exist")
+    tok = ByteTokenizer()
+    docs = []
+    for path in text_files:
+        with open(path, "rb") as f:
+            docs.append(f.read())
+    tokens = tok.encode_documents(docs)
+    if len(tokens) <= len(docs):
+        raise ConfigError(f"the text files {text_files} are empty: nothing to tokenise")
+    write_token_file(tokens, out_uri, tok, sources=len(docs))
+    return len(tokens)
+
+
+def builtin_corpus_files(max_bytes: int = 8 * 2**20) -> list[str]:
+    """This Python's own standard-library sources, in a fixed order, up to max_bytes."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+        files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    chosen, total = [], 0
+    for path in files:
+        size = os.path.getsize(path)
+        if total + size > max_bytes:
+            continue
+        chosen.append(path)
+        total += size
+    return chosen
+
+
+def builtin_dataset_uri(cache_dir: str | None) -> str:
+    """Build the builtin corpus once per cache directory and Python version, then reuse it."""
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "elixir_ray")
+    version = "{}.{}".format(*sysconfig.get_python_version().split(".")[:2])
+    uri = os.path.join(cache_dir, f"builtin-stdlib-py{version}.arrow")
+    if not os.path.exists(uri):
+        prepare_dataset(builtin_corpus_files(), uri)
+    return uri
+
+
+def resolve_data_uri(path: str, cache_dir: str | None) -> str:
+    return builtin_dataset_uri(cache_dir) if path == "builtin" else path
+
+
+class TokenDataset:
+    """A read-only view of a token file; local files are memory-mapped, remote ones read once."""
+
+    def __init__(self, uri: str):
+        fs, path = storage.resolve(uri)
+        if not storage.exists(fs, path):
+            raise ConfigError(f"data.path {uri!r} does not exist (build one with `elixir-ray prepare-data`)")
+        try:
+            if "://" not in uri:
+                source = pa.memory_map(path, "r")
+            else:
+                source = fs.open_input_file(path)
+            table = pa.ipc.open_file(source).read_all()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ConfigError(f"data.path {uri!r} is not a token dataset: {exc}") from None
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        if meta.get("format") != FORMAT or "tokens" not in table.column_names:
+            raise ConfigError(f"data.path {uri!r} is not an elixir_ray token dataset (no {FORMAT} metadata)")
+        column = table.column("tokens")
+        if column.num_chunks == 1:
+            self.tokens = column.chunk(0).to_numpy(zero_copy_only=True)
+        else:
+            self.tokens = column.to_numpy()
+        self.uri = uri
+        self.vocab_size = int(meta.get("vocab_size", 257))
+        if len(self.tokens) == 0:
+            raise ConfigError(f"data.path {uri!r} holds no tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def num_windows(self, seq_len: int) -> int:
+        return max(0, (len(self.tokens) - 1) // seq_len)
+
+
+@dataclass
+class BatchSampler:
+    """Maps global sample indices to token windows, deterministically from the seed."""
+
+    dataset: TokenDataset
+    seq_len: int
+    seed: int
+
+    def __post_init__(self):
+        self.n_windows = self.dataset.num_windows(self.seq_len)
+        if self.n_windows == 0:
+            raise ConfigError(
+                f"data.path {self.dataset.uri!r} holds {len(self.dataset)} tokens, fewer than one "
+                f"window of model.seq_len+1 = {self.seq_len + 1}"
+            )
+        self._perm_epoch = -1
+        self._perm = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        """Global samples [start, start+count) as an int64 tensor of shape (count, seq_len+1)."""
+        rows = []
+        for g in range(start, start + count):
+            epoch, pos = divmod(g, self.n_windows)
+            w = int(self._permutation(epoch)[pos])
+            rows.append(self.dataset.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def rank_batch(self, samples_consumed: int, rank: int, micro_batch: int, grad_accum: int,
+                   micro_step: int) -> torch.Tensor:
+        """This rank's micro-batch `micro_step` of the global batch that starts at samples_consumed."""
+        per_rank = micro_batch * grad_accum
+        start = samples_consumed + rank * per_rank + micro_step * micro_batch
+        return self.samples(start, micro_batch)
