@@ -1,0 +1,43 @@
+"""Shared fixtures: one small real Ray cluster per test session, and a tiny dataset."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster with 4 logical CPUs, shared by every test that needs one."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, namespace="elixir_ray_tests",
+                 object_store_memory=200 * 2**20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A small token dataset made from a few standard-library files."""
+    from elixir_ray.data.dataset import builtin_corpus_files, prepare_dataset
+
+    out = tmp_path_factory.mktemp("data") / "tiny.arrow"
+    prepare_dataset(builtin_corpus_files(max_bytes=400_000), str(out))
+    return str(out)
+
+
+def tiny_config(dataset: str, tmp_path, **sections) -> dict:
+    """A config dict for a few fast steps of the tiny GPT."""
+    cfg = {
+        "name": "t",
+        "output_dir": str(tmp_path / "runs"),
+        "model": {"size": "tiny", "n_layers": 2, "seq_len": 64},
+        "data": {"path": dataset},
+        "train": {"steps": 4, "micro_batch": 4, "log_every": 1},
+        "cluster": {"num_workers": 2},
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg

@@ -1,0 +1,54 @@
+import pytest
+
+from elixir_ray.config import config_from_dict, load_config, parse_overrides, resolve_model_shape
+from elixir_ray.errors import ConfigError
+
+
+def test_defaults_and_overrides():
+    cfg = config_from_dict({"model": {"size": "tiny"}}, ["train.steps=7", "optim.lr=1e-4", "cluster.num_workers=3"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == pytest.approx(1e-4) and cfg.cluster.num_workers == 3
+    assert resolve_model_shape(cfg.model)["d_model"] == 128
+
+
+def test_explicit_fields_override_named_size():
+    cfg = config_from_dict({"model": {"size": "gpt-1.5b", "n_layers": 2}})
+    shape = resolve_model_shape(cfg.model)
+    assert shape["n_layers"] == 2 and shape["d_model"] == 1600
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"train": {"stepz": 3}}, "unknown config key 'train.stepz'"),
+    ({"bogus": 1}, "unknown config key 'bogus'"),
+    ({"train": {"micro_batch": 0}}, "train.micro_batch must be a positive number"),
+    ({"model": {"d_model": -8}}, "model.d_model must be a positive number"),
+    ({"model": {"size": "huge"}}, "model.size 'huge' is unknown"),
+    ({"train": {"steps": "many"}}, "train.steps: expected an integer"),
+    ({"train": {"dtype": "int8"}}, "train.dtype 'int8' is unknown"),
+    ({"model": {"d_model": 100, "n_heads": 3}}, "must be divisible by model.n_heads"),
+    ({"engine": {"device_memory": "lots"}}, "engine.device_memory"),
+    ({"cluster": {"num_workers": 0}}, "cluster.num_workers must be a positive number"),
+])
+def test_bad_values_name_the_field(data, needle):
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(data)
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_overrides(["train.steps"])
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_shipped_configs_load():
+    for path in ("jobs/configs/tiny.yaml", "jobs/configs/demo.yaml"):
+        load_config(path)

@@ -1,0 +1,92 @@
+"""End-to-end runs on a real local Ray cluster with real gloo process groups."""
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elixir_ray import ClusterError, ConfigError, train
+from elixir_ray.api import as_config, check_data
+from elixir_ray.checkpoint import load_checkpoint
+from elixir_ray.data.dataset import BatchSampler, TokenDataset
+from elixir_ray.config import resolve_model_shape
+from elixir_ray.trainer import build_model, lr_at, param_groups
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict]:
+    """Plain torch, one process, the whole global batch at once: what the workers must reproduce."""
+    cfg = check_data(as_config(cfg_dict))
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    seq_len = resolve_model_shape(cfg.model)["seq_len"]
+    sampler = BatchSampler(TokenDataset(cfg.data.path), seq_len, cfg.train.seed)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world_size
+    losses = []
+    for step in range(cfg.train.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = model(sampler.samples(step * global_batch, global_batch))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, tmp_path, grad_accum):
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"grad_accum": grad_accum, "steps": 4})
+    result = train(cfg, progress=False)
+    ref_losses, ref_state = reference_losses(cfg, world_size=2)
+    losses = result.metrics.column("loss").to_pylist()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    _, shards = load_checkpoint(result.checkpoint_uri)
+    for name, ref in ref_state.items():
+        np.testing.assert_allclose(shards[0][f"model/{name}"], ref.numpy(), atol=1e-5, err_msg=name)
+    assert result.plan.world_size == 2 and result.plan.grad_accum == grad_accum
+
+
+def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 3})
+    result = train(cfg, progress=False)
+    table = pq.read_table(result.metrics_uri)
+    assert table.column("step").to_pylist() == [1, 2, 3]
+    assert all(v > 0 for v in table.column("tokens_per_s").to_pylist())
+    manifest, shards = load_checkpoint(result.checkpoint_uri)
+    assert manifest["step"] == 3
+    assert manifest["samples_consumed"] == 3 * 4 * 2
+    assert manifest["plan"]["world_size"] == 2
+    assert any(k.startswith("optim/") for k in shards[0])
+    assert os.path.exists(os.path.join(result.run_dir, "plan.json"))
+    assert "loss: first" in result.summary()
+
+
+def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path, cluster={"num_workers": 64})
+    with pytest.raises(ConfigError, match="cluster.num_workers=64"):
+        train(cfg, progress=False)
+    with pytest.raises(ConfigError, match="no GPUs"):
+        train(tiny_config(tiny_dataset, tmp_path, cluster={"use_gpu": True}), progress=False)
+    with pytest.raises(ValueError):  # no worker actor was ever created
+        ray_cluster.get_actor("worker-0", namespace="elixir_ray")
+
+
+def test_missing_dataset_fails_before_ray(tmp_path):
+    cfg = tiny_config(str(tmp_path / "missing.arrow"), tmp_path)
+    with pytest.raises(ConfigError, match="data.path .* does not exist"):
+        train(cfg, progress=False)
+
+
+def test_vocabulary_smaller_than_the_data_is_refused(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path)
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        train({**cfg, "model": {**cfg["model"], "vocab_size": 100}}, progress=False)
