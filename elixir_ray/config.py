@@ -79,7 +79,6 @@ class EngineConfig:
 @dataclass
 class CheckpointConfig:
     uri: Optional[str] = None  # default: <output_dir>/<name>/checkpoints
-    every_steps: int = 0  # 0: only the final checkpoint
     keep: int = 2
 
 
@@ -271,8 +270,6 @@ def validate(cfg: RunConfig) -> None:
         except ValueError as exc:
             raise ConfigError(f"engine.device_memory: {exc}") from None
     ck = cfg.checkpoint
-    if ck.every_steps < 0:
-        raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 saves only at the end), got {ck.every_steps}")
     _positive("checkpoint.keep", ck.keep)
 
 
