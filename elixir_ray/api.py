@@ -7,10 +7,8 @@ first, so bad input fails in a second with one line instead of after actors have
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -18,7 +16,7 @@ from typing import Optional, Union
 import pyarrow as pa
 
 from elixir_ray import storage
-from elixir_ray.checkpoint import save_checkpoint
+from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.errors import ConfigError
@@ -32,11 +30,14 @@ log = logging.getLogger("elixir_ray")
 @dataclass
 class Result:
     metrics: pa.Table
-    checkpoint_uri: str
+    checkpoint_uri: Optional[str]  # the newest committed checkpoint; None if none could be written
     plan: Plan
     run_dir: str
     metrics_uri: str
     seconds: float
+    restarts: list = dataclasses.field(default_factory=list)  # RestartRecord per recovery
+    persist_errors: list = dataclasses.field(default_factory=list)
+    snapshot_stalls: list = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         losses = self.metrics.column("loss").to_pylist()
@@ -45,8 +46,11 @@ class Result:
             f"run finished: {steps} steps in {self.seconds:.1f}s on {self.plan.world_size} worker(s) "
             f"({self.plan.strategy}, {self.plan.dtype})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
+            *(f"restart: {r.reason}; restored step {r.restored_step} from {r.restored_from} on "
+              f"{r.world_size} worker(s)" for r in self.restarts),
+            *(f"warning: {e}" for e in self.persist_errors),
             f"metrics:    {self.metrics_uri}",
-            f"checkpoint: {self.checkpoint_uri}",
+            f"checkpoint: {self.checkpoint_uri or 'none written (see warnings)'}",
             f"plan:       {os.path.join(self.run_dir, 'plan.json')}",
         ])
 
@@ -75,6 +79,21 @@ def check_data(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
 
 
+def check_resume(cfg: RunConfig, uri: str) -> None:
+    """Refuse a checkpoint of another model before any worker starts."""
+    from elixir_ray.trainer import expected_checkpoint_shapes
+
+    candidates = list_checkpoints(uri) or [uri]
+    try:
+        manifest = read_manifest(candidates[-1])
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume {uri!r}: {exc}") from None
+    try:
+        check_compatible(manifest, expected_checkpoint_shapes(cfg))
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume {uri!r}: {exc}") from None
+
+
 def _ensure_ray(cfg: RunConfig) -> bool:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here."""
     import ray
@@ -90,20 +109,25 @@ def _ensure_ray(cfg: RunConfig) -> bool:
 
 
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
-          progress: bool = True) -> Result:
+          progress: bool = True, resume: Optional[str] = None) -> Result:
+    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from."""
     import ray
 
-    from elixir_ray.cluster.controller import TrainController
+    from elixir_ray.cluster.controller import RestoreSource, TrainController
     from elixir_ray.cluster.placement import resolve_worker_shape
 
     cfg = check_data(as_config(config, overrides))
+    if resume is not None:
+        check_resume(cfg, resume)
     started_here = _ensure_ray(cfg)
     try:
         shape = resolve_worker_shape(cfg, ray.cluster_resources())
         bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
         on_metrics = (lambda m: bar.update(m["step"], m["loss"], m["tokens_per_s"])) if bar else (lambda m: None)
         start = time.monotonic()
-        outcome = TrainController(cfg, shape, on_metrics=on_metrics).run()
+        controller = TrainController(cfg, shape, on_metrics=on_metrics,
+                                     resume=RestoreSource(resume) if resume else None)
+        outcome = controller.run()
         if bar:
             bar.close()
         seconds = time.monotonic() - start
@@ -121,13 +145,6 @@ def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
     metrics_uri = os.path.join(run_dir, "metrics.parquet")
     write_metrics(table, metrics_uri)
     storage.write_bytes_atomic(fs, f"{run_path}/plan.json", outcome.plan.to_json().encode())
-    ckpt_root = cfg.checkpoint.uri or os.path.join(run_dir, "checkpoints")
-    extra = {
-        "samples_consumed": outcome.samples_consumed,
-        "plan": json.loads(outcome.plan.to_json()),
-        "config": cfg.to_dict(),
-        "world_size": outcome.plan.world_size,
-    }
-    ckpt = save_checkpoint(ckpt_root, outcome.final_step, outcome.shards, extra, keep=cfg.checkpoint.keep)
-    return Result(metrics=table, checkpoint_uri=ckpt, plan=outcome.plan, run_dir=run_dir,
-                  metrics_uri=metrics_uri, seconds=seconds)
+    return Result(metrics=table, checkpoint_uri=outcome.checkpoint_uri, plan=outcome.plan, run_dir=run_dir,
+                  metrics_uri=metrics_uri, seconds=seconds, restarts=outcome.restarts,
+                  persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls)

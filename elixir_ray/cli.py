@@ -12,7 +12,7 @@ from elixir_ray.errors import ClusterError, ConfigError
 def _cmd_train(args) -> int:
     from elixir_ray.api import train
 
-    result = train(args.config, overrides=args.set, progress=not args.quiet)
+    result = train(args.config, overrides=args.set, progress=not args.quiet, resume=args.resume)
     print(result.summary())
     return 0
 
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="path to a YAML config (see jobs/configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--resume", metavar="CKPT_URI",
+                   help="continue a stopped run from a checkpoint, or from the newest valid one in a directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)
 

@@ -79,7 +79,16 @@ class EngineConfig:
 @dataclass
 class CheckpointConfig:
     uri: Optional[str] = None  # default: <output_dir>/<name>/checkpoints
+    every_steps: int = 0  # 0: only the final checkpoint
     keep: int = 2
+
+
+@dataclass
+class FaultConfig:
+    max_restarts: int = 3
+    detect_timeout_s: float = 60.0  # a rank silent this long (or a stalled collective) counts as failed
+    wait_for_resources_s: float = 60.0  # how long a restart waits for the full set of workers
+    elastic: bool = False  # with fewer workers available, re-plan for them instead of failing
 
 
 @dataclass
@@ -93,6 +102,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     @property
     def run_dir(self) -> str:
@@ -270,7 +280,15 @@ def validate(cfg: RunConfig) -> None:
         except ValueError as exc:
             raise ConfigError(f"engine.device_memory: {exc}") from None
     ck = cfg.checkpoint
+    if ck.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 saves only at the end), got {ck.every_steps}")
     _positive("checkpoint.keep", ck.keep)
+    f = cfg.fault
+    if f.max_restarts < 0:
+        raise ConfigError(f"fault.max_restarts must be >= 0, got {f.max_restarts}")
+    _positive("fault.detect_timeout_s", f.detect_timeout_s)
+    if f.wait_for_resources_s < 0:
+        raise ConfigError(f"fault.wait_for_resources_s must be >= 0, got {f.wait_for_resources_s}")
 
 
 def resolve_model_shape(m: ModelConfig) -> dict:

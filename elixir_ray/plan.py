@@ -30,6 +30,9 @@ class Plan:
     notes: list = field(default_factory=list)
     engine: Optional[dict] = None  # the chunk engine's plan, when the engine runs the step
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
@@ -47,10 +50,30 @@ def resolve_dtype(requested: str, device_type: str) -> str:
     return "bfloat16" if device_type == "cuda" else "float32"
 
 
-def make_plan(cfg: RunConfig, profiles: list[WorkerProfile]) -> Plan:
-    """Plan for the weakest worker: the smallest free memory and the slowest measured step."""
+def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) so that world_size ranks together still take global_batch samples.
+
+    Keeping the global batch fixed when the world size changes keeps the loss curve and the data
+    position meaningful across an elastic restart.
+    """
+    if global_batch % world_size:
+        raise ValueError(f"a global batch of {global_batch} cannot be split evenly over {world_size} workers")
+    per_rank = global_batch // world_size
+    micro = max(d for d in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % d == 0)
+    return micro, per_rank // micro
+
+
+def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> Plan:
+    """Plan for the weakest worker: the smallest free memory and the slowest measured step.
+
+    `global_batch` (default: micro_batch x grad_accum x workers) stays fixed across restarts.
+    """
     if not profiles:
         raise ValueError("make_plan needs at least one worker profile")
+    world = len(profiles)
+    if global_batch is None:
+        global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world
+    micro, accum = split_global_batch(global_batch, world, cfg.train.micro_batch)
     device_type = profiles[0].device.split(":")[0]
     budget = min(p.device_memory_free for p in profiles)
     if cfg.engine.device_memory is not None:
@@ -60,11 +83,11 @@ def make_plan(cfg: RunConfig, profiles: list[WorkerProfile]) -> Plan:
     return Plan(
         version=PLAN_VERSION,
         strategy="data_parallel",
-        world_size=len(profiles),
-        micro_batch=cfg.train.micro_batch,
-        grad_accum=cfg.train.grad_accum,
+        world_size=world,
+        micro_batch=micro,
+        grad_accum=accum,
         dtype=resolve_dtype(cfg.train.dtype, device_type),
         device_memory_bytes=int(budget),
-        predicted_step_seconds=slowest.micro_step_seconds * cfg.train.grad_accum,
+        predicted_step_seconds=slowest.micro_step_seconds * accum * micro / max(1, cfg.train.micro_batch),
         notes=notes,
     )

@@ -46,6 +46,12 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> GPT
     return build_gpt(resolve_model_shape(cfg.model), cfg.model.activation_checkpointing, cfg.model.dropout, device)
 
 
+def expected_checkpoint_shapes(cfg: RunConfig) -> dict[str, tuple]:
+    """The model tensors a checkpoint must hold for this config, from a meta-device build (no memory)."""
+    model = build_model(cfg, device="meta")
+    return {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 @dataclass
 class TrainState:
     """What advances each step and must be restored to continue a run exactly."""
@@ -159,3 +165,24 @@ class RankTrainer:
                 out[f"optim/{names[id(p)]}/step"] = np.asarray([float(st["step"])], dtype=np.float32)
         out["rng/torch_cpu"] = torch.get_rng_state().numpy()
         return out
+
+    def load_state_tensors(self, tensors: dict[str, np.ndarray], step: int, samples_consumed: int) -> None:
+        """Restore what `state_tensors` produced, onto any world size (the tensors are whole)."""
+        model_state = {k[len("model/"):]: torch.from_numpy(np.array(v)) for k, v in tensors.items()
+                       if k.startswith("model/")}
+        self.model.load_state_dict(model_state)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.optimizer.state.clear()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                key = f"optim/{names[id(p)]}"
+                if f"{key}/exp_avg" not in tensors:
+                    continue  # never stepped (an unused parameter): torch keeps no state either
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(tensors[f"{key}/step"][0]), dtype=torch.float32),
+                    "exp_avg": torch.from_numpy(np.array(tensors[f"{key}/exp_avg"])).to(self.device),
+                    "exp_avg_sq": torch.from_numpy(np.array(tensors[f"{key}/exp_avg_sq"])).to(self.device),
+                }
+        if "rng/torch_cpu" in tensors:
+            torch.set_rng_state(torch.from_numpy(np.array(tensors["rng/torch_cpu"])))
+        self.state = TrainState(step=step, samples_consumed=samples_consumed)

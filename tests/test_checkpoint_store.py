@@ -39,14 +39,16 @@ def test_safetensors_rejects_truncation():
 def test_save_load_keep_and_checksum(tmp_path):
     uri = str(tmp_path / "ck")
     for step in (1, 2, 3):
-        save_checkpoint(uri, step, {0: _tensors(step)}, {"samples_consumed": step * 8}, keep=2)
+        save_checkpoint(uri, step, _tensors(step), {"samples_consumed": step * 8}, keep=2, part_bytes=40)
     found = list_checkpoints(uri)
     assert [p.rsplit("-", 1)[1] for p in found] == ["00000002", "00000003"]
-    manifest, shards = load_checkpoint(found[-1])
+    manifest, tensors = load_checkpoint(found[-1])
     assert manifest["step"] == 3 and manifest["samples_consumed"] == 24
-    np.testing.assert_array_equal(shards[0]["model/w"], _tensors(3)["model/w"])
-    # flip one byte in the shard: the checksum catches it
-    shard = tmp_path / "ck" / "step-00000003" / "rank-00000.safetensors"
+    assert len(manifest["files"]) > 1  # split into parts
+    for k, v in _tensors(3).items():
+        np.testing.assert_array_equal(tensors[k], v)
+    # flip one byte in a part: the checksum catches it
+    shard = tmp_path / "ck" / "step-00000003" / manifest["tensors"]["model/w"]["file"]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))

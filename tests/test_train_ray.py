@@ -49,9 +49,9 @@ def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, tmp_path,
     ref_losses, ref_state = reference_losses(cfg, world_size=2)
     losses = result.metrics.column("loss").to_pylist()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    _, shards = load_checkpoint(result.checkpoint_uri)
+    _, tensors = load_checkpoint(result.checkpoint_uri)
     for name, ref in ref_state.items():
-        np.testing.assert_allclose(shards[0][f"model/{name}"], ref.numpy(), atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(tensors[f"model/{name}"], ref.numpy(), atol=1e-5, err_msg=name)
     assert result.plan.world_size == 2 and result.plan.grad_accum == grad_accum
 
 
@@ -61,11 +61,11 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     table = pq.read_table(result.metrics_uri)
     assert table.column("step").to_pylist() == [1, 2, 3]
     assert all(v > 0 for v in table.column("tokens_per_s").to_pylist())
-    manifest, shards = load_checkpoint(result.checkpoint_uri)
+    manifest, tensors = load_checkpoint(result.checkpoint_uri)
     assert manifest["step"] == 3
     assert manifest["samples_consumed"] == 3 * 4 * 2
     assert manifest["plan"]["world_size"] == 2
-    assert any(k.startswith("optim/") for k in shards[0])
+    assert any(k.startswith("optim/") for k in tensors)
     assert os.path.exists(os.path.join(result.run_dir, "plan.json"))
     assert "loss: first" in result.summary()
 

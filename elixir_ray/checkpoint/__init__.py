@@ -1,5 +1,14 @@
-"""Checkpoints: safetensors shards plus a JSON manifest with checksums, committed atomically."""
+"""Checkpoints: whole tensors in safetensors files plus a JSON manifest with checksums, committed atomically."""
 
-from elixir_ray.checkpoint.store import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from elixir_ray.checkpoint.store import (
+    CheckpointError,
+    check_compatible,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest_valid,
+    read_manifest,
+    save_checkpoint,
+)
 
-__all__ = ["CheckpointError", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_compatible", "list_checkpoints", "load_checkpoint", "load_newest_valid",
+           "read_manifest", "save_checkpoint"]

@@ -1,13 +1,14 @@
-"""Durable checkpoints through pyarrow.fs.
+"""Durable checkpoints through pyarrow.fs, independent of the world size.
 
 Layout under the checkpoint URI:
 
-    step-00000100/manifest.json        format, step, per-file sha256, tensor names/shapes, extra state
-    step-00000100/rank-00000.safetensors
+    step-00000100/manifest.json          format, step, tensors (file, shape, dtype), per-file sha256, extra state
+    step-00000100/part-00000.safetensors full tensors, split into files of at most ~1 GiB
 
+Tensors are whole (not per-rank shards), so a checkpoint restores onto any number of workers.
 A checkpoint is written into a hidden temporary directory, manifest last, then renamed into
-place; a reader only picks up directories named `step-*` that hold a manifest, so a crash
-mid-write never yields a partial checkpoint.
+place; readers only pick up `step-*` directories that hold a manifest, so a crash or a full disk
+mid-write never yields a checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import hashlib
 import json
 import os
 import uuid
+import warnings
+from typing import Optional
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -24,6 +27,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
 
 FORMAT = "elixir_ray.checkpoint/1"
+PART_BYTES = 2**30
 
 
 class CheckpointError(RuntimeError):
@@ -34,39 +38,54 @@ def _step_dir(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save_checkpoint(uri: str, step: int, shards: dict[int, dict[str, np.ndarray]], extra: dict,
-                    keep: int | None = None) -> str:
-    """Write every rank's shard and the manifest; returns the committed checkpoint's path."""
+def _split(tensors: dict[str, np.ndarray], part_bytes: int) -> list[dict[str, np.ndarray]]:
+    parts: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        arr = tensors[name]
+        if parts[-1] and size + arr.nbytes > part_bytes:
+            parts.append({})
+            size = 0
+        parts[-1][name] = arr
+        size += arr.nbytes
+    return parts
+
+
+def save_checkpoint(uri: str, step: int, tensors: dict[str, np.ndarray], extra: dict,
+                    keep: Optional[int] = None, part_bytes: int = PART_BYTES) -> str:
+    """Write the tensors and the manifest; returns the committed checkpoint's path."""
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
     final = f"{root}/{_step_dir(step)}"
     tmp = f"{root}/.tmp-{_step_dir(step)}-{uuid.uuid4().hex[:8]}"
     fs.create_dir(tmp, recursive=True)
     try:
-        files = {}
-        for rank, tensors in sorted(shards.items()):
-            name = f"rank-{rank:05d}.safetensors"
-            payload = safetensors_io.encode(tensors)
+        files, entries = {}, {}
+        for i, part in enumerate(_split(tensors, part_bytes)):
+            name = f"part-{i:05d}.safetensors"
+            payload = safetensors_io.encode(part)
             with fs.open_output_stream(f"{tmp}/{name}") as out:
                 out.write(payload)
-            files[name] = {
-                "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
-                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sorted(tensors.items())},
-            }
-        manifest = {"format": FORMAT, "step": step, "files": files, **extra}
+            files[name] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+            for key, arr in part.items():
+                entries[key] = {"file": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
+        manifest = {"format": FORMAT, "step": step, "files": files, "tensors": entries, **extra}
         with fs.open_output_stream(f"{tmp}/manifest.json") as out:
             out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
         if storage.exists(fs, final):
             fs.delete_dir(final)
         fs.move(tmp, final)
     except BaseException:
-        if storage.exists(fs, tmp):
-            fs.delete_dir(tmp)
+        try:
+            if storage.exists(fs, tmp):
+                fs.delete_dir(tmp)
+        except OSError:
+            pass  # the original error matters more; the temporary name is never picked up
         raise
     if keep:
         for old in list_checkpoints(uri)[:-keep]:
             fs.delete_dir(old)
-    return final
+    return final if "://" not in uri else f"{uri.rstrip('/')}/{_step_dir(step)}"
 
 
 def list_checkpoints(uri: str) -> list[str]:
@@ -83,8 +102,7 @@ def list_checkpoints(uri: str) -> list[str]:
     return sorted(found)
 
 
-def load_checkpoint(path: str) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
-    """Read and verify one checkpoint: every file's checksum must match its manifest entry."""
+def read_manifest(path: str) -> dict:
     fs, root = storage.resolve(path)
     try:
         with fs.open_input_stream(f"{root}/manifest.json") as f:
@@ -93,12 +111,57 @@ def load_checkpoint(path: str) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
         raise CheckpointError(f"checkpoint {path!r} has no readable manifest: {exc}") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} has format {manifest.get('format')!r}, expected {FORMAT}")
-    shards = {}
+    return manifest
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """Read and verify one checkpoint: every file's checksum must match its manifest entry."""
+    manifest = read_manifest(path)
+    fs, root = storage.resolve(path)
+    tensors: dict[str, np.ndarray] = {}
     for name, info in manifest["files"].items():
-        with fs.open_input_stream(f"{root}/{name}") as f:
-            payload = f.read()
+        try:
+            with fs.open_input_stream(f"{root}/{name}") as f:
+                payload = f.read()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path!r}: cannot read {name}: {exc}") from None
         if hashlib.sha256(payload).hexdigest() != info["sha256"]:
             raise CheckpointError(f"checkpoint {path!r}: {name} does not match its checksum")
-        tensors, _ = safetensors_io.decode(payload)
-        shards[int(name.split("-")[1].split(".")[0])] = tensors
-    return manifest, shards
+        try:
+            part, _ = safetensors_io.decode(payload)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path!r}: {name} is malformed: {exc}") from None
+        tensors.update(part)
+    return manifest, tensors
+
+
+def load_newest_valid(uri: str) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
+    """The newest checkpoint that verifies; a corrupt one is skipped with a warning."""
+    candidates = list_checkpoints(uri)
+    if not candidates and storage.exists(*storage.resolve(uri)) and _is_checkpoint(uri):
+        candidates = [uri]  # uri names one checkpoint rather than a directory of them
+    for path in reversed(candidates):
+        try:
+            manifest, tensors = load_checkpoint(path)
+            return path, manifest, tensors
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
+    return None
+
+
+def _is_checkpoint(uri: str) -> bool:
+    fs, root = storage.resolve(uri)
+    return storage.exists(fs, f"{root}/manifest.json")
+
+
+def check_compatible(manifest: dict, expected: dict[str, tuple]) -> None:
+    """Refuse a checkpoint of another model: name the first tensor whose shape differs or is missing."""
+    found = manifest["tensors"]
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(f"checkpoint does not fit this model: it has no tensor {name!r}")
+        if tuple(found[name]["shape"]) != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint does not fit this model: {name!r} has shape {tuple(found[name]['shape'])} "
+                f"in the checkpoint but {tuple(shape)} in the model"
+            )

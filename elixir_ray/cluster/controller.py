@@ -1,10 +1,15 @@
 """The driver side of a run, as an explicit state machine.
 
-    PLACING -> RENDEZVOUS -> PROFILING -> PLANNING -> TRAINING -> CHECKPOINTING -> FINISHED
-                                  (any state) -> ERRORED
+    PLACING -> RENDEZVOUS -> PROFILING -> PLANNING -> RESTORING -> TRAINING -> FINISHED
+       ^                                                               |
+       +------------------------ RESTARTING <--------------------------+  (a rank died, raised or stalled)
+                                                          (any state) -> ERRORED
 
-Each state is one method; `run()` walks them in order and records every transition, so a failure
-says which phase broke and the restart policy of the fault-tolerance issue can hook in here.
+Each state is one method; `run()` walks them and records every transition. Training runs in
+segments that end at checkpoint steps: a snapshot of the state goes to the object store (owned by
+the driver) and is persisted in the background. On a worker-group failure the group is killed,
+not drained, re-formed (fewer workers if `fault.elastic` allows), restored from the newest
+snapshot (object store first, durable storage when those objects are gone), and continues.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group
+from elixir_ray.checkpoint import load_newest_valid
+from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
+from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
+from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker
 from elixir_ray.config import RunConfig
 from elixir_ray.errors import ClusterError
@@ -34,17 +42,31 @@ class RunState(enum.Enum):
     RENDEZVOUS = "rendezvous"
     PROFILING = "profiling"
     PLANNING = "planning"
+    RESTORING = "restoring"
     TRAINING = "training"
-    CHECKPOINTING = "checkpointing"
+    RESTARTING = "restarting"
     FINISHED = "finished"
     ERRORED = "errored"
 
 
 @dataclass
-class Rendezvous:
-    master_addr: str
-    master_port: int
-    backend: str
+class RestartRecord:
+    """One recovery, for the run's result and the recovery-time benchmark."""
+
+    reason: str
+    failed_at: float  # when the driver noticed
+    failed_step: int  # the last step the driver had seen completed
+    world_size: int = 0
+    restored_from: str = ""  # "object_store", "durable", or "scratch"
+    restored_step: int = 0
+    resumed_at: Optional[float] = None  # when the first step after the restore completed
+
+
+@dataclass
+class RestoreSource:
+    """Where the first attempt starts from (`--resume`)."""
+
+    uri: str
 
 
 @dataclass
@@ -52,22 +74,31 @@ class ControllerOutcome:
     metrics: list[dict] = field(default_factory=list)
     plan: Optional[Plan] = None
     profiles: list[WorkerProfile] = field(default_factory=list)
-    shards: dict = field(default_factory=dict)  # rank -> ObjectRef of that rank's state shard
     final_step: int = 0
-    samples_consumed: int = 0
+    checkpoint_uri: Optional[str] = None
+    persist_errors: list[str] = field(default_factory=list)
+    restarts: list[RestartRecord] = field(default_factory=list)
+    snapshot_stalls: list[float] = field(default_factory=list)  # seconds training paused per snapshot
     transitions: list[tuple[str, float]] = field(default_factory=list)
 
 
 class TrainController:
-    def __init__(self, cfg: RunConfig, shape: WorkerShape,
-                 on_metrics: Callable[[dict], None] = lambda m: None, poll_interval_s: float = 0.25):
+    def __init__(self, cfg: RunConfig, shape: WorkerShape, on_metrics: Callable[[dict], None] = lambda m: None,
+                 resume: Optional[RestoreSource] = None, poll_interval_s: float = 0.2):
         self.cfg, self.shape = cfg, shape
         self.on_metrics = on_metrics
+        self.resume = resume
         self.poll_interval_s = poll_interval_s
+        self.policy = RestartPolicy(cfg.fault.max_restarts)
+        self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
+        self.checkpoint_uri = cfg.checkpoint.uri or f"{cfg.run_dir}/checkpoints"
         self.state: Optional[RunState] = None
         self.workers: list = []
         self.pg = None
+        self.step = 0  # the last step completed by the whole group
+        self.snapshots: list[Snapshot] = []  # newest last; older ones are dropped to free the store
         self.outcome = ControllerOutcome()
+        self.persister: Optional[CheckpointPersister] = None
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -75,19 +106,15 @@ class TrainController:
         log.info("run %s: %s", self.cfg.name, state.value)
 
     def run(self) -> ControllerOutcome:
+        self.persister = CheckpointPersister(self.checkpoint_uri, self.cfg.checkpoint.keep)
         try:
-            self._enter(RunState.PLACING)
-            self._place()
-            self._enter(RunState.RENDEZVOUS)
-            self._rendezvous()
-            self._enter(RunState.PROFILING)
-            profiles = self._profile()
-            self._enter(RunState.PLANNING)
-            plan_ref = self._plan(profiles)
-            self._enter(RunState.TRAINING)
-            self._train(plan_ref)
-            self._enter(RunState.CHECKPOINTING)
-            self._collect_state()
+            while True:
+                try:
+                    self._attempt()
+                    break
+                except WorkerGroupFailure as failure:
+                    self._recover_or_raise(failure)
+            self.persister.flush()
             self._enter(RunState.FINISHED)
             return self.outcome
         except BaseException:
@@ -95,84 +122,195 @@ class TrainController:
             raise
         finally:
             self._teardown()
+            self.persister.close()
+            self.outcome.checkpoint_uri = self.persister.newest
+            self.outcome.persist_errors = list(self.persister.errors)
+
+    def _attempt(self) -> None:
+        self._enter(RunState.PLACING)
+        self._place()
+        self._enter(RunState.RENDEZVOUS)
+        self._rendezvous()
+        if not self.outcome.profiles:
+            self._enter(RunState.PROFILING)
+            self._profile()
+        self._enter(RunState.PLANNING)
+        self._plan()
+        self._enter(RunState.RESTORING)
+        self._restore()
+        self._enter(RunState.TRAINING)
+        self._train()
+
+    def _recover_or_raise(self, failure: WorkerGroupFailure) -> None:
+        log.warning("worker group failed: %s", failure)
+        self._teardown()
+        if self.policy.decide(failure, len(self.outcome.restarts)) is Decision.FAIL:
+            raise ClusterError(f"{failure}; giving up after {len(self.outcome.restarts)} restart(s) "
+                               f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
+        self._enter(RunState.RESTARTING)
+        self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
+        self.shape = self._wait_for_workers()
+        self.outcome.restarts[-1].world_size = self.shape.num_workers
 
     # -- states -------------------------------------------------------------------------------
 
     def _place(self) -> None:
-        self.pg = create_placement_group(self.shape, self.cfg.cluster.placement_timeout_s)
+        try:
+            self.pg = create_placement_group(self.shape, self.cfg.cluster.placement_timeout_s)
+        except ClusterError as exc:
+            raise WorkerGroupFailure("placing workers", str(exc)) from exc
         order = bundle_rank_order(self.pg, ray.get_runtime_context().get_node_id())
         config = self.cfg.to_dict()
         for rank, bundle in enumerate(order):
             self.workers.append(TrainWorker.options(
                 name=f"worker-{rank}", namespace=self.cfg.cluster.namespace,
                 num_cpus=self.shape.cpus_per_worker, num_gpus=1 if self.shape.use_gpu else 0,
+                max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             ).remote(config, rank, self.shape.num_workers))
 
-    def _rendezvous(self) -> Rendezvous:
+    def _rendezvous(self) -> None:
         infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info")
         # Every rank on a node sees all of that node's GPUs; local rank = order within the node.
         by_node: dict[str, list[int]] = {}
         for rank, info in enumerate(infos):
             by_node.setdefault(info["node_id"], []).append(rank)
         calls = []
-        for node, ranks in by_node.items():
+        for ranks in by_node.values():
             gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
             for local_rank, rank in enumerate(ranks):
                 calls.append(self.workers[rank].set_devices.remote(gpus, local_rank))
         self._get(calls, "setting devices")
-        single_node = len(by_node) == 1
-        master_addr = "127.0.0.1" if single_node else infos[0]["node_ip"]
+        master_addr = "127.0.0.1" if len(by_node) == 1 else infos[0]["node_ip"]
         last_error = None
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
             port = self._get([self.workers[0].free_port.remote(master_addr)], "probing a port")[0]
-            rdv = Rendezvous(master_addr, port, self.shape.backend)
             try:
-                self._get([w.init_process_group.remote(rdv.master_addr, rdv.master_port, rdv.backend,
-                                                       self.cfg.cluster.init_timeout_s) for w in self.workers],
-                          "initialising the process group", timeout=self.cfg.cluster.init_timeout_s + 30)
-                return rdv
-            except ClusterError as exc:
+                self._get([w.init_process_group.remote(master_addr, port, self.shape.backend,
+                                                       self.cfg.fault.detect_timeout_s) for w in self.workers],
+                          "initialising the process group", timeout=self.cfg.cluster.init_timeout_s)
+                return
+            except WorkerGroupFailure as exc:
                 last_error = exc
                 log.warning("process group on %s:%d failed, retrying with another port: %s", master_addr, port, exc)
-        raise ClusterError(f"could not form the process group after 3 ports: {last_error}")
+        raise WorkerGroupFailure("initialising the process group", f"no port worked: {last_error}")
 
-    def _profile(self) -> list[WorkerProfile]:
-        profiles = self._get([w.profile.remote() for w in self.workers], "profiling the workers")
-        self.outcome.profiles = profiles
-        return profiles
+    def _profile(self) -> None:
+        self.outcome.profiles = self._get([w.profile.remote() for w in self.workers], "profiling the workers")
 
-    def _plan(self, profiles: list[WorkerProfile]):
-        plan = make_plan(self.cfg, profiles)
+    def _plan(self) -> None:
+        # Restarts reuse the first profiles: the same kind of machines, measured once.
+        profiles = self.outcome.profiles[: self.shape.num_workers]
+        while len(profiles) < self.shape.num_workers:
+            profiles.append(profiles[-1])
+        try:
+            plan = make_plan(self.cfg, profiles, global_batch=self.global_batch)
+        except ValueError as exc:
+            raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         self.outcome.plan = plan
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
         self._get([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
-        return plan_ref
 
-    def _train(self, plan_ref) -> None:
-        del plan_ref
-        runs = [w.run.remote(self.cfg.train.steps) for w in self.workers]
+    def _restore(self) -> None:
+        """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
+        source, state, step, consumed = "scratch", None, 0, 0
+        for snap in reversed(self.snapshots):
+            state = snap.fetch()
+            if state is not None:
+                source, step, consumed = "object_store", snap.step, snap.samples_consumed
+                break
+        if state is None and (self.snapshots or self.outcome.restarts):
+            found = load_newest_valid(self.checkpoint_uri)
+            if found is not None:
+                _, manifest, tensors = found
+                source, state = "durable", {"tensors": tensors}
+                step, consumed = manifest["step"], manifest["samples_consumed"]
+        if state is None and self.resume is not None:
+            found = load_newest_valid(self.resume.uri)
+            if found is None:
+                raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
+            _, manifest, tensors = found
+            source, state = "durable", {"tensors": tensors}
+            step, consumed = manifest["step"], manifest["samples_consumed"]
+        if state is not None:
+            tensors_ref = ray.put(state["tensors"])
+            self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
+        self.step = step
+        self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
+        if self.outcome.restarts:
+            record = self.outcome.restarts[-1]
+            record.restored_from, record.restored_step = source, step
+        log.info("starting at step %d (from %s)", step, source)
+
+    def _train(self) -> None:
+        total, every = self.cfg.train.steps, self.cfg.checkpoint.every_steps
+        while self.step < total:
+            segment = min(total, (self.step // every + 1) * every if every else total) - self.step
+            self._run_segment(segment)
+            self._snapshot()
+
+    def _run_segment(self, num_steps: int) -> None:
+        runs = [w.run.remote(num_steps) for w in self.workers]
         pending = list(runs)
+        last_progress = time.monotonic()
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
-            self._drain_metrics()
+            if self._drain_metrics():
+                last_progress = time.monotonic()
             for ref in runs:  # surface a failed rank at once rather than after the others hang
                 if ref not in pending:
                     self._get([ref], "training")
-        self.outcome.final_step = self._get(runs, "training")[0]
+            if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
+                raise WorkerGroupFailure("training", f"no step completed for {self.cfg.fault.detect_timeout_s:g}s")
+        self.step = self._get(runs, "training")[0]
         self._drain_metrics()
 
-    def _drain_metrics(self) -> None:
-        for m in self._get([self.workers[0].poll.remote()], "polling metrics")[0]:
+    def _drain_metrics(self) -> bool:
+        new = self._get([self.workers[0].poll.remote()], "polling metrics")[0]
+        for m in new:
             self.outcome.metrics.append(m)
             self.on_metrics(m)
+            if self.outcome.restarts and self.outcome.restarts[-1].resumed_at is None:
+                self.outcome.restarts[-1].resumed_at = time.time()
+        return bool(new)
 
-    def _collect_state(self) -> None:
-        """Data parallel ranks hold identical state, so rank 0's shard is the whole of it."""
+    def _snapshot(self) -> None:
+        """Data-parallel ranks hold identical state, so rank 0's copy is the whole of it."""
+        start = time.monotonic()
         ref = self.workers[0].state_shard.remote()
-        shard = self._get([ref], "collecting the final state")[0]
-        self.outcome.shards = {0: shard["tensors"]}
-        self.outcome.samples_consumed = shard["samples_consumed"]
+        state = self._get([ref], "taking a snapshot")[0]  # training waits only for this copy-out
+        self.outcome.snapshot_stalls.append(time.monotonic() - start)
+        plan = self.outcome.plan
+        snap = Snapshot(step=state["step"], samples_consumed=state["samples_consumed"], worker_ref=ref, extra={
+            "plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
+            "world_size": self.shape.num_workers,
+        })
+        del state
+        self.snapshots = self.snapshots[-1:] + [snap]
+        self.persister.submit(snap)
+        self.outcome.final_step = snap.step
+
+    def _wait_for_workers(self) -> WorkerShape:
+        """Wait for the full set of workers; with fault.elastic, settle for as many as fit."""
+        deadline = time.monotonic() + self.cfg.fault.wait_for_resources_s
+        fit = 0
+        while True:
+            fit = workers_that_fit(self.shape, ray.available_resources())
+            if fit >= self.shape.num_workers:
+                return self.shape
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not self.cfg.fault.elastic or fit < 1:
+            raise ClusterError(
+                f"after a worker failure only {fit} of {self.shape.num_workers} workers fit in the cluster within "
+                f"fault.wait_for_resources_s={self.cfg.fault.wait_for_resources_s:g}s "
+                f"(set fault.elastic: true to continue with fewer)"
+            )
+        while fit > 1 and self.global_batch % fit:
+            fit -= 1  # the global batch must split evenly over the workers
+        log.warning("continuing elastically on %d worker(s) instead of %d", fit, self.shape.num_workers)
+        return WorkerShape(num_workers=fit, use_gpu=self.shape.use_gpu, cpus_per_worker=self.shape.cpus_per_worker)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -180,20 +318,26 @@ class TrainController:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise ClusterError(f"timed out after {timeout:g}s while {what}") from None
+            raise WorkerGroupFailure(what, f"timed out after {timeout:g}s") from None
         except ray.exceptions.RayActorError as exc:
-            raise ClusterError(f"a worker died while {what}: {exc}") from exc
+            raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}") from exc
         except ray.exceptions.RayTaskError as exc:
-            raise ClusterError(f"a worker failed while {what}: {exc}") from exc
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, (ValueError, TypeError, AssertionError)):
+                raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
+            raise WorkerGroupFailure(what, f"a worker failed: {str(cause).splitlines()[0]}") from exc
 
     def _teardown(self) -> None:
+        """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""
         for w in self.workers:
             try:
-                ray.get(w.shutdown.remote(), timeout=10)
-            except Exception:  # a dead or hung worker is killed below anyway
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
                 pass
-            ray.kill(w)
         self.workers = []
         if self.pg is not None:
-            remove_placement_group(self.pg)
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
             self.pg = None

@@ -53,6 +53,11 @@ def resolve_worker_shape(cfg: RunConfig, resources: dict) -> WorkerShape:
     return WorkerShape(num_workers=num, use_gpu=use_gpu, cpus_per_worker=per)
 
 
+def workers_that_fit(shape: WorkerShape, available: dict) -> int:
+    """How many of the shape's bundles the currently free resources could hold."""
+    return min(int(available.get(res, 0) // amount) for res, amount in shape.bundle.items())
+
+
 def create_placement_group(shape: WorkerShape, timeout_s: float):
     pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

@@ -114,6 +114,13 @@ class TrainWorker:
     def stop(self) -> None:
         self._stop.set()
 
+    def current_step(self) -> int:
+        return self.trainer.state.step if self.trainer else 0
+
+    def load_state(self, tensors: dict, step: int, samples_consumed: int) -> None:
+        assert self.trainer is not None, "setup() must run before load_state()"
+        self.trainer.load_state_tensors(tensors, step, samples_consumed)
+
     def state_shard(self) -> dict:
         """This rank's share of the training state, as numpy arrays (zero-copy in the object store)."""
         assert self.trainer is not None

@@ -1,0 +1,134 @@
+"""The two checkpoint tiers on the driver: snapshots in the object store, persisted in the background.
+
+A snapshot is the training state returned by a worker's actor method, so the driver owns it and
+it outlives the worker process. The persister thread then takes a copy into the driver's own
+object store (`ray.put`, which lives on the driver's node, so it also survives the loss of the
+worker's node) and writes it durably through pyarrow.fs. A failed write is recorded and reported;
+training never waits for it and a half-written checkpoint is never committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import ray
+
+from elixir_ray.checkpoint import save_checkpoint
+
+log = logging.getLogger("elixir_ray")
+
+# Errors meaning "this object is gone" rather than "the code is wrong".
+OBJECT_GONE = (
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.OwnerDiedError,
+    ray.exceptions.ObjectReconstructionFailedError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.RayActorError,
+)
+
+
+@dataclass
+class Snapshot:
+    step: int
+    samples_consumed: int
+    extra: dict  # what the manifest records beside the tensors (plan, config, world size)
+    worker_ref: ray.ObjectRef  # the worker's return value: driver-owned, stored on the worker's node
+    driver_ref: Optional[ray.ObjectRef] = None  # the driver's copy, on the driver's node
+    taken_at: float = field(default_factory=time.time)
+
+    def fetch(self, timeout_s: float = 30.0) -> Optional[dict]:
+        """The state dict, from whichever copy still exists; None if both are gone."""
+        for ref in (self.driver_ref, self.worker_ref):
+            if ref is None:
+                continue
+            try:
+                return ray.get(ref, timeout=timeout_s)
+            except OBJECT_GONE:
+                continue
+        return None
+
+
+class CheckpointPersister:
+    """One background thread that makes the driver copy and writes the newest pending snapshot."""
+
+    def __init__(self, uri: str, keep: int, on_error: Callable[[str], None] | None = None):
+        self.uri, self.keep = uri, keep
+        self.on_error = on_error or (lambda msg: None)
+        self.errors: list[str] = []
+        self.committed: list[tuple[int, str]] = []
+        self._pending: Optional[Snapshot] = None
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="elixir-ray-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Queue a snapshot; an older one still waiting is superseded (only the newest matters)."""
+        with self._cond:
+            self._pending = snapshot
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until nothing is pending or being written."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def newest(self) -> Optional[str]:
+        return self.committed[-1][1] if self.committed else None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                snap, self._pending, self._busy = self._pending, None, True
+            try:
+                self._persist(snap)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _persist(self, snap: Snapshot) -> None:
+        state = snap.fetch()
+        if state is None:
+            self._report(f"checkpoint of step {snap.step} was lost from the object store before it was persisted")
+            return
+        if snap.driver_ref is None:
+            snap.driver_ref = ray.put(state)
+        try:
+            start = time.monotonic()
+            path = save_checkpoint(self.uri, snap.step, state["tensors"],
+                                   {"samples_consumed": snap.samples_consumed, **snap.extra}, keep=self.keep)
+            self.committed.append((snap.step, path))
+            log.info("persisted step %d to %s in %.2fs", snap.step, path, time.monotonic() - start)
+        except Exception as exc:  # a full disk or an unwritable URI must not stop training
+            self._report(f"could not persist the checkpoint of step {snap.step} to {self.uri}: {exc}")
+
+    def _report(self, message: str) -> None:
+        self.errors.append(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=1)
+        log.error(message)
+        self.on_error(message)
