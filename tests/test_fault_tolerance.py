@@ -1,0 +1,144 @@
+"""Lost workers, corrupt checkpoints and failing storage, with a real Ray cluster and real processes."""
+
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from elixir_ray import ConfigError, train
+from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, load_newest_valid
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def _final_model(result) -> dict:
+    _, tensors = load_checkpoint(result.checkpoint_uri)
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+def _assert_same_model(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0, err_msg=k)
+
+
+class WorkerKiller(threading.Thread):
+    """SIGKILLs the named worker's process once it has completed `at_step` steps."""
+
+    def __init__(self, ray, name: str, at_step: int, namespace: str = "elixir_ray"):
+        super().__init__(daemon=True)
+        self.ray, self.name, self.at_step, self.namespace = ray, name, at_step, namespace
+        self.killed_at = None
+        self.killed_step = None
+
+    def run(self):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.killed_at is None:
+            try:
+                actor = self.ray.get_actor(self.name, namespace=self.namespace)
+                step = self.ray.get(actor.current_step.remote(), timeout=5)
+                if step >= self.at_step:
+                    pid = self.ray.get(actor.node_info.remote(), timeout=5)["pid"]
+                    self.killed_step = step
+                    self.killed_at = time.time()
+                    os.kill(pid, signal.SIGKILL)
+                    return
+            except Exception:  # not started yet, or busy
+                pass
+            time.sleep(0.02)
+
+
+def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_dataset, tmp_path):
+    every = 3
+    seed = int(os.environ.get("ELIXIR_RAY_TEST_SEED", random.randrange(1 << 30)))
+    kill_step = random.Random(seed).randint(1, 10)
+    print(f"killing worker-1 at step {kill_step} (ELIXIR_RAY_TEST_SEED={seed})")
+    base = dict(train={"steps": 12}, checkpoint={"every_steps": every}, fault={"max_restarts": 2})
+    clean = train(tiny_config(tiny_dataset, tmp_path / "clean", **base), progress=False)
+    killer = WorkerKiller(ray_cluster, "worker-1", kill_step)
+    killer.start()
+    result = train(tiny_config(tiny_dataset, tmp_path / "killed", **base), progress=False)
+    killer.join(timeout=5)
+    assert killer.killed_at is not None, "the worker was never killed"
+    assert len(result.restarts) == 1, result.restarts
+    record = result.restarts[0]
+    assert record.restored_from in ("object_store", "durable")
+    assert killer.killed_step - record.restored_step <= every, (killer.killed_step, record)
+    assert result.metrics.column("step").to_pylist() == list(range(1, 13))
+    _assert_same_model(_final_model(result), _final_model(clean), atol=1e-6)
+    np.testing.assert_allclose(result.metrics.column("loss").to_pylist(),
+                               clean.metrics.column("loss").to_pylist(), rtol=0, atol=1e-6)
+    print(f"recovery: {record.resumed_at - killer.killed_at:.2f}s from kill to the first step after restore")
+
+
+def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_path):
+    from elixir_ray import ClusterError
+
+    killer = WorkerKiller(ray_cluster, "worker-1", 2)
+    killer.start()
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, fault={"max_restarts": 0})
+    with pytest.raises(ClusterError, match="giving up after 0 restart"):
+        train(cfg, progress=False)
+
+
+def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_path):
+    base = dict(train={"steps": 8}, checkpoint={"every_steps": 4, "keep": 3})
+    full = train(tiny_config(tiny_dataset, tmp_path / "full", **base), progress=False)
+    ckpts = list_checkpoints(os.path.join(str(tmp_path / "full"), "runs", "t", "checkpoints"))
+    assert [p[-8:] for p in ckpts] == ["00000004", "00000008"]
+    resumed = train(tiny_config(tiny_dataset, tmp_path / "resumed", **base), progress=False, resume=ckpts[0])
+    assert resumed.metrics.column("step").to_pylist() == [5, 6, 7, 8]
+    _assert_same_model(_final_model(resumed), _final_model(full), atol=1e-6)
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 2, "keep": 3})
+    result = train(cfg, progress=False)
+    root = os.path.dirname(result.checkpoint_uri)
+    newest = os.path.join(root, "step-00000006", "part-00000.safetensors")
+    data = bytearray(open(newest, "rb").read())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    open(newest, "wb").write(bytes(data))
+    with pytest.warns(UserWarning, match="does not match its checksum"):
+        path, manifest, _ = load_newest_valid(root)
+    assert manifest["step"] == 4
+    # a truncated file is caught the same way
+    middle = os.path.join(root, "step-00000004", "part-00000.safetensors")
+    with open(middle, "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning):
+        path, manifest, _ = load_newest_valid(root)
+    assert manifest["step"] == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = train({**cfg, "name": "resumed"}, progress=False, resume=root)
+    assert any("checksum" in str(w.message) for w in caught)
+    assert resumed.metrics.column("step").to_pylist() == [3, 4, 5, 6]
+
+
+def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2})
+    result = train(cfg, progress=False)
+    other = {**cfg, "model": {**cfg["model"], "d_model": 64}}
+    with pytest.raises(ConfigError, match=r"'model/wte.weight' has shape \(257, 128\) in the checkpoint but \(257, 64\)"):
+        train(other, progress=False, resume=result.checkpoint_uri)
+
+
+def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "uri": str(blocker / "ck")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+    assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4]
+    assert result.checkpoint_uri is None
+    assert result.persist_errors and "could not persist" in result.persist_errors[0]
+    assert "warning: could not persist" in result.summary()
