@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from elixir_ray.checkpoint import CheckpointError
 from elixir_ray.errors import ClusterError, ConfigError
 
 
@@ -22,6 +23,14 @@ def _cmd_prepare_data(args) -> int:
 
     n = prepare_dataset(args.text_files, args.out)
     print(f"wrote {n:,} tokens from {len(args.text_files)} file(s) to {args.out}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from elixir_ray.checkpoint.export import export_safetensors
+
+    source, n = export_safetensors(args.checkpoint, args.out)
+    print(f"wrote {n} tensors from {source} to {args.out}")
     return 0
 
 
@@ -48,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text_files", nargs="+", help="UTF-8 text files")
     p.add_argument("--out", required=True, help="output path or URI (pyarrow filesystem), e.g. data/my.arrow")
     p.set_defaults(func=_cmd_prepare_data)
+
+    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict",
+                       description="Export model weights from a checkpoint (or the newest valid one in a "
+                                   "directory) as a safetensors file that module.load_state_dict accepts.")
+    p.add_argument("checkpoint", metavar="CKPT_URI", help="a checkpoint directory, or a directory of them")
+    p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
+    p.add_argument("out", metavar="OUT", help="output file path or URI")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
@@ -56,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ClusterError) as exc:
+    except (ConfigError, ClusterError, CheckpointError) as exc:
         print(f"elixir-ray: error: {exc}", file=sys.stderr)
         return 2
 

@@ -2,9 +2,6 @@
 
 import os
 import random
-import signal
-import threading
-import time
 import warnings
 
 import numpy as np
@@ -12,6 +9,7 @@ import pytest
 
 from elixir_ray import ConfigError, train
 from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, load_newest_valid
+from elixir_ray.cluster.chaos import WorkerKiller
 
 from conftest import tiny_config
 
@@ -29,32 +27,6 @@ def _assert_same_model(a: dict, b: dict, atol: float) -> None:
         np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0, err_msg=k)
 
 
-class WorkerKiller(threading.Thread):
-    """SIGKILLs the named worker's process once it has completed `at_step` steps."""
-
-    def __init__(self, ray, name: str, at_step: int, namespace: str = "elixir_ray"):
-        super().__init__(daemon=True)
-        self.ray, self.name, self.at_step, self.namespace = ray, name, at_step, namespace
-        self.killed_at = None
-        self.killed_step = None
-
-    def run(self):
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and self.killed_at is None:
-            try:
-                actor = self.ray.get_actor(self.name, namespace=self.namespace)
-                step = self.ray.get(actor.current_step.remote(), timeout=5)
-                if step >= self.at_step:
-                    pid = self.ray.get(actor.node_info.remote(), timeout=5)["pid"]
-                    self.killed_step = step
-                    self.killed_at = time.time()
-                    os.kill(pid, signal.SIGKILL)
-                    return
-            except Exception:  # not started yet, or busy
-                pass
-            time.sleep(0.02)
-
-
 def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_dataset, tmp_path):
     every = 3
     seed = int(os.environ.get("ELIXIR_RAY_TEST_SEED", random.randrange(1 << 30)))
@@ -62,7 +34,7 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     print(f"killing worker-1 at step {kill_step} (ELIXIR_RAY_TEST_SEED={seed})")
     base = dict(train={"steps": 12}, checkpoint={"every_steps": every}, fault={"max_restarts": 2})
     clean = train(tiny_config(tiny_dataset, tmp_path / "clean", **base), progress=False)
-    killer = WorkerKiller(ray_cluster, "worker-1", kill_step)
+    killer = WorkerKiller("worker-1", kill_step)
     killer.start()
     result = train(tiny_config(tiny_dataset, tmp_path / "killed", **base), progress=False)
     killer.join(timeout=5)
@@ -81,7 +53,7 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
 def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_path):
     from elixir_ray import ClusterError
 
-    killer = WorkerKiller(ray_cluster, "worker-1", 2)
+    killer = WorkerKiller("worker-1", 2)
     killer.start()
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, fault={"max_restarts": 0})
     with pytest.raises(ClusterError, match="giving up after 0 restart"):
@@ -142,3 +114,23 @@ def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_data
     assert result.checkpoint_uri is None
     assert result.persist_errors and "could not persist" in result.persist_errors[0]
     assert "warning: could not persist" in result.summary()
+
+
+def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from elixir_ray.api import as_config
+    from elixir_ray.cli import main
+    from elixir_ray.trainer import build_model
+
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2})
+    result = train(cfg, progress=False)
+    out = tmp_path / "export" / "model.safetensors"
+    assert main(["export", os.path.dirname(result.checkpoint_uri), "--to", "safetensors", str(out)]) == 0
+    module = build_model(as_config(cfg))
+    state = load_file(str(out))
+    module.load_state_dict(state)  # strict: same keys and shapes
+    _, tensors = load_checkpoint(result.checkpoint_uri)
+    assert torch.equal(module.blocks[0].mlp.up.weight, torch.from_numpy(tensors["model/blocks.0.mlp.up.weight"]))
+    assert main(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x.safetensors")]) == 2
