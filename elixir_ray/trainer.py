@@ -164,6 +164,8 @@ class RankTrainer:
                 out[f"optim/{names[id(p)]}/exp_avg_sq"] = st["exp_avg_sq"].float().cpu().numpy()
                 out[f"optim/{names[id(p)]}/step"] = np.asarray([float(st["step"])], dtype=np.float32)
         out["rng/torch_cpu"] = torch.get_rng_state().numpy()
+        if self.device.type == "cuda":
+            out["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()
         return out
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray], step: int, samples_consumed: int) -> None:
@@ -185,4 +187,6 @@ class RankTrainer:
                 }
         if "rng/torch_cpu" in tensors:
             torch.set_rng_state(torch.from_numpy(np.array(tensors["rng/torch_cpu"])))
+        if "rng/torch_cuda" in tensors and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.from_numpy(np.array(tensors["rng/torch_cuda"])), self.device)
         self.state = TrainState(step=step, samples_consumed=samples_consumed)

@@ -132,5 +132,5 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
     state = load_file(str(out))
     module.load_state_dict(state)  # strict: same keys and shapes
     _, tensors = load_checkpoint(result.checkpoint_uri)
-    assert torch.equal(module.blocks[0].mlp.up.weight, torch.from_numpy(tensors["model/blocks.0.mlp.up.weight"]))
+    assert torch.equal(module.blocks[0].mlp.up.weight, torch.from_numpy(tensors["model/blocks.0.mlp.up.weight"].copy()))
     assert main(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x.safetensors")]) == 2
