@@ -34,6 +34,12 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from elixir_ray.bench.run import main_args
+
+    return main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elixir-ray",
@@ -65,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
     p.add_argument("out", metavar="OUT", help="output file path or URI")
     p.set_defaults(func=_cmd_export)
+
+    from elixir_ray.bench.run import add_arguments
+
+    p = sub.add_parser("bench", help="measure elixir_ray against plain PyTorch, FSDP2 and DeepSpeed offload",
+                       description="Run the same GPT through each system, each in its own process, and "
+                                   "report tokens/s, TFLOPS, peak memory and the ratio to plain PyTorch.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

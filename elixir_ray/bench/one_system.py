@@ -1,0 +1,37 @@
+"""Measure one system in a fresh process (so peak memory and CUDA state are its own); writes JSON."""
+
+import argparse
+import json
+import sys
+import traceback
+
+import torch
+
+from elixir_ray.bench.systems import SHAPES, SYSTEMS, run_system
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--cap-bytes", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    try:
+        result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
+                            steps=args.steps, warmup=args.warmup).to_dict()
+    except ImportError as exc:
+        result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
+    except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure
+        traceback.print_exc()
+        result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""One training system measured in this process: build, warm up, time steps, report.
+
+Every system trains the same GPT (`elixir_ray.model.gpt`) on the same random tokens with AdamW,
+so the only difference is how parameters, gradients and optimizer states are placed and moved.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from elixir_ray.model.gpt import build_gpt, init_gpt_weights
+
+SYSTEMS = ("reference", "fsdp2_offload", "deepspeed_z3_offload", "elixir_ray")
+
+
+@dataclass
+class BenchShape:
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    micro_batch: int
+    activation_checkpointing: bool
+    dtype: str  # "bfloat16" on GPU; "float32" for the CPU smoke run
+
+    def model_shape(self) -> dict:
+        return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+                    vocab_size=self.vocab_size, seq_len=self.seq_len)
+
+
+SHAPES = {
+    "gpt-1.5b": BenchShape("gpt-1.5b", 1600, 48, 25, 50304, 1024, 8, False, "bfloat16"),
+    "gpt-4b": BenchShape("gpt-4b", 3072, 36, 24, 50304, 1024, 8, True, "bfloat16"),
+    "gpt-10b": BenchShape("gpt-10b", 4096, 50, 32, 50304, 1024, 8, True, "bfloat16"),
+    "smoke": BenchShape("smoke", 128, 2, 4, 257, 64, 4, False, "float32"),
+}
+
+
+@dataclass
+class SystemResult:
+    system: str
+    shape: str
+    device: str
+    cap_bytes: Optional[int]
+    params: int
+    step_seconds: float
+    tokens_per_s: float
+    tflops: float
+    peak_device_bytes: int
+    peak_host_bytes: int
+    final_loss: float
+    breakdown: dict = field(default_factory=dict)  # seconds per step by phase (elixir_ray only)
+    skipped: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_flops_per_step(shape: BenchShape, params: int) -> float:
+    """6·N·tokens for the matmuls plus attention's 12·L·B·T²·d; recomputation is not counted."""
+    tokens = shape.micro_batch * shape.seq_len
+    return 6 * params * tokens + 12 * shape.n_layers * shape.micro_batch * shape.seq_len**2 * shape.d_model
+
+
+def peak_host_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _single_rank_group(backend: str) -> None:
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int]):
+    """(step function taking a batch and returning the loss, parameter count, stats hook)."""
+    dtype = getattr(torch, shape.dtype)
+    autocast = dtype != torch.float32
+
+    if system == "reference":
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+        def step(batch):
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+                loss = model(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step, model.num_parameters(), None
+
+    if system == "fsdp2_offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        _single_rank_group("nccl" if device.type == "cuda" else "gloo")
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
+        kwargs = {}
+        if device.type == "cuda":  # FSDP2 offloads only from a GPU; on CPU it runs unsharded
+            kwargs = dict(offload_policy=CPUOffloadPolicy(),
+                          mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        model.to_empty(device="cpu" if device.type == "cuda" else device)
+        model.apply(lambda m: init_gpt_weights(m, shape.n_layers))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(batch):
+            loss = model(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step, sum(p.numel() for p in model.parameters()), None
+
+    if system == "deepspeed_z3_offload":
+        import deepspeed  # noqa: F401  (an ImportError marks the system skipped)
+
+        if device.type != "cuda":
+            raise RuntimeError("DeepSpeed ZeRO-3 offload needs a GPU")
+        _single_rank_group("nccl")
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing)
+        config = {
+            "train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": dtype == torch.bfloat16},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def step(batch):
+            loss = engine(batch)
+            engine.backward(loss)
+            engine.step()
+            return loss
+        return step, sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()), None
+
+    if system == "elixir_ray":
+        from elixir_ray.engine import wrap
+
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
+        params = model.num_parameters()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
+        wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes,
+                             dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers))
+
+        def step(batch):
+            loss = wrapped(batch)
+            loss.backward()
+            wopt.step()
+            wopt.zero_grad()
+            return loss
+
+        def stats():
+            getter = getattr(wrapped, "step_breakdown", None)
+            return getter() if getter else {}
+        return step, params, stats
+
+    raise ValueError(f"unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+
+
+def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
+               steps: int = 6, warmup: int = 2) -> SystemResult:
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if cap_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    step, params, stats = _build(system, shape, device, cap_bytes)
+    batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
+    times, loss = [], None
+    for i in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        loss = step(batch)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens = shape.micro_batch * shape.seq_len
+    return SystemResult(
+        system=system, shape=shape.name, device=str(device), cap_bytes=cap_bytes, params=params,
+        step_seconds=seconds, tokens_per_s=tokens / seconds,
+        tflops=model_flops_per_step(shape, params) / seconds / 1e12,
+        peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+        peak_host_bytes=peak_host_bytes(), final_loss=float(loss), breakdown=stats() if stats else {},
+    )
