@@ -1,0 +1,84 @@
+"""Hardware rates measured where a rank runs; the planner's cost model is built from them.
+
+Measured, never hard-coded: the same code on a laptop, an H100 box or a CI VM gives the rates
+that the plan for that machine must use. Each measurement takes well under a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class HardwareProfile:
+    device: str
+    h2d_gbps: float  # pinned host -> device copy, GB/s (host memcpy when the device is the CPU)
+    d2h_gbps: float
+    cpu_adam_params_per_s: float  # torch's fused CPU AdamW with this rank's threads
+    device_adam_params_per_s: float
+    matmul_tflops: float  # in the compute dtype
+    cpu_threads: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return cls(**json.loads(text))
+
+    @classmethod
+    def slowest(cls, profiles: list["HardwareProfile"]) -> "HardwareProfile":
+        """The rates a plan for all of these ranks must assume: the minimum of each."""
+        return cls(
+            device=profiles[0].device,
+            **{k: min(getattr(p, k) for p in profiles) for k in (
+                "h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops")},
+            cpu_threads=min(p.cpu_threads for p in profiles),
+        )
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def _adam_rate(device: torch.device, numel: int) -> float:
+    param = torch.nn.Parameter(torch.zeros(numel, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    return numel / _timed(opt.step, device, repeats=3)
+
+
+def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                     copy_bytes: int | None = None, adam_numel: int | None = None) -> HardwareProfile:
+    """Measure this rank's copy bandwidths, AdamW rates and matmul speed."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    copy_bytes = copy_bytes or (256 * 2**20 if on_gpu else 64 * 2**20)
+    adam_numel = adam_numel or (64 * 2**20 if on_gpu else 4 * 2**20)
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=on_gpu)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    h2d = copy_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
+    d2h = copy_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
+    del host, dev
+    cpu_adam = _adam_rate(torch.device("cpu"), adam_numel)
+    dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
+    n = 4096 if on_gpu else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    tflops = 2 * n**3 / _timed(lambda: a @ b, device, repeats=5) / 1e12
+    return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
+                           device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
+                           cpu_threads=torch.get_num_threads())

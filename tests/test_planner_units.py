@@ -1,0 +1,39 @@
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elixir_ray.planner.cache_sim import count_loads
+from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+
+
+def test_cache_sim_basic():
+    seq = [(0,), (1,), (2,), (0,), (1,), (2,)]
+    assert count_loads(seq, 3) == 3
+    # two blocks: Belady keeps the chunk used soonest; 0,1 load, 2 evicts 1 (used after 0), ...
+    assert count_loads(seq, 2) == 4
+    assert count_loads([(0, 1), (1, 2), (0, 2)], 2) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=3).map(tuple), min_size=1, max_size=40))
+def test_cache_sim_bounds_and_monotonic(seq):
+    distinct = len({c for op in seq for c in op})
+    widest = max(len(set(op)) for op in seq)
+    previous = None
+    for blocks in range(widest, distinct + 2):
+        loads = count_loads(seq, blocks)
+        assert loads >= distinct
+        if blocks >= distinct:
+            assert loads == distinct
+        if previous is not None:
+            assert loads <= previous  # more blocks never cost more loads
+        previous = loads
+
+
+def test_profile_hardware_measures_positive_rates():
+    hw = profile_hardware("cpu", copy_bytes=8 * 2**20, adam_numel=2**20)
+    assert hw.h2d_gbps > 0 and hw.d2h_gbps > 0 and hw.cpu_adam_params_per_s > 0 and hw.matmul_tflops > 0
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    slow = HardwareProfile.slowest([hw, HardwareProfile(**{**json.loads(hw.to_json()), "h2d_gbps": 0.5})])
+    assert slow.h2d_gbps == min(0.5, hw.h2d_gbps)
