@@ -1,0 +1,13 @@
+"""The chunk engine (no Ray here): train a module larger than the device within a memory budget.
+
+`wrap(module, optimizer, sample_inputs=(batch,), device_memory="24GiB")` returns a module and an
+optimizer used like the originals. See docs/engine.md for how chunks, the pool and the optimizer work.
+"""
+
+from elixir_ray.engine.errors import PlanError
+from elixir_ray.engine.plan import EnginePlan
+from elixir_ray.engine.pool import ChunkPool
+from elixir_ray.engine.state import engine_state, load_engine_state
+from elixir_ray.engine.wrap import ChunkedModule, manual_plan, wrap
+
+__all__ = ["ChunkPool", "ChunkedModule", "EnginePlan", "PlanError", "engine_state", "load_engine_state", "manual_plan", "wrap"]

@@ -1,0 +1,211 @@
+"""Chunks: flat fp32 master state per chunk, and the compute copy the parameters are views of.
+
+Each chunk holds, for this rank, a shard (or, when replicated, all) of: the fp32 master weights,
+the fp32 gradient and the AdamW moments, on the host (pinned when a GPU computes) or on the
+device. Its compute copy is one flat tensor in the compute dtype on the compute device; every
+parameter in the chunk is a view of it. Freeing the copy shrinks its storage to zero and
+fetching regrows and refills the same storage, so tensors autograd saved from the parameters
+see the weights again after a refetch (weights do not change within a step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make `param` a view of the chunk's compute copy, keeping the Python object (optimizers hold it).
+
+    `.data` can be re-pointed only within one device type; a meta or host parameter moving to
+    another device has its tensor swapped underneath the same object instead.
+    """
+    if param.device.type == view.device.type and param.dtype == view.dtype:
+        param.data = view
+    else:
+        torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+
+
+class Comm:
+    """The few collectives the engine needs; a single rank needs none."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        nccl = group is not None and dist.get_backend(group) == "nccl"
+        self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, shard, group=self.group)
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        full.div_(self.world)
+        dist.reduce_scatter_tensor(out, full, group=self.group)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> None:
+        t.div_(self.world)
+        dist.all_reduce(t, group=self.group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self._small(t, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._small(t, dist.ReduceOp.MAX)
+
+    def _small(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        moved = t.to(self.device)
+        dist.all_reduce(moved, op=op, group=self.group)
+        return moved.to(t.device)
+
+
+@dataclass
+class ParamSlot:
+    name: str
+    param: nn.Parameter
+    chunk: int
+    offset: int  # within the chunk, in elements
+    numel: int
+    shape: torch.Size
+    group: int = 0  # optimizer param group
+    step: int = 0  # AdamW updates applied to this parameter
+    has_grad: bool = False  # received a gradient since the last zero_grad (on any rank)
+
+
+@dataclass
+class Chunk:
+    index: int
+    size: int  # padded elements, a multiple of the world size
+    sharded: bool
+    placement: str  # "host" or "device"
+    slots: list[ParamSlot] = field(default_factory=list)
+    shard_start: int = 0  # this rank's first element
+    shard_len: int = 0
+    master: Optional[torch.Tensor] = None  # fp32 [shard_len]
+    grad: Optional[torch.Tensor] = None  # fp32 [shard_len]; None until a gradient arrives
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    compute: Optional[torch.Tensor] = None  # compute dtype [size] on the compute device
+    staging: Optional[torch.Tensor] = None  # fp32 [size]: gradients collected during backward
+    pending: int = 0  # gradient-bearing slots still to report in this backward
+    reduced: bool = True  # already reduced in the backward under way
+    eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete
+
+    @property
+    def resident(self) -> bool:
+        return self.compute is not None and self.compute.untyped_storage().nbytes() > 0
+
+    def segments(self):
+        """(slot, lo, hi) for each slot's part inside this rank's shard, in shard coordinates."""
+        for slot in self.slots:
+            lo = max(slot.offset, self.shard_start)
+            hi = min(slot.offset + slot.numel, self.shard_start + self.shard_len)
+            if lo < hi:
+                yield slot, lo - self.shard_start, hi - self.shard_start
+
+
+class ChunkStore:
+    """All chunks of one wrapped module, and the moves of their data."""
+
+    def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype):
+        self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
+        self.pin = device.type == "cuda"
+        self.stats = {"fetches": 0, "evictions": 0, "reduces": 0}
+        for c in chunks:
+            c.shard_len = c.size // comm.world if c.sharded else c.size
+            c.shard_start = comm.rank * c.shard_len if c.sharded else 0
+            where = self.state_device(c)
+            c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=where, pin_memory=self._pin(where))
+            c.compute = torch.empty(c.size, dtype=dtype, device=device)
+            for s in c.slots:  # views first: a view cannot be made of an empty storage
+                _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
+            c.compute.untyped_storage().resize_(0)
+        self.by_storage = {c.compute.untyped_storage()._cdata: c for c in chunks}
+
+    def state_device(self, chunk: Chunk) -> torch.device:
+        return self.device if chunk.placement == "device" else torch.device("cpu")
+
+    def _pin(self, where: torch.device) -> bool:
+        return self.pin and where.type == "cpu"
+
+    def chunk_of(self, t: torch.Tensor) -> Optional[Chunk]:
+        return self.by_storage.get(t.untyped_storage()._cdata)
+
+    # -- compute copies -------------------------------------------------------------------------
+
+    def fetch(self, c: Chunk) -> None:
+        storage = c.compute.untyped_storage()
+        storage.resize_(c.size * c.compute.element_size())
+        shard = c.master.to(self.device, non_blocking=True).to(self.dtype)
+        if c.sharded and self.comm.world > 1:
+            self.comm.all_gather(c.compute, shard)
+        else:
+            c.compute.copy_(shard)
+        self.stats["fetches"] += 1
+
+    def free(self, c: Chunk) -> None:
+        if c.resident:
+            c.compute.untyped_storage().resize_(0)
+            self.stats["evictions"] += 1
+
+    def free_all(self) -> None:
+        for c in self.chunks:
+            if c.resident:
+                c.compute.untyped_storage().resize_(0)
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> Chunk:
+        c = self.chunks[slot.chunk]
+        if c.staging is None:
+            c.staging = torch.zeros(c.size, dtype=torch.float32, device=self.device)
+        c.staging[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+        return c
+
+    def reduce(self, c: Chunk) -> None:
+        """Average the chunk's gradient over ranks and add this rank's part to its gradient shard."""
+        full = c.staging if c.staging is not None else torch.zeros(c.size, dtype=torch.float32, device=self.device)
+        if self.comm.world > 1 and c.sharded:
+            part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
+            self.comm.reduce_scatter_mean(part, full)
+        else:
+            if self.comm.world > 1:
+                self.comm.all_reduce_mean(full)
+            part = full
+        where = self.state_device(c)
+        part = part.to(where, non_blocking=True)
+        if c.grad is None:
+            c.grad = part  # takes over the staging buffer when nothing had to move
+        else:
+            c.grad.add_(part)
+        c.staging = None
+        self.stats["reduces"] += 1
+
+    # -- whole tensors for state dicts ----------------------------------------------------------
+
+    def full_master(self, c: Chunk) -> torch.Tensor:
+        """The whole chunk's fp32 weights on the host (gathered from all ranks when sharded)."""
+        return self.full_of(c, c.master)
+
+    def full_of(self, c: Chunk, shard: Optional[torch.Tensor]) -> torch.Tensor:
+        if shard is None:
+            shard = torch.zeros(c.shard_len, dtype=torch.float32)
+        if not (c.sharded and self.comm.world > 1):
+            return shard.detach().to("cpu", copy=True)
+        out = torch.empty(c.size, dtype=torch.float32, device=self.comm.device)
+        self.comm.all_gather(out, shard.to(self.comm.device))
+        return out.cpu()
+
+
+def write_slot(c: Chunk, target: torch.Tensor, slot: ParamSlot, flat: torch.Tensor) -> None:
+    """Copy this rank's part of a whole parameter (flat) into one of the chunk's shard tensors."""
+    lo = max(slot.offset, c.shard_start)
+    hi = min(slot.offset + slot.numel, c.shard_start + c.shard_len)
+    if lo < hi:
+        target[lo - c.shard_start: hi - c.shard_start].copy_(flat[lo - slot.offset: hi - slot.offset])

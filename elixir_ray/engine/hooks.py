@@ -1,0 +1,134 @@
+"""Where the engine meets autograd: fetch before use, collect gradients into chunks, reduce.
+
+- Forward: a pre-hook on every module with parameters fetches its chunks; a torch-function mode
+  catches a parameter used outside its own module (for example a tied weight used by the parent).
+- Backward: autograd's saved-tensor unpack hook fetches the chunk of any saved parameter view whose
+  copy was evicted; a module forward during backward is recomputation (activation checkpointing),
+  and its chunks stay pinned until the next recomputed region starts.
+- Gradients: each parameter's gradient is added into its chunk's fp32 staging buffer and dropped;
+  a chunk whose gradients are all in is reduced across ranks at once, the rest at the end of backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from elixir_ray.engine.chunks import ChunkStore, ParamSlot
+from elixir_ray.engine.pool import ChunkPool
+
+
+class _FetchParamsMode(TorchFunctionMode):
+    """Safety net in forward: any op that receives an evicted parameter gets it fetched first."""
+
+    def __init__(self, runtime: "EngineHooks"):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        slots = self.runtime.slot_by_param
+        needed = [slots[id(a)].chunk for a in (*args, *kwargs.values())
+                  if isinstance(a, nn.Parameter) and id(a) in slots]
+        if needed:
+            missing = [c for c in needed if not self.runtime.store.chunks[c].resident]
+            if missing:
+                self.runtime.pool.access(tuple(needed))
+        return func(*args, **kwargs)
+
+
+class EngineHooks:
+    def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot]):
+        self.module, self.store, self.pool = module, store, pool
+        self.slot_by_param = {id(s.param): s for s in slots}
+        self.slots = slots
+        self.phase = "idle"  # "forward" | "backward" | "idle"
+        self._recompute_open = False
+        self._backward_open = False
+        self.handles = []
+        for mod in module.modules():
+            chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
+            if chunks:
+                self.handles.append(mod.register_forward_pre_hook(self._pre_forward(chunks)))
+        for s in slots:
+            if s.param.requires_grad:
+                self.handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    # -- forward and recomputation ----------------------------------------------------------------
+
+    def _pre_forward(self, chunks):
+        def hook(mod, args):
+            if self.phase == "backward":  # recomputation of a checkpointed region
+                if not self._recompute_open:
+                    self.pool.release_pins()
+                    self._recompute_open = True
+                self.pool.access(chunks, pin=True)
+            else:
+                self.pool.access(chunks)
+        return hook
+
+    def pack(self, t: torch.Tensor):
+        return t
+
+    def unpack(self, t: torch.Tensor):
+        chunk = self.store.chunk_of(t)
+        if chunk is not None:
+            self._recompute_open = False
+            if not chunk.resident:
+                self.pool.access((chunk.index,))
+        return t
+
+    def forward(self, *args, **kwargs):
+        self.phase = "forward"
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
+                return self.module(*args, **kwargs)
+        finally:
+            self.phase = "backward"
+            self._recompute_open = False
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    def start_backward(self) -> None:
+        """Expected gradients per chunk for this backward, and the callback that closes it."""
+        self._backward_open = True
+        for c in self.store.chunks:
+            c.pending = sum(1 for s in c.slots if s.param.requires_grad)
+            c.reduced = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._backward_open:
+            self.start_backward()
+        self._recompute_open = False  # gradients arriving: the recomputed region's backward is under way
+        slot = self.slot_by_param[id(param)]
+        chunk = self.store.add_grad(slot, param.grad)
+        param.grad = None
+        slot.has_grad = True
+        chunk.pending -= 1
+        if chunk.pending == 0 and (chunk.eager_reduce or self.store.comm.world == 1):
+            self.store.reduce(chunk)
+            chunk.reduced = True
+
+    def _end_backward(self) -> None:
+        """Reduce every chunk not reduced yet, in chunk order, so all ranks issue the same collectives."""
+        comm = self.store.comm
+        for c in self.store.chunks:
+            if c.reduced:
+                continue
+            if c.staging is not None or (comm.world > 1 and any(s.param.requires_grad for s in c.slots)):
+                self.store.reduce(c)
+            c.reduced = True
+        if comm.world > 1:  # a parameter used on any rank has a gradient, as in one-process training
+            flags = comm.all_reduce_max(torch.tensor([float(s.has_grad) for s in self.slots]))
+            for s, f in zip(self.slots, flags.tolist()):
+                s.has_grad = f > 0
+        self._backward_open = False
+        self.phase = "idle"
+        self.pool.release_pins()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,55 @@
+"""Packing parameters into chunks in first-use order, and choosing a chunk size with little waste."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives: chunk index, element offset and count."""
+
+    index: int  # position in the packing order
+    chunk: int
+    offset: int
+    numel: int
+
+
+def pack(numels: list[int], chunk_size: int, world_size: int) -> tuple[list[Slot], list[int]]:
+    """Greedy packing in the given order. Returns the slots and each chunk's padded size.
+
+    A chunk's size is a multiple of world_size so that it splits into equal shards.
+    """
+    slots, sizes = [], []
+    used = None
+    for i, n in enumerate(numels):
+        if used is None or used + n > sizes[-1]:
+            sizes.append(max(chunk_size, n))
+            used = 0
+        slots.append(Slot(index=i, chunk=len(sizes) - 1, offset=used, numel=n))
+        used += n
+    sizes = [_round_up(s, world_size) for s in sizes]
+    return slots, sizes
+
+
+def waste(numels: list[int], chunk_size: int) -> int:
+    _, sizes = pack(numels, chunk_size, 1)
+    return sum(sizes) - sum(numels)
+
+
+def choose_chunk_size(numels: list[int], target_chunks: int = 16, align: int = 64) -> int:
+    """The candidate size with least waste, no smaller than the largest parameter.
+
+    Candidates span [largest, 2 x largest] and around total/target_chunks, so that the model
+    splits into enough chunks for a pool smaller than the model to be useful.
+    """
+    largest = max(numels)
+    total = sum(numels)
+    base = max(largest, total // max(1, target_chunks))
+    candidates = sorted({_round_up(int(base * f), align) for f in (1.0, 1.125, 1.25, 1.5, 1.75, 2.0)}
+                        | {_round_up(largest, align)})
+    return min(candidates, key=lambda s: (waste(numels, s), s))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,81 @@
+"""ChunkPool: at most n_blocks chunks have a compute copy at once; the rest are evicted by Belady.
+
+Memory for the copies comes in equal-size blocks (one chunk each), which the device allocator
+recycles, so the engine's device footprint is fixed by n_blocks. Eviction picks the resident
+chunk whose next use, in the traced access order of a step, is farthest away. Chunks in use by
+the access being served, the most recently used ones, and those recomputed for the checkpointed
+region whose backward is running are never evicted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+
+from elixir_ray.engine.chunks import Chunk, ChunkStore
+
+
+class ChunkPool:
+    def __init__(self, store: ChunkStore, n_blocks: int, events: list[tuple[int, ...]], keep_recent: int):
+        self.store, self.n_blocks = store, n_blocks
+        self.events = events
+        self.occurrences: dict[int, list[int]] = {}
+        for i, ev in enumerate(events):
+            for c in set(ev):
+                self.occurrences.setdefault(c, []).append(i)
+        self.cursor = -1
+        self.recent: OrderedDict[int, None] = OrderedDict()  # most recently used last
+        self.keep_recent = keep_recent
+        self.pinned: set[int] = set()  # recomputed chunks whose saved views are still needed
+
+    @property
+    def resident(self) -> list[Chunk]:
+        return [c for c in self.store.chunks if c.resident]
+
+    def _advance(self, chunk_ids: tuple[int, ...]) -> None:
+        """Move the cursor to the next traced access of these chunks (wrapping into the next step)."""
+        occ = self.occurrences.get(chunk_ids[0])
+        if not occ:
+            return
+        j = bisect.bisect_right(occ, self.cursor)
+        self.cursor = occ[j] if j < len(occ) else occ[0]
+
+    def next_use(self, chunk: int) -> int:
+        occ = self.occurrences.get(chunk)
+        if not occ:
+            return 1 << 60  # never used in the trace: evict first
+        j = bisect.bisect_right(occ, self.cursor)
+        return occ[j] if j < len(occ) else occ[0] + len(self.events)
+
+    def access(self, chunk_ids, pin: bool = False) -> None:
+        """Make these chunks resident, evicting others if the pool is full."""
+        chunk_ids = tuple(dict.fromkeys(chunk_ids))
+        if not chunk_ids:
+            return
+        self._advance(chunk_ids)
+        protected = set(chunk_ids) | set(list(self.recent)[-self.keep_recent:]) | self.pinned
+        for cid in chunk_ids:
+            chunk = self.store.chunks[cid]
+            if not chunk.resident:
+                resident = self.resident
+                if len(resident) >= self.n_blocks:
+                    candidates = [c for c in resident if c.index not in protected] or \
+                                 [c for c in resident if c.index not in chunk_ids]
+                    victim = max(candidates, key=lambda c: self.next_use(c.index))
+                    self.store.free(victim)
+                    self.recent.pop(victim.index, None)
+                self.store.fetch(chunk)
+            self.recent.pop(cid, None)
+            self.recent[cid] = None
+            if pin:
+                self.pinned.add(cid)
+
+    def release_pins(self) -> None:
+        self.pinned.clear()
+
+    def reset(self) -> None:
+        """After an optimizer step every compute copy is stale: drop them all."""
+        self.store.free_all()
+        self.recent.clear()
+        self.pinned.clear()
+        self.cursor = -1

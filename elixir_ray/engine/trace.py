@@ -1,0 +1,129 @@
+"""Trace which parameters a training step touches, and in what order, without real weights.
+
+One forward and backward of the sample inputs runs on the meta device (parameters, buffers and
+inputs are swapped for meta tensors, then restored), recording:
+- every module forward (recomputation under activation checkpointing included) with its direct
+  parameters, and every parameter read back from autograd's saved tensors in backward;
+- which parameters received a gradient;
+- the bytes of activations autograd saved, an estimate of the activation memory.
+Parameters are identified by their storage, so views (a transposed weight) count as the weight.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+
+@dataclass
+class AccessTrace:
+    order: list[int]  # parameter indices in first-use order
+    events: list[tuple[int, ...]]  # parameter indices touched by each access, in step order
+    phases: list[str]  # per event: "forward", "recompute" or "backward"
+    got_grad: list[bool]  # per parameter: received a gradient in the traced step
+    saved_activation_bytes: int
+
+
+def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(first name, parameter) for each distinct parameter; a tied weight appears once."""
+    seen, out = set(), []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@contextmanager
+def _on_meta(module: nn.Module, params: list[nn.Parameter]):
+    """Temporarily replace every parameter and buffer by a meta stand-in of the same shape.
+
+    Yields the stand-ins in the order of `params` (a tied parameter gets one shared stand-in).
+    """
+    stand_in = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                for p in params}
+    swapped = []
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                swapped.append((mod._parameters, name, p))
+                mod._parameters[name] = stand_in[id(p)]
+        for name, buf in mod._buffers.items():
+            if buf is not None:
+                swapped.append((mod._buffers, name, buf))
+                mod._buffers[name] = torch.empty_like(buf, device="meta")
+    try:
+        yield [stand_in[id(p)] for p in params]
+    finally:
+        for table, name, original in swapped:
+            table[name] = original
+
+
+def _to_meta(x):
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None) -> AccessTrace:
+    named = unique_parameters(module)
+    params = [p for _, p in named]
+    events: list[tuple[int, ...]] = []
+    phases: list[str] = []
+    got_grad = [False] * len(params)
+    first_use: list[int] = []
+    seen: set[int] = set()
+    state = {"phase": "forward", "saved": 0}
+
+    def record(indices, phase):
+        if not indices:
+            return
+        events.append(tuple(indices))
+        phases.append(phase)
+        for i in indices:
+            if i not in seen:
+                seen.add(i)
+                first_use.append(i)
+
+    with _on_meta(module, params) as metas:
+        key_to_index = {storage_key(p): i for i, p in enumerate(metas)}
+        direct = {mod: [key_to_index[storage_key(p)] for p in mod.parameters(recurse=False)]
+                  for mod in module.modules()}
+
+        def pre_hook(mod, args):
+            record(direct[mod], "forward" if state["phase"] == "forward" else "recompute")
+
+        def pack(t):
+            i = key_to_index.get(storage_key(t)) if t.device.type == "meta" else None
+            if i is None:
+                state["saved"] += t.numel() * t.element_size()
+            return t
+
+        def unpack(t):
+            i = key_to_index.get(storage_key(t))
+            if i is not None and state["phase"] == "backward":
+                record([i], "backward")
+            return t
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m, ids in direct.items() if ids]
+        handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: got_grad.__setitem__(i, True))
+                    for i, p in enumerate(metas) if p.requires_grad]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = module(*tree_map(_to_meta, tuple(sample_inputs)))
+            loss = loss_fn(out) if loss_fn else out
+            state["phase"] = "backward"
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+    order = first_use + [i for i in range(len(params)) if i not in seen]
+    return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
+                       saved_activation_bytes=state["saved"])

@@ -1,0 +1,282 @@
+"""`wrap(module, optimizer, ...)`: train any nn.Module within a device-memory budget.
+
+Everything is checked and planned before the module is touched: a bad optimizer or a budget too
+small raises with the module unchanged. Then parameters move into chunks (a module built on the
+meta device is materialised module by module straight into the chunks), hooks are installed, and
+the returned module and optimizer are used like the originals.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, write_slot
+from elixir_ray.engine.errors import PlanError
+from elixir_ray.engine.hooks import EngineHooks
+from elixir_ray.engine.layout import choose_chunk_size, pack
+from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer
+from elixir_ray.engine.plan import EnginePlan
+from elixir_ray.engine.pool import ChunkPool
+from elixir_ray.engine.trace import AccessTrace, trace_step, unique_parameters
+from elixir_ray.units import format_bytes, parse_bytes
+
+
+def default_budget(device: torch.device) -> int:
+    """What the device has free; on CUDA within `set_per_process_memory_fraction`, on CPU the free RAM."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = getter(device) if getter else 1.0
+        return int(min(free, fraction * total - torch.cuda.memory_reserved(device)))
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def chunk_events(trace: AccessTrace, chunk_of_param: list[int]) -> tuple[list[tuple[int, ...]], int]:
+    """The traced accesses in chunk ids, and the fewest blocks that can serve them safely.
+
+    An access needs all its chunks at once; a recomputed region needs all of its chunks until its
+    backward has run. One more block keeps the access being served from evicting its own chunks.
+    """
+    events, widest, run = [], 1, set()
+    for ev, phase in zip(trace.events, trace.phases):
+        chunks = tuple(dict.fromkeys(chunk_of_param[i] for i in ev))
+        events.append(chunks)
+        widest = max(widest, len(chunks))
+        if phase == "recompute":
+            run |= set(chunks)
+            widest = max(widest, len(run))
+        else:
+            run = set()
+    return events, widest + 1
+
+
+def default_plan(names: list[str], numels: list[int], trace: AccessTrace, budget: int, elem_bytes: int,
+                 world: int) -> EnginePlan:
+    """All optimizer state on the host, chunks sharded over ranks, as many pool blocks as fit."""
+    order = trace.order
+    ordered = [numels[i] for i in order]
+    chunk_size = choose_chunk_size(ordered)
+    slots, sizes = pack(ordered, chunk_size, world)
+    chunk_of_param = [0] * len(numels)
+    for slot, i in zip(slots, order):
+        chunk_of_param[i] = slot.chunk
+    _, min_blocks = chunk_events(trace, chunk_of_param)
+    min_blocks = min(min_blocks, len(sizes))
+    block = max(sizes) * elem_bytes
+    staging = 2 * max(sizes) * 4  # fp32 gradient buffers of the chunks being reduced
+    activations = trace.saved_activation_bytes
+    need = min_blocks * block + staging + activations
+    if budget < need:
+        parts = sorted([(min_blocks * block, f"{min_blocks} pool blocks of {format_bytes(block)}"),
+                        (activations, f"{format_bytes(activations)} of saved activations"),
+                        (staging, f"{format_bytes(staging)} of gradient staging")], reverse=True)
+        hint = ("enable activation checkpointing or use a smaller micro-batch" if parts[0][0] == activations
+                else "a model with smaller layers, or more memory")
+        raise PlanError(f"device_memory {format_bytes(budget)} is too small: at least {format_bytes(need)} "
+                        f"is needed ({', '.join(p for _, p in parts)}); {hint}")
+    n_blocks = int(min(len(sizes), (budget - staging - activations) // block))
+    return EnginePlan(
+        chunk_size=chunk_size, n_blocks=n_blocks, param_order=[names[i] for i in order],
+        placements=["host"] * len(sizes), sharded=[world > 1] * len(sizes), dos_gap=0,
+        notes=[f"built-in plan: {len(sizes)} chunks of {chunk_size:,} elements, {n_blocks} pool blocks, "
+               f"all optimizer state on the host"],
+    )
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+class ChunkedModule(nn.Module):
+    """The wrapped module: call it like the original; `state_dict()` returns full fp32 tensors."""
+
+    def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, hooks: EngineHooks,
+                 slots: list[ParamSlot], plan: EnginePlan, loss_scale: Optional[DynamicLossScale]):
+        super().__init__()
+        self.module = module
+        self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
+        self.loss_scale = loss_scale
+        self.slot_by_param = {id(s.param): s for s in slots}
+
+    def forward(self, *args, **kwargs):
+        out = self.hooks.forward(*args, **kwargs)
+        if self.loss_scale is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+            scale = self.loss_scale.scale
+            out.register_hook(lambda g: g * scale)
+        return out
+
+    def engine_stats(self) -> dict:
+        return dict(self.store.stats, n_blocks=self.pool.n_blocks, chunks=len(self.store.chunks))
+
+    @torch.no_grad()
+    def state_dict(self, *args, **kwargs):
+        full = {}
+        out = OrderedDict()
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            slot = self.slot_by_param.get(id(t))
+            if slot is None:
+                out[key] = t.detach().cpu().clone()
+                continue
+            c = self.store.chunks[slot.chunk]
+            if c.index not in full:
+                full[c.index] = self.store.full_master(c)
+            out[key] = full[c.index][slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True):
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for key, t in own.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            slot = self.slot_by_param.get(id(t))
+            if slot is None:
+                t.copy_(value)
+            else:
+                _write_master(self.store.chunks[slot.chunk], slot, value.detach().float().reshape(-1).cpu())
+        self.pool.reset()
+
+
+def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
+    write_slot(c, c.master, slot, flat)
+
+
+def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Optional[tuple] = None,
+         device_memory: Union[int, str, None] = None, plan: Optional[EnginePlan] = None,
+         process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
+         dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
+         init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None):
+    """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`."""
+    check_optimizer(optimizer)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    comm = Comm(process_group, device)
+    named = unique_parameters(module)
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
+    in_module = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in in_module:
+                raise ValueError("the optimizer holds a parameter that is not in the module")
+    if sample_inputs is None:
+        raise ValueError("wrap needs sample_inputs=(batch,) to trace the order parameters are used in")
+    budget = parse_bytes(device_memory) if device_memory is not None else default_budget(device)
+    trace = trace_step(module, tuple(sample_inputs), loss_fn)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    plan = plan or default_plan(names, [p.numel() for p in params], trace, budget, elem, comm.world)
+    if sorted(plan.param_order) != sorted(names):
+        raise ValueError("the plan's param_order does not name exactly this module's parameters")
+    # ---- nothing above modified the module; from here on it is converted ----
+    index = {n: i for i, n in enumerate(names)}
+    ordered = [params[index[n]] for n in plan.param_order]
+    layout, sizes = pack([p.numel() for p in ordered], plan.chunk_size, comm.world)
+    if len(plan.placements) != len(sizes) or len(plan.sharded) != len(sizes):
+        raise ValueError(f"the plan describes {len(plan.placements)} chunks but packing gives {len(sizes)}")
+    originals = [p.data for p in ordered]
+    chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i])
+              for i, size in enumerate(sizes)]
+    slots = []
+    for p, name, pos in zip(ordered, plan.param_order, layout):
+        slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
+        chunks[pos.chunk].slots.append(slot)
+        slots.append(slot)
+    got_grad = {names[i]: g for i, g in enumerate(trace.got_grad)}
+    for c in chunks:
+        c.eager_reduce = all(got_grad[s.name] for s in c.slots if s.param.requires_grad)
+    store = ChunkStore(chunks, comm, device, dtype)
+    _materialise(module, slots, originals, store, init_fn)
+    chunk_of_param = [0] * len(names)
+    for s in slots:
+        chunk_of_param[index[s.name]] = s.chunk
+    events, min_blocks = chunk_events(trace, chunk_of_param)
+    pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
+                     keep_recent=max(1, min_blocks - 1))
+    hooks = EngineHooks(module, store, pool, slots)
+    loss_scale = DynamicLossScale() if dtype == torch.float16 else None
+    model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale)
+    return model, ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale)
+
+
+@torch.no_grad()
+def _materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch.Tensor], store: ChunkStore,
+                 init_fn: Optional[Callable[[nn.Module], None]]) -> None:
+    """Fill the chunks' masters from the module's weights, one module at a time.
+
+    Real weights are copied. Meta weights are created on the host for one module (as stand-in
+    parameters in its table), initialised by `init_fn(module)` or the module's `reset_parameters`
+    in the order `module.apply` would use, copied into the chunks and dropped; only weights shared
+    by several modules are kept until the end.
+    """
+    slot_of = {id(s.param): (s, data) for s, data in zip(slots, originals)}
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    shared: dict[int, torch.Tensor] = {}
+    for mod in _post_order(module):
+        entries = [(name, p) for name, p in mod._parameters.items() if p is not None and id(p) in slot_of]
+        meta_buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"}
+        needs_init = meta_buffers or any(slot_of[id(p)][1].device.type == "meta" for _, p in entries)
+        if not needs_init:
+            for _, p in entries:
+                slot, data = slot_of[id(p)]
+                _write_master(store.chunks[slot.chunk], slot, data.detach().float().reshape(-1).cpu())
+            continue
+        for name, p in entries:
+            slot, data = slot_of[id(p)]
+            value = shared.get(id(p))
+            if value is None:
+                value = torch.empty(slot.shape, dtype=data.dtype) if data.device.type == "meta" else data.cpu()
+            mod._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
+        for name, b in meta_buffers.items():
+            mod._buffers[name] = torch.empty_like(b, device="cpu")
+        if init_fn is not None:
+            init_fn(mod)
+        elif hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+        for name, p in entries:
+            slot, _ = slot_of[id(p)]
+            value = mod._parameters[name].data
+            _write_master(store.chunks[slot.chunk], slot, value.float().reshape(-1))
+            if counts[id(p)] > 1:
+                shared[id(p)] = value
+            mod._parameters[name] = p  # the original object, now a view of its chunk
+    for mod in module.modules():  # buffers live on the compute device, always resident
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = b.to(store.device)
+
+
+def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_blocks: int, world_size: int = 1,
+                placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
+                dos_gap: int = 0, loss_fn: Optional[Callable] = None) -> EnginePlan:
+    """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
+    named = unique_parameters(module)
+    trace = trace_step(module, tuple(sample_inputs), loss_fn)
+    order = [named[i][0] for i in trace.order]
+    _, sizes = pack([named[i][1].numel() for i in trace.order], chunk_size, world_size)
+    n = len(sizes)
+    return EnginePlan(
+        chunk_size=chunk_size, n_blocks=n_blocks, param_order=order,
+        placements=[placements] * n if isinstance(placements, str) else list(placements),
+        sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
+        dos_gap=dos_gap, notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
+    )

@@ -1,0 +1,92 @@
+"""Models and a plain-torch reference loop shared by the engine tests (and their spawned ranks)."""
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB = 50
+
+
+class Toy(nn.Module):
+    """Tied weights, a branch never used, LayerNorm, and optional activation checkpointing."""
+
+    def __init__(self, d: int = 32, ckpt: str = ""):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.ln = nn.LayerNorm(d)
+        self.l1 = nn.Linear(d, 2 * d)
+        self.l2 = nn.Linear(2 * d, d)
+        self.l3 = nn.Linear(d, 2 * d)
+        self.l4 = nn.Linear(2 * d, d)
+        self.unused = nn.Linear(d, d)  # an MoE-style branch no step takes
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.ckpt = ckpt
+
+    def _mlp(self, h, a, b):
+        return h + b(torch.relu(a(h)))
+
+    def forward(self, x):
+        h = self.ln(self.emb(x[:, :-1]))
+        for a, b in ((self.l1, self.l2), (self.l3, self.l4)):
+            if self.ckpt and torch.is_grad_enabled():
+                h = checkpoint(self._mlp, h, a, b, use_reentrant=self.ckpt == "reentrant")
+            else:
+                h = self._mlp(h, a, b)
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def param_groups(model: nn.Module, wd: float = 0.1) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}]
+
+
+def batches(n: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (rows, 9), generator=g) for _ in range(n)]
+
+
+def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum: int, max_norm: float,
+                  lr: float = 1e-2) -> tuple[list[float], dict]:
+    """Plain torch AdamW: the losses and final state the engine must reproduce."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(param_groups(model), lr=lr)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for a in range(accum):
+            loss = model(data[step * accum + a]) / accum
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, rank: int = 0,
+               world: int = 1) -> list[float]:
+    """The same loop through the engine; each rank takes its slice of every global batch."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for a in range(accum):
+            batch = data[step * accum + a]
+            rows = batch.shape[0] // world
+            loss = model(batch[rank * rows: (rank + 1) * rows]) / accum
+            loss.backward()
+            total += loss.detach()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses

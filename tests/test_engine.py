@@ -1,0 +1,152 @@
+"""The chunk engine against plain torch AdamW, on CPU in fp32, with real gloo groups for several ranks."""
+
+import copy
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from elixir_ray.engine import PlanError, engine_state, load_engine_state, manual_plan, wrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+
+STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _engine(model, rows, chunk_size=1024, n_blocks=3, world=1, **plan_kwargs):
+    sample = (batches(1, rows)[0],)
+    plan = manual_plan(model, sample, chunk_size=chunk_size, n_blocks=n_blocks, world_size=world, **plan_kwargs)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    return wrap(model, opt, sample_inputs=sample, plan=plan, max_grad_norm=MAX_NORM, device="cpu")
+
+
+@pytest.mark.parametrize("ckpt", ["", "non-reentrant", "reentrant"])
+def test_matches_torch_adamw_with_evictions(ckpt):
+    torch.manual_seed(0)
+    base = Toy(ckpt=ckpt)
+    data = batches(STEPS * ACCUM, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, ACCUM, MAX_NORM)
+    model, opt = _engine(copy.deepcopy(base), 8)
+    losses = engine_run(model, opt, data, STEPS, ACCUM)
+    stats = model.engine_stats()
+    assert stats["chunks"] > stats["n_blocks"] and stats["evictions"] >= STEPS  # evictions every step
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+    # the unused branch was never updated, exactly as torch leaves a parameter without .grad
+    assert torch.equal(model.state_dict()["unused.weight"], base.state_dict()["unused.weight"])
+
+
+def test_deep_optimizer_states_interleave_is_exact():
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(6 * ACCUM, 8)
+    plain, popt = _engine(copy.deepcopy(base), 8)
+    dos, dopt = _engine(copy.deepcopy(base), 8, dos_gap=2)
+    assert engine_run(plain, popt, data, 6, ACCUM) == engine_run(dos, dopt, data, 6, ACCUM)
+    assert _max_diff(plain.state_dict(), dos.state_dict()) == 0.0
+
+
+def test_device_placed_chunks_match_too():
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(6 * ACCUM, 8)
+    ref_losses, ref_state = reference_run(base, data, 6, ACCUM, MAX_NORM)
+    model, opt = _engine(copy.deepcopy(base), 8, placements="device")
+    losses = engine_run(model, opt, data, 6, ACCUM)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
+def test_meta_module_materialises_chunk_by_chunk_like_eager_init():
+    from elixir_ray.model.gpt import build_gpt, init_gpt_weights
+
+    shape = dict(d_model=32, n_layers=2, n_heads=2, vocab_size=60, seq_len=16)
+    init = lambda m: init_gpt_weights(m, shape["n_layers"])  # noqa: E731
+    eager = build_gpt(shape)
+    torch.manual_seed(5)
+    eager.apply(init)
+    meta = build_gpt(shape, device="meta")
+    sample = (torch.randint(0, 60, (2, 17)),)
+    torch.manual_seed(5)
+    model, _ = wrap(meta, torch.optim.AdamW(meta.parameters()), sample_inputs=sample, device="cpu",
+                    device_memory="64MiB", init_fn=init)
+    assert _max_diff(model.state_dict(), eager.state_dict()) == 0.0
+    assert torch.allclose(model(sample[0]), eager(sample[0]), atol=1e-6)
+
+
+def test_engine_state_round_trip():
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(8, 8)
+    a, aopt = _engine(copy.deepcopy(base), 8)
+    engine_run(a, aopt, data, 2, 2)
+    state = engine_state(a, aopt)
+    assert "optim/l1.weight/exp_avg" in state and "optim/unused.weight/exp_avg" not in state
+    b, bopt = _engine(copy.deepcopy(base), 8)
+    load_engine_state(b, bopt, state)
+    assert engine_run(a, aopt, data[4:], 2, 2) == engine_run(b, bopt, data[4:], 2, 2)
+
+
+def test_budget_too_small_names_the_minimum_and_leaves_module_untouched():
+    torch.manual_seed(0)
+    model = Toy()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(PlanError, match=r"too small: at least .* is needed"):
+        wrap(model, opt, sample_inputs=(batches(1, 8)[0],), device_memory="4KiB", device="cpu")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.l1.weight.numel() > 0 and model.l1.weight.untyped_storage().nbytes() > 0
+
+
+def test_unsupported_optimizer_is_refused():
+    model = Toy()
+    with pytest.raises(TypeError, match="supports torch.optim.AdamW and torch.optim.Adam"):
+        wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), sample_inputs=(batches(1, 8)[0],))
+    with pytest.raises(TypeError, match="amsgrad"):
+        wrap(model, torch.optim.AdamW(model.parameters(), amsgrad=True), sample_inputs=(batches(1, 8)[0],))
+    assert model.l1.weight.untyped_storage().nbytes() > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(STEPS * ACCUM, 8)
+    model, opt = _engine(base, 8 // world, world=world)
+    losses = engine_run(model, opt, data, STEPS, ACCUM, rank=rank, world=world)
+    state = model.state_dict()  # collective: every rank gathers
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "stats": model.engine_stats()}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_ranks_match_one_process(world, tmp_path):
+    torch.manual_seed(0)
+    base = Toy()
+    ref_losses, ref_state = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM)
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank_main, args=(world, _free_port(), out), nprocs=world, join=True)
+    result = torch.load(out)
+    assert result["stats"]["evictions"] >= STEPS
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
+    assert _max_diff(result["state"], ref_state) <= 1e-5
