@@ -150,3 +150,20 @@ def test_sharded_ranks_match_one_process(world, tmp_path):
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_compute_tracks_the_fp32_loss_curve(dtype):
+    """bf16 compute copies (fp16 with dynamic loss scaling) from fp32 masters stay within 1e-2 relative."""
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(STEPS * ACCUM, 8)
+    ref_losses, _ = reference_run(base, data, STEPS, ACCUM, MAX_NORM)
+    m = copy.deepcopy(base)
+    sample = (data[0],)
+    plan = manual_plan(m, sample, chunk_size=1024, n_blocks=3)
+    model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-2), sample_inputs=sample, plan=plan,
+                      max_grad_norm=MAX_NORM, device="cpu", dtype=dtype)
+    losses = engine_run(model, opt, data, STEPS, ACCUM)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
