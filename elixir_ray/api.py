@@ -81,7 +81,7 @@ def check_data(cfg: RunConfig) -> RunConfig:
 
 def check_resume(cfg: RunConfig, uri: str) -> None:
     """Refuse a checkpoint of another model before any worker starts."""
-    from elixir_ray.trainer import expected_checkpoint_shapes
+    from elixir_ray.model.factory import expected_checkpoint_shapes
 
     candidates = list_checkpoints(uri) or [uri]
     try:

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from elixir_ray.config import RunConfig
+from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.profile import WorkerProfile
 from elixir_ray.units import parse_bytes
 
@@ -20,13 +20,13 @@ PLAN_VERSION = 1
 @dataclass
 class Plan:
     version: int
-    strategy: str  # "data_parallel": every rank holds the model; gradients averaged over the group
+    strategy: str  # "chunked": the chunk engine on every rank, gradients averaged over the group
     world_size: int
     micro_batch: int
     grad_accum: int
     dtype: str
     device_memory_bytes: int  # the smallest budget among the workers
-    predicted_step_seconds: float  # from the slowest worker's measured micro-step
+    predicted_step_seconds: float  # model FLOPs at the slowest worker's measured matmul rate
     notes: list = field(default_factory=list)
     engine: Optional[dict] = None  # the chunk engine's plan, when the engine runs the step
 
@@ -64,10 +64,17 @@ def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int)
 
 
 def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> Plan:
-    """Plan for the weakest worker: the smallest free memory and the slowest measured step.
+    """Plan for the weakest worker: the smallest free memory and the slowest measured rates.
 
     `global_batch` (default: micro_batch x grad_accum x workers) stays fixed across restarts.
+    The engine plan is made here, on the driver, from a meta-device trace of the model.
     """
+    import torch
+
+    from elixir_ray.engine import plan_for
+    from elixir_ray.model.factory import build_model, sample_batch
+    from elixir_ray.model.sizes import gpt_param_count
+
     if not profiles:
         raise ValueError("make_plan needs at least one worker profile")
     world = len(profiles)
@@ -75,19 +82,24 @@ def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optio
         global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world
     micro, accum = split_global_batch(global_batch, world, cfg.train.micro_batch)
     device_type = profiles[0].device.split(":")[0]
+    dtype = resolve_dtype(cfg.train.dtype, device_type)
     budget = min(p.device_memory_free for p in profiles)
     if cfg.engine.device_memory is not None:
         budget = min(budget, parse_bytes(cfg.engine.device_memory))
-    slowest = max(profiles, key=lambda p: p.micro_step_seconds)
-    notes = [f"slowest worker: rank {slowest.rank} on {slowest.hostname} ({slowest.micro_step_seconds * 1e3:.1f} ms per micro-step)"]
+    slowest = min(profiles, key=lambda p: p.rates.matmul_tflops)
+    engine_plan = plan_for(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget,
+                           getattr(torch, dtype), world)
+    shape = resolve_model_shape(cfg.model)
+    flops = 6 * gpt_param_count(**shape) * micro * accum * shape["seq_len"]
     return Plan(
         version=PLAN_VERSION,
-        strategy="data_parallel",
+        strategy="chunked",
         world_size=world,
         micro_batch=micro,
         grad_accum=accum,
-        dtype=resolve_dtype(cfg.train.dtype, device_type),
+        dtype=dtype,
         device_memory_bytes=int(budget),
-        predicted_step_seconds=slowest.micro_step_seconds * accum * micro / max(1, cfg.train.micro_batch),
-        notes=notes,
+        predicted_step_seconds=flops / (slowest.rates.matmul_tflops * 1e12),
+        notes=[f"slowest worker: rank {slowest.rank} on {slowest.hostname}", *engine_plan.notes],
+        engine=json.loads(engine_plan.to_json()),
     )

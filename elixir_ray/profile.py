@@ -1,17 +1,19 @@
 """Per-worker measurements taken where the worker runs, before the plan is made.
 
-The planner issue widens this (copy bandwidths, AdamW rates); the driver only needs the facts
-that decide a plan: the device, its free memory, the CPU threads, and how long a micro-step takes.
+The driver plans for the weakest worker, so each reports its device, how much of it is free, and
+the rates the cost model needs (copy bandwidths, AdamW rates, matmul speed), measured on the spot.
+The model itself is profiled on the driver, on the meta device, without weights.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 
 
 @dataclass
@@ -23,12 +25,14 @@ class WorkerProfile:
     device_memory_total: int
     device_memory_free: int
     cpu_threads: int
-    matmul_tflops: float
-    micro_step_seconds: float
-    peak_device_bytes: int
+    hardware: dict = field(default_factory=dict)  # HardwareProfile fields
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def rates(self) -> HardwareProfile:
+        return HardwareProfile(**self.hardware)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -41,36 +45,12 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(pages), int(avail)
 
 
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, micro_step) -> WorkerProfile:
-    """`micro_step()` runs one forward and backward of the real model on a real batch."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    micro_step()  # warm-up: allocator and kernels
-    start = time.perf_counter()
-    micro_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+def profile_worker(rank: int, device: torch.device, dtype: torch.dtype) -> WorkerProfile:
+    small = device.type == "cpu"  # keep the CPU measurement short: it shares cores with other ranks
+    hw = profile_hardware(device, dtype, copy_bytes=16 * 2**20 if small else None,
+                          adam_numel=2**20 if small else None)
     total, free = device_memory(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return WorkerProfile(
-        rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
-        device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
-        matmul_tflops=measure_matmul_tflops(device, dtype, n=512 if device.type == "cpu" else 4096),
-        micro_step_seconds=seconds, peak_device_bytes=int(peak),
-    )
+    return WorkerProfile(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
+                         device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
+                         hardware=asdict(hw))

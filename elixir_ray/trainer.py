@@ -1,16 +1,18 @@
-"""One rank's training: model, optimizer, data slice and the step. No Ray here.
+"""One rank's training: model, optimizer, data slice and the step, through the chunk engine. No Ray here.
 
-The cluster layer builds a `RankTrainer` inside each worker actor; tests build one directly in a
-process. The step is data parallel: each rank computes the loss on its disjoint slice of the
-global batch, gradients are averaged over the process group, clipped, and AdamW steps.
+The cluster layer builds a `RankTrainer` inside each worker actor; tests build one directly. The
+model is built on the meta device and materialised straight into the engine's chunks with a
+fixed seed, so every rank (and the plain-torch reference, see `init_reference_model`) starts from
+the same weights. Each rank computes the loss on its disjoint slice of the global batch; the engine
+averages gradients over the process group, clips them and runs AdamW per chunk.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -18,7 +20,8 @@ import torch.distributed as dist
 
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.model.gpt import GPT, build_gpt
+from elixir_ray.engine import EnginePlan, engine_shard, layout_of, load_engine_state, wrap
+from elixir_ray.model.factory import build_model, init_fn_for, sample_batch
 from elixir_ray.plan import Plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,21 +38,11 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; leave norms, biases and (tied) embeddings' 1-D vectors undecayed."""
+    """Decay matrices; leave norms, biases and other 1-D vectors undecayed."""
     decay, no_decay = [], []
     for p in model.parameters():  # parameters() yields a tied weight once
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> GPT:
-    return build_gpt(resolve_model_shape(cfg.model), cfg.model.activation_checkpointing, cfg.model.dropout, device)
-
-
-def expected_checkpoint_shapes(cfg: RunConfig) -> dict[str, tuple]:
-    """The model tensors a checkpoint must hold for this config, from a meta-device build (no memory)."""
-    model = build_model(cfg, device="meta")
-    return {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 @dataclass
@@ -62,59 +55,40 @@ class TrainState:
 
 class RankTrainer:
     def __init__(self, cfg: RunConfig, plan: Plan, rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None):
-        self.cfg, self.plan, self.rank, self.device, self.group = cfg, plan, rank, device, group
+                 group: Optional[dist.ProcessGroup] = None):
+        self.cfg, self.plan, self.rank, self.device = cfg, plan, rank, device
         self.world_size = plan.world_size
-        torch.manual_seed(cfg.train.seed)  # every rank builds identical initial weights
-        self.model = build_model(cfg).to(device)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+        self.compute_dtype = DTYPES[plan.dtype]
+        module = build_model(cfg, device="meta")
+        base_opt = torch.optim.AdamW(param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+        torch.manual_seed(cfg.train.seed)  # every rank materialises identical initial weights
+        self.model, self.optimizer = wrap(
+            module, base_opt, sample_inputs=(sample_batch(cfg, plan.micro_batch),),
+            plan=EnginePlan(**plan.engine) if plan.engine else None,
+            device_memory=plan.device_memory_bytes, process_group=group,
+            max_grad_norm=cfg.optim.max_grad_norm, dtype=self.compute_dtype, device=device,
+            init_fn=init_fn_for(cfg),
         )
-        shape = resolve_model_shape(cfg.model)
-        self.seq_len = shape["seq_len"]
+        self.seq_len = resolve_model_shape(cfg.model)["seq_len"]
         dataset = TokenDataset(resolve_data_uri(cfg.data.path, cfg.data.cache_dir))
         self.sampler = BatchSampler(dataset, self.seq_len, cfg.train.seed)
         self.state = TrainState()
-        self.compute_dtype = DTYPES[plan.dtype]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.compute_dtype == torch.float16)
+        torch.manual_seed(cfg.train.seed + 1 + rank)  # dropout streams differ per rank, deterministically
 
     @property
     def global_batch(self) -> int:
         return self.plan.micro_batch * self.plan.grad_accum * self.world_size
-
-    def _autocast(self):
-        if self.compute_dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def micro_batch(self, micro_step: int) -> torch.Tensor:
         return self.sampler.rank_batch(
             self.state.samples_consumed, self.rank, self.plan.micro_batch, self.plan.grad_accum, micro_step
         ).to(self.device, non_blocking=True)
 
-    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            loss = self.model(batch)
-        self.scaler.scale(loss / self.plan.grad_accum).backward()
-        return loss.detach()
-
-    def _average_gradients(self) -> None:
-        if self.world_size == 1:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        flat /= self.world_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value, group=self.group)
+            value = value.to(self.model.store.comm.device)
+            dist.all_reduce(value)
             value /= self.world_size
         return float(value)
 
@@ -126,16 +100,11 @@ class RankTrainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.plan.grad_accum):
-            loss_sum += self.forward_backward(self.micro_batch(micro))
-        self._average_gradients()
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm is not None else float("inf")
-        )
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+            loss = self.model(self.micro_batch(micro))
+            (loss / self.plan.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
         loss = self._mean_over_ranks(loss_sum / self.plan.grad_accum)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -144,49 +113,30 @@ class RankTrainer:
         seconds = time.perf_counter() - start
         tokens = self.global_batch * self.seq_len
         return {
-            "step": self.state.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+            "step": self.state.step, "loss": loss, "lr": lr,
+            "grad_norm": float(self.optimizer.last_grad_norm or 0.0),
             "tokens": tokens, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
             "samples_consumed": self.state.samples_consumed,
         }
 
-    def state_tensors(self) -> dict[str, np.ndarray]:
-        """This rank's training state as flat numpy arrays: weights, AdamW moments, RNG."""
-        out: dict[str, np.ndarray] = {}
-        for name, tensor in self.model.state_dict().items():
-            out[f"model/{name}"] = tensor.detach().float().cpu().numpy()
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = self.optimizer.state.get(p)
-                if not st:
-                    continue
-                out[f"optim/{names[id(p)]}/exp_avg"] = st["exp_avg"].float().cpu().numpy()
-                out[f"optim/{names[id(p)]}/exp_avg_sq"] = st["exp_avg_sq"].float().cpu().numpy()
-                out[f"optim/{names[id(p)]}/step"] = np.asarray([float(st["step"])], dtype=np.float32)
+    def state_shard(self) -> dict[str, np.ndarray]:
+        """This rank's part of the training state: its chunk slices, step counts and RNG."""
+        out = engine_shard(self.model, self.optimizer)
         out["rng/torch_cpu"] = torch.get_rng_state().numpy()
         if self.device.type == "cuda":
             out["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()
         return out
 
+    def layout(self) -> dict:
+        return layout_of(self.model)
+
     def load_state_tensors(self, tensors: dict[str, np.ndarray], step: int, samples_consumed: int) -> None:
-        """Restore what `state_tensors` produced, onto any world size (the tensors are whole)."""
-        model_state = {k[len("model/"):]: torch.from_numpy(np.array(v)) for k, v in tensors.items()
-                       if k.startswith("model/")}
-        self.model.load_state_dict(model_state)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        self.optimizer.state.clear()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                key = f"optim/{names[id(p)]}"
-                if f"{key}/exp_avg" not in tensors:
-                    continue  # never stepped (an unused parameter): torch keeps no state either
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(float(tensors[f"{key}/step"][0]), dtype=torch.float32),
-                    "exp_avg": torch.from_numpy(np.array(tensors[f"{key}/exp_avg"])).to(self.device),
-                    "exp_avg_sq": torch.from_numpy(np.array(tensors[f"{key}/exp_avg_sq"])).to(self.device),
-                }
-        if "rng/torch_cpu" in tensors:
-            torch.set_rng_state(torch.from_numpy(np.array(tensors["rng/torch_cpu"])))
-        if "rng/torch_cuda" in tensors and self.device.type == "cuda":
-            torch.cuda.set_rng_state(torch.from_numpy(np.array(tensors["rng/torch_cuda"])), self.device)
+        """Restore whole tensors (written by any world size); this rank keeps its own part."""
+        load_engine_state(self.model, self.optimizer, tensors)
+        rng = tensors.get(f"rng/rank{self.rank}/torch_cpu")
+        if rng is not None:
+            torch.set_rng_state(torch.from_numpy(np.array(rng)))
+        rng = tensors.get(f"rng/rank{self.rank}/torch_cuda")
+        if rng is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.from_numpy(np.array(rng)), self.device)
         self.state = TrainState(step=step, samples_consumed=samples_consumed)

@@ -41,7 +41,9 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     assert killer.killed_at is not None, "the worker was never killed"
     assert len(result.restarts) == 1, result.restarts
     record = result.restarts[0]
-    assert record.restored_from in ("object_store", "durable")
+    # before the first checkpoint there is nothing to restore: the run starts over, as it should
+    assert record.restored_from in ("object_store", "durable") or (record.restored_step == 0 and
+                                                                    killer.killed_step < every)
     assert killer.killed_step - record.restored_step <= every, (killer.killed_step, record)
     assert result.metrics.column("step").to_pylist() == list(range(1, 13))
     _assert_same_model(_final_model(result), _final_model(clean), atol=1e-6)
@@ -122,7 +124,7 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
 
     from elixir_ray.api import as_config
     from elixir_ray.cli import main
-    from elixir_ray.trainer import build_model
+    from elixir_ray.model.factory import build_model
 
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2})
     result = train(cfg, progress=False)

@@ -12,7 +12,8 @@ from elixir_ray.api import as_config, check_data
 from elixir_ray.checkpoint import load_checkpoint
 from elixir_ray.data.dataset import BatchSampler, TokenDataset
 from elixir_ray.config import resolve_model_shape
-from elixir_ray.trainer import build_model, lr_at, param_groups
+from elixir_ray.model.factory import init_reference_model
+from elixir_ray.trainer import lr_at, param_groups
 
 from conftest import tiny_config
 
@@ -22,8 +23,7 @@ pytestmark = pytest.mark.slow
 def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict]:
     """Plain torch, one process, the whole global batch at once: what the workers must reproduce."""
     cfg = check_data(as_config(cfg_dict))
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg)
+    model = init_reference_model(cfg)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     seq_len = resolve_model_shape(cfg.model)["seq_len"]
@@ -66,6 +66,7 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert manifest["samples_consumed"] == 3 * 4 * 2
     assert manifest["plan"]["world_size"] == 2
     assert any(k.startswith("optim/") for k in tensors)
+    assert "rng/rank1/torch_cpu" in tensors
     assert os.path.exists(os.path.join(result.run_dir, "plan.json"))
     assert "loss: first" in result.summary()
 

@@ -213,27 +213,25 @@ class TrainController:
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
-        source, state, step, consumed = "scratch", None, 0, 0
+        source, tensors, step, consumed = "scratch", None, 0, 0
         for snap in reversed(self.snapshots):
-            state = snap.fetch()
-            if state is not None:
+            tensors = snap.fetch()
+            if tensors is not None:
                 source, step, consumed = "object_store", snap.step, snap.samples_consumed
                 break
-        if state is None and (self.snapshots or self.outcome.restarts):
+        if tensors is None and (self.snapshots or self.outcome.restarts):
             found = load_newest_valid(self.checkpoint_uri)
             if found is not None:
                 _, manifest, tensors = found
-                source, state = "durable", {"tensors": tensors}
-                step, consumed = manifest["step"], manifest["samples_consumed"]
-        if state is None and self.resume is not None:
+                source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
+        if tensors is None and self.resume is not None:
             found = load_newest_valid(self.resume.uri)
             if found is None:
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
             _, manifest, tensors = found
-            source, state = "durable", {"tensors": tensors}
-            step, consumed = manifest["step"], manifest["samples_consumed"]
-        if state is not None:
-            tensors_ref = ray.put(state["tensors"])
+            source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
+        if tensors is not None:
+            tensors_ref = ray.put(tensors)
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step
         self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
@@ -275,17 +273,18 @@ class TrainController:
         return bool(new)
 
     def _snapshot(self) -> None:
-        """Data-parallel ranks hold identical state, so rank 0's copy is the whole of it."""
+        """Every worker hands its shard to the object store; training waits only for that copy-out."""
         start = time.monotonic()
-        ref = self.workers[0].state_shard.remote()
-        state = self._get([ref], "taking a snapshot")[0]  # training waits only for this copy-out
+        refs = [w.state_shard.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)  # shards stay where they were made
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
+        head = self._get([refs[0]], "taking a snapshot")[0]
         plan = self.outcome.plan
-        snap = Snapshot(step=state["step"], samples_consumed=state["samples_consumed"], worker_ref=ref, extra={
+        snap = Snapshot(step=head["step"], samples_consumed=head["samples_consumed"], worker_refs=refs, extra={
             "plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
             "world_size": self.shape.num_workers,
         })
-        del state
+        del head
         self.snapshots = self.snapshots[-1:] + [snap]
         self.persister.submit(snap)
         self.outcome.final_step = snap.step

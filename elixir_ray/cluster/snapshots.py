@@ -1,10 +1,11 @@
 """The two checkpoint tiers on the driver: snapshots in the object store, persisted in the background.
 
-A snapshot is the training state returned by a worker's actor method, so the driver owns it and
-it outlives the worker process. The persister thread then takes a copy into the driver's own
-object store (`ray.put`, which lives on the driver's node, so it also survives the loss of the
-worker's node) and writes it durably through pyarrow.fs. A failed write is recorded and reported;
-training never waits for it and a half-written checkpoint is never committed.
+A snapshot is every worker's shard of the training state, each returned by an actor method, so
+the driver owns them and they outlive the worker processes. The persister thread joins the shards
+into whole tensors, puts that into the driver's own object store (`ray.put`, on the driver's node,
+so it also survives the loss of a worker's node) and writes it durably through pyarrow.fs. A failed
+write is recorded and reported; training never waits for it and a half-written checkpoint is
+never committed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 import ray
 
 from elixir_ray.checkpoint import save_checkpoint
+from elixir_ray.engine import assemble
 
 log = logging.getLogger("elixir_ray")
 
@@ -32,25 +34,36 @@ OBJECT_GONE = (
 )
 
 
+def join_shards(results: list[dict]) -> dict:
+    """Whole tensors from the workers' `state_shard` results (rank order)."""
+    tensors = assemble([r["tensors"] for r in results], results[0]["layout"])
+    for rank, r in enumerate(results):  # each rank's random streams, restored per rank
+        for key in ("rng/torch_cpu", "rng/torch_cuda"):
+            if key in r["tensors"]:
+                tensors[f"rng/rank{rank}/{key.split('/')[1]}"] = r["tensors"][key]
+    return tensors
+
+
 @dataclass
 class Snapshot:
     step: int
     samples_consumed: int
     extra: dict  # what the manifest records beside the tensors (plan, config, world size)
-    worker_ref: ray.ObjectRef  # the worker's return value: driver-owned, stored on the worker's node
-    driver_ref: Optional[ray.ObjectRef] = None  # the driver's copy, on the driver's node
+    worker_refs: list  # each worker's state_shard result: driver-owned, stored on that worker's node
+    driver_ref: Optional[ray.ObjectRef] = None  # the joined whole tensors, on the driver's node
     taken_at: float = field(default_factory=time.time)
 
     def fetch(self, timeout_s: float = 30.0) -> Optional[dict]:
-        """The state dict, from whichever copy still exists; None if both are gone."""
-        for ref in (self.driver_ref, self.worker_ref):
-            if ref is None:
-                continue
+        """Whole tensors, from the driver's copy or else the workers' shards; None if they are gone."""
+        if self.driver_ref is not None:
             try:
-                return ray.get(ref, timeout=timeout_s)
+                return ray.get(self.driver_ref, timeout=timeout_s)
             except OBJECT_GONE:
-                continue
-        return None
+                pass
+        try:
+            return join_shards(ray.get(self.worker_refs, timeout=timeout_s))
+        except OBJECT_GONE:
+            return None
 
 
 class CheckpointPersister:
@@ -112,15 +125,16 @@ class CheckpointPersister:
                     self._cond.notify_all()
 
     def _persist(self, snap: Snapshot) -> None:
-        state = snap.fetch()
-        if state is None:
+        tensors = snap.fetch()
+        if tensors is None:
             self._report(f"checkpoint of step {snap.step} was lost from the object store before it was persisted")
             return
         if snap.driver_ref is None:
-            snap.driver_ref = ray.put(state)
+            snap.driver_ref = ray.put(tensors)
+            snap.worker_refs = []  # the joined copy supersedes the shards: free them
         try:
             start = time.monotonic()
-            path = save_checkpoint(self.uri, snap.step, state["tensors"],
+            path = save_checkpoint(self.uri, snap.step, tensors,
                                    {"samples_consumed": snap.samples_consumed, **snap.extra}, keep=self.keep)
             self.committed.append((snap.step, path))
             log.info("persisted step %d to %s in %.2fs", snap.step, path, time.monotonic() - start)

@@ -68,24 +68,10 @@ class TrainWorker:
         )
 
     def profile(self) -> WorkerProfile:
-        """Measure this worker with the real model on a real micro-batch, then free it."""
+        """Measure this worker's device and rates; the model is profiled on the driver, without weights."""
         from elixir_ray.plan import resolve_dtype
 
-        dtype_name = resolve_dtype(self.cfg.train.dtype, self.device.type)
-        probe_plan = Plan(version=1, strategy="data_parallel", world_size=1, micro_batch=self.cfg.train.micro_batch,
-                          grad_accum=1, dtype=dtype_name, device_memory_bytes=0, predicted_step_seconds=0.0)
-        trainer = RankTrainer(self.cfg, probe_plan, rank=0, device=self.device)
-        batch = trainer.micro_batch(0)
-
-        def micro_step():
-            trainer.forward_backward(batch)
-            trainer.optimizer.zero_grad(set_to_none=True)
-
-        result = profile_worker(self.rank, self.device, DTYPES[dtype_name], micro_step)
-        del trainer
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return result
+        return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)])
 
     def setup(self, plan: Plan) -> None:
         self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)
@@ -122,10 +108,11 @@ class TrainWorker:
         self.trainer.load_state_tensors(tensors, step, samples_consumed)
 
     def state_shard(self) -> dict:
-        """This rank's share of the training state, as numpy arrays (zero-copy in the object store)."""
+        """This rank's part of the training state, as numpy arrays (zero-copy in the object store)."""
         assert self.trainer is not None
-        return {"tensors": self.trainer.state_tensors(), "step": self.trainer.state.step,
-                "samples_consumed": self.trainer.state.samples_consumed}
+        return {"tensors": self.trainer.state_shard(), "step": self.trainer.state.step,
+                "samples_consumed": self.trainer.state.samples_consumed,
+                "layout": self.trainer.layout() if self.rank == 0 else None}
 
     def shutdown(self) -> None:
         if dist.is_initialized():

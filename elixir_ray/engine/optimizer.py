@@ -161,6 +161,6 @@ class ChunkedAdam:
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                 decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled),
             )
-        for segs in batches.values():
-            for slot, _, _ in segs:
+        for slot in c.slots:  # every rank counts every parameter's steps, whichever ranks hold its slices
+            if slot.group >= 0 and slot.has_grad and slot.param.requires_grad:
                 slot.step += 1

@@ -90,6 +90,16 @@ def default_plan(names: list[str], numels: list[int], trace: AccessTrace, budget
     )
 
 
+def plan_for(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str], dtype: torch.dtype,
+             world_size: int = 1, loss_fn: Optional[Callable] = None) -> EnginePlan:
+    """The built-in plan for a module (real or on the meta device), without touching its weights."""
+    named = unique_parameters(module)
+    trace = trace_step(module, tuple(sample_inputs), loss_fn)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return default_plan([n for n, _ in named], [p.numel() for _, p in named], trace, parse_bytes(device_memory),
+                        elem, world_size)
+
+
 def _post_order(module: nn.Module):
     for child in module.children():
         yield from _post_order(child)
