@@ -1,27 +1,116 @@
-"""`elixir-ray bench --smoke`: every system in its own process on a tiny CPU shape, real report files."""
+"""`elixir-ray bench --smoke`: every system in its own process on a tiny CPU shape, real report files.
 
+Also the engine's StepTimer, which the benchmark's elixir_ray breakdown is made of: which engine
+activity lands in which category, and that a disabled timer changes nothing.
+"""
+
+import copy
 import json
 import os
+import sys
 
 import pytest
+import torch
 
-from elixir_ray.cli import main
+from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.engine.timing import CATEGORIES, StepTimer
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, engine_run, param_groups  # noqa: E402
+
+BREAKDOWN = {*CATEGORIES, "compute_and_waits"}
 
 
+@pytest.mark.slow
 def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
+    from elixir_ray.cli import main
+
     out = tmp_path / "bench"
     assert main(["bench", "--smoke", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     rows = {r["system"]: r for r in report["results"]}
     assert set(rows) == {"reference", "fsdp2_offload", "deepspeed_z3_offload", "elixir_ray"}
-    for system in ("reference", "fsdp2_offload"):
+    for system in ("reference", "fsdp2_offload", "elixir_ray"):
         r = rows[system]
         assert not r.get("skipped"), r
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["peak_host_bytes"] > 0
+        assert r["params"] == rows["reference"]["params"], (system, r["params"])  # same (tied) GPT
     assert rows["reference"]["ratio_to_reference"] == pytest.approx(1.0)
     assert rows["deepspeed_z3_offload"].get("skipped") or rows["deepspeed_z3_offload"]["tokens_per_s"] > 0
+
+    ex = rows["elixir_ray"]
+    parts, step = ex["breakdown"], ex["breakdown_step_seconds"]
+    assert set(parts) == BREAKDOWN
+    assert all(v >= 0 for v in parts.values()), parts
+    assert parts["h2d"] > 0 and parts["d2h"] > 0  # every step fetches (the optimizer drops copies) and reduces
+    assert parts["cpu_adam"] + parts["device_adam"] > 0
+    timed = sum(parts[k] for k in CATEGORIES)
+    assert 0 < timed <= step * (1 + 1e-6) + 1e-6
+    assert sum(parts.values()) == pytest.approx(step, rel=1e-6, abs=1e-9)  # the remainder closes the sum
+    for system in ("reference", "fsdp2_offload"):
+        assert not rows[system]["breakdown"] and rows[system]["breakdown_step_seconds"] is None
+        assert rows[system]["predicted_step_seconds"] is None
+    assert ex["predicted_step_seconds"] > 0 and ex["predicted_peak_bytes"] > 0  # the searched plan's prediction
+
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| reference |" in (out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "| reference |" in md
+    assert md.count("| elixir_ray |") == 2 and "| compute_and_waits |" in md  # main table and breakdown
+    assert "- elixir_ray: predicted step" in md
     assert "| reference |" in capsys.readouterr().out
+
+
+def _engine(base, placements, dos_gap=0):
+    sample = (batches(1, 8)[0],)
+    plan = manual_plan(base, sample, chunk_size=1024, n_blocks=3)
+    plan.placements = [placements[i % len(placements)] for i in range(plan.n_chunks)]
+    plan.dos_gap = dos_gap
+    opt = torch.optim.AdamW(param_groups(base), lr=1e-2)
+    return wrap(base, opt, sample_inputs=sample, plan=plan, max_grad_norm=0.5, device="cpu")
+
+
+def test_timer_is_off_by_default_and_timing_does_not_change_training():
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(4, 8)
+    plain, popt = _engine(copy.deepcopy(base), ["host", "device"], dos_gap=2)
+    timed, topt = _engine(copy.deepcopy(base), ["host", "device"], dos_gap=2)
+    timed.store.timer.enabled = True
+    assert engine_run(plain, popt, data, 2, 2) == engine_run(timed, topt, data, 2, 2)
+    assert plain.store.timer.seconds == dict.fromkeys(CATEGORIES, 0.0)
+    assert plain.store.timer.calls == dict.fromkeys(CATEGORIES, 0)
+    assert "seconds" not in plain.engine_stats()
+    stats = timed.engine_stats()
+    assert set(stats["seconds"]) == set(CATEGORIES) and all(v > 0 for v in stats["seconds"].values())
+
+
+def test_each_engine_activity_lands_in_its_category():
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), ["host", "device", "host", "host"], dos_gap=2)
+    store, timer = model.store, model.store.timer
+    timer.enabled = True
+    before = dict(store.counts)
+    engine_run(model, opt, batches(1, 8), 1, 1)
+    assert timer.calls["h2d"] == store.counts["fetches"] - before["fetches"] > 0
+    assert timer.calls["d2h"] == store.counts["reduces"] - before["reduces"] > 0
+    updated = [c for c in store.chunks if c.exp_avg is not None]  # chunks the step updated
+    host = [c for c in store.chunks if c.placement == "host"]
+    dos = {c.index for i, c in enumerate(host) if i % 2 == 1}  # every 2nd host chunk runs on the device
+    assert timer.calls["cpu_adam"] == sum(c.placement == "host" and c.index not in dos for c in updated) > 0
+    assert timer.calls["device_adam"] == sum(c.placement == "device" or c.index in dos for c in updated) > 0
+
+
+def test_nested_regions_count_once_and_unknown_categories_are_refused():
+    timer = StepTimer(torch.device("cpu"))
+    with timer.region("h2d"):  # disabled: nothing recorded
+        pass
+    assert timer.calls["h2d"] == 0
+    timer.enabled = True
+    with timer.region("h2d"):
+        with timer.region("d2h"):  # inside h2d's time already
+            pass
+    assert timer.calls == {**dict.fromkeys(CATEGORIES, 0), "h2d": 1} and timer.seconds["d2h"] == 0.0
+    with pytest.raises(KeyError, match="unknown timing category"):
+        timer.region("compute")
+    timer.reset()
+    assert timer.totals() == dict.fromkeys(CATEGORIES, 0.0)

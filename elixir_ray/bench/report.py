@@ -7,6 +7,11 @@ import os
 
 from elixir_ray.units import format_bytes
 
+# measured categories first (elixir_ray/engine/timing.py), then the remainder of the step
+BREAKDOWN_ORDER = ("compute_and_waits", "h2d", "d2h", "cpu_adam", "device_adam")
+BREAKDOWN_COLORS = {"compute_and_waits": "#4472c4", "h2d": "#ed7d31", "d2h": "#ffc000",
+                    "cpu_adam": "#70ad47", "device_adam": "#a5a5a5"}
+
 
 def add_ratios(results: list[dict]) -> list[dict]:
     ref = next((r for r in results if r["system"] == "reference" and not r.get("skipped")), None)
@@ -29,11 +34,52 @@ def markdown_table(results: list[dict]) -> str:
             f"{r.get('ratio_to_reference', float('nan')):.2f} | {format_bytes(r['peak_device_bytes'])} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
-    breakdowns = [r for r in results if r.get("breakdown")]
-    for r in breakdowns:
-        lines.append("")
-        lines.append(f"{r['system']} step breakdown (seconds per step): " +
-                     ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items()))
+    breakdown = breakdown_table(results)
+    if breakdown:
+        lines += ["", breakdown]
+    predictions = prediction_lines(results)
+    if predictions:
+        lines += ["", *predictions]
+    return "\n".join(lines)
+
+
+def prediction_lines(results: list[dict]) -> list[str]:
+    """The plan's predictions beside what was measured (the planner's accuracy, per run)."""
+    out = []
+    for r in results:
+        if r.get("skipped") or not r.get("predicted_step_seconds"):
+            continue
+        line = (f"{r['system']}: predicted step {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s "
+                f"({r['step_seconds'] / r['predicted_step_seconds']:.2f}x)")
+        if r.get("peak_device_bytes") and r.get("predicted_peak_bytes"):
+            line += (f"; predicted peak {format_bytes(r['predicted_peak_bytes'])}, measured "
+                     f"{format_bytes(r['peak_device_bytes'])} ({r['peak_device_bytes'] / r['predicted_peak_bytes']:.2f}x)")
+        out.append(f"- {line}")
+    return out
+
+
+def _categories(results: list[dict]) -> list[str]:
+    seen = [k for r in results if r.get("breakdown") for k in r["breakdown"]]
+    return [k for k in BREAKDOWN_ORDER if k in seen] + [k for k in dict.fromkeys(seen) if k not in BREAKDOWN_ORDER]
+
+
+def breakdown_table(results: list[dict]) -> str:
+    """Seconds per step by category, for the systems that report one (elixir_ray); "" if none do."""
+    rows = [r for r in results if r.get("breakdown") and not r.get("skipped")]
+    if not rows:
+        return ""
+    cats = _categories(rows)
+    lines = ["Where a step's time goes, in milliseconds per step (mean of extra steps timed with device syncs, "
+             "which can make them slower than the steps above; compute_and_waits is the untimed remainder):", "",
+             "| system | timed step (ms) | " + " | ".join(cats) + " |",
+             "|---|---|" + "---|" * len(cats)]
+    for r in rows:
+        total = r.get("breakdown_step_seconds") or sum(r["breakdown"].values())
+        cells = []
+        for k in cats:
+            v = r["breakdown"].get(k, 0.0)
+            cells.append(f"{v * 1e3:.1f} ({v / total:.0%})" if total > 0 else f"{v * 1e3:.1f}")
+        lines.append(f"| {r['system']} | {total * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -46,7 +92,9 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in results if not r.get("skipped")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    split = [r for r in done if r.get("breakdown")]
+    fig, axes = plt.subplots(1, 3 if split else 2, figsize=(16 if split else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
     names = [r["system"] for r in done]
     ax1.bar(names, [r["tokens_per_s"] for r in done], color="#4472c4")
     ax1.set_ylabel("tokens/s")
@@ -62,10 +110,26 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
     ax2.legend()
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=20)
+    if split:
+        _breakdown_bars(axes[2], split)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _breakdown_bars(ax, rows: list[dict]) -> None:
+    """One stacked bar per system: its timed step split into the breakdown's categories."""
+    names = [r["system"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for k in _categories(rows):
+        values = [r["breakdown"].get(k, 0.0) for r in rows]
+        ax.bar(names, values, bottom=bottom, color=BREAKDOWN_COLORS.get(k), label=k, width=0.5)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlim(-1, len(rows))  # a single system's bar stays bar-sized
+    ax.set_ylabel("seconds per timed step")
+    ax.set_title("step breakdown")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def write_report(results: list[dict], out_dir: str, title: str) -> dict:

@@ -59,7 +59,14 @@ class SystemResult:
     peak_device_bytes: int
     peak_host_bytes: int
     final_loss: float
-    breakdown: dict = field(default_factory=dict)  # seconds per step by phase (elixir_ray only)
+    # elixir_ray only: mean seconds per step by category, measured in extra steps run with the
+    # engine's StepTimer on (its device syncs slow a step, so these are not the steps timed above);
+    # the categories add up to breakdown_step_seconds, the mean wall time of those timed steps
+    breakdown: dict = field(default_factory=dict)
+    breakdown_step_seconds: Optional[float] = None
+    # elixir_ray only: the searched plan's predictions, to set beside the measured figures above
+    predicted_step_seconds: Optional[float] = None
+    predicted_peak_bytes: Optional[int] = None
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -88,8 +95,25 @@ def _single_rank_group(backend: str) -> None:
         dist.init_process_group(backend, rank=0, world_size=1)
 
 
+def _check_tied(model, system: str) -> None:
+    """Refuse to benchmark a GPT whose `head.weight` is no longer `wte.weight`.
+
+    A plain `to_empty` makes a new tensor per module and unties them (`init_reference_model`
+    ties them again); FSDP2's `to_empty` keeps the tie, since it swaps each sharded parameter's
+    data in place, and re-tying after `fully_shard` would leave FSDP's bookkeeping of the shared
+    parameter stale. So the tie made in `GPT.__init__` must survive, and this checks that it did:
+    untied, the model has vocab·d more parameters and a different loss than every other system.
+    """
+    if model.head.weight is not model.wte.weight:
+        raise RuntimeError(f"{system}: head.weight and wte.weight are no longer tied after to_empty")
+
+
 def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int]):
-    """(step function taking a batch and returning the loss, parameter count, stats hook)."""
+    """(step function taking a batch and returning the loss, parameter count, StepTimer or None).
+
+    The timer, for elixir_ray, is its engine's (`model.store.timer`), disabled until
+    `step_breakdown` turns it on for its own steps.
+    """
     dtype = getattr(torch, shape.dtype)
     autocast = dtype != torch.float32
 
@@ -119,6 +143,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         model.to_empty(device="cpu" if device.type == "cuda" else device)
+        _check_tied(model, system)
         model.apply(lambda m: init_gpt_weights(m, shape.n_layers))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -169,13 +194,15 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             wopt.step()
             wopt.zero_grad()
             return loss
-
-        def stats():
-            getter = getattr(wrapped, "step_breakdown", None)
-            return getter() if getter else {}
-        return step, params, stats
+        step.plan = wrapped.plan
+        return step, params, wrapped.store.timer
 
     raise ValueError(f"unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+
+
+def reference_parameters(shape: BenchShape) -> int:
+    """The GPT's parameter count with tied embeddings, from a meta build (no memory)."""
+    return build_gpt(shape.model_shape(), device="meta").num_parameters()
 
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
@@ -187,22 +214,60 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    step, params, stats = _build(system, shape, device, cap_bytes)
+    step, params, timer = _build(system, shape, device, cap_bytes)
+    expected = reference_parameters(shape)
+    if params != expected:  # e.g. embeddings untied by a materialisation: a different model
+        raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
     times, loss = [], None
     for i in range(warmup + steps):
-        _sync(device)
-        start = time.perf_counter()
-        loss = step(batch)
-        _sync(device)
+        seconds, loss = _timed_step(step, batch, device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     seconds = statistics.median(times)
     tokens = shape.micro_batch * shape.seq_len
+    peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak_host = peak_host_bytes()  # both peaks before the breakdown's extra steps
+    breakdown, breakdown_step = step_breakdown(step, batch, device, timer, steps) if timer else ({}, None)
     return SystemResult(
         system=system, shape=shape.name, device=str(device), cap_bytes=cap_bytes, params=params,
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
-        peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-        peak_host_bytes=peak_host_bytes(), final_loss=float(loss), breakdown=stats() if stats else {},
+        peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
+        breakdown=breakdown, breakdown_step_seconds=breakdown_step,
+        predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
+        predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
     )
+
+
+def _timed_step(step, batch, device: torch.device) -> tuple[float, torch.Tensor]:
+    _sync(device)
+    start = time.perf_counter()
+    loss = step(batch)
+    _sync(device)
+    return time.perf_counter() - start, loss
+
+
+def step_breakdown(step, batch, device: torch.device, timer, steps: int) -> tuple[dict, float]:
+    """Mean seconds per step in each of the timer's categories, over `steps` extra timed steps.
+
+    Run after the throughput steps, with the timer on only here, because its device syncs
+    slow a step down. "compute_and_waits" is not measured: it is each step's wall time minus
+    its timed categories (forward and backward kernels, hooks, gradient clipping, waiting), so
+    the categories add up to the mean step time returned alongside.
+    """
+    walls, parts = [], []
+    timer.enabled = True
+    try:
+        for _ in range(max(1, steps)):
+            before = timer.totals()
+            seconds, _ = _timed_step(step, batch, device)
+            after = timer.totals()
+            walls.append(seconds)
+            parts.append({k: after[k] - before[k] for k in after})
+    finally:
+        timer.enabled = False
+    n = len(walls)
+    out = {k: sum(p[k] for p in parts) / n for k in parts[0]}
+    out["compute_and_waits"] = sum(w - sum(p.values()) for w, p in zip(walls, parts)) / n
+    return out, sum(walls) / n

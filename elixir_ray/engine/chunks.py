@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from elixir_ray.engine.timing import StepTimer
+
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make `param` a view of the chunk's compute copy, keeping the Python object (optimizers hold it).
@@ -111,12 +113,17 @@ class Chunk:
 
 
 class ChunkStore:
-    """All chunks of one wrapped module, and the moves of their data."""
+    """All chunks of one wrapped module, and the moves of their data.
+
+    `timer` (a StepTimer, disabled by default) times fetches, reductions and optimizer updates
+    when a benchmark sets `store.timer.enabled = True`; see elixir_ray/engine/timing.py.
+    """
 
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.pin = device.type == "cuda"
-        self.stats = {"fetches": 0, "evictions": 0, "reduces": 0}
+        self.counts = {"fetches": 0, "evictions": 0, "reduces": 0}
+        self.timer = StepTimer(device)
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
@@ -127,6 +134,26 @@ class ChunkStore:
                 _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
             c.compute.untyped_storage().resize_(0)
         self.by_storage = {c.compute.untyped_storage()._cdata: c for c in chunks}
+
+    @property
+    def stats(self) -> dict:
+        """Counts of chunk moves, plus seconds per timed category while the timer is enabled.
+
+        A fresh dict each call (what `ChunkedModule.engine_stats()` reports); counters live in `counts`.
+        """
+        out = dict(self.counts)
+        if self.timer.enabled:
+            out["seconds"] = self.timer.totals()
+        return out
+
+    def wait_for_copies(self) -> None:
+        """Block until the device has finished what was queued, gradient copies to the host included.
+
+        A device-to-host copy with non_blocking=True returns before the data has arrived, so the
+        host must not read host-placed gradients (norm, overflow check, CPU AdamW) before this.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def state_device(self, chunk: Chunk) -> torch.device:
         return self.device if chunk.placement == "device" else torch.device("cpu")
@@ -140,6 +167,11 @@ class ChunkStore:
     # -- compute copies -------------------------------------------------------------------------
 
     def fetch(self, c: Chunk) -> None:
+        with self.timer.region("h2d"):
+            self._fetch(c)
+        self.counts["fetches"] += 1
+
+    def _fetch(self, c: Chunk) -> None:
         storage = c.compute.untyped_storage()
         storage.resize_(c.size * c.compute.element_size())
         shard = c.master.to(self.device, non_blocking=True).to(self.dtype)
@@ -147,12 +179,11 @@ class ChunkStore:
             self.comm.all_gather(c.compute, shard)
         else:
             c.compute.copy_(shard)
-        self.stats["fetches"] += 1
 
     def free(self, c: Chunk) -> None:
         if c.resident:
             c.compute.untyped_storage().resize_(0)
-            self.stats["evictions"] += 1
+            self.counts["evictions"] += 1
 
     def free_all(self) -> None:
         for c in self.chunks:
@@ -170,6 +201,11 @@ class ChunkStore:
 
     def reduce(self, c: Chunk) -> None:
         """Average the chunk's gradient over ranks and add this rank's part to its gradient shard."""
+        with self.timer.region("d2h"):
+            self._reduce(c)
+        self.counts["reduces"] += 1
+
+    def _reduce(self, c: Chunk) -> None:
         full = c.staging if c.staging is not None else torch.zeros(c.size, dtype=torch.float32, device=self.device)
         if self.comm.world > 1 and c.sharded:
             part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
@@ -179,13 +215,13 @@ class ChunkStore:
                 self.comm.all_reduce_mean(full)
             part = full
         where = self.state_device(c)
-        part = part.to(where, non_blocking=True)
         if c.grad is None:
-            c.grad = part  # takes over the staging buffer when nothing had to move
+            # asynchronous to the host: ChunkedAdam.step waits for it (wait_for_copies) before reading
+            c.grad = part.to(where, non_blocking=True)  # takes over the staging buffer when nothing moves
         else:
-            c.grad.add_(part)
+            # the host adds at once, so this copy (and the earlier one into c.grad) must have landed
+            c.grad.add_(part.to(where, non_blocking=where.type != "cpu"))
         c.staging = None
-        self.stats["reduces"] += 1
 
     # -- whole tensors for state dicts ----------------------------------------------------------
 

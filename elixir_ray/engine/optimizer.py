@@ -93,6 +93,7 @@ class ChunkedAdam:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
+        self.store.wait_for_copies()  # host gradients were copied asynchronously; read them only once landed
         scale = 1.0
         if self.loss_scale is not None:
             scale = self.loss_scale.scale  # the scale this step's backward ran with
@@ -127,6 +128,15 @@ class ChunkedAdam:
         self.pool.reset()  # compute copies are stale now
 
     def _update_chunk(self, c: Chunk, via_device: bool) -> None:
+        """Timed as "cpu_adam" for a host chunk, "device_adam" for a device or DOS chunk (its copies included).
+
+        By the plan's placement, not the tensor's device, so a CPU-only run reports the same split.
+        """
+        on_host = c.placement == "host" and not via_device
+        with self.store.timer.region("cpu_adam" if on_host else "device_adam"):
+            self._update_chunk_untimed(c, via_device)
+
+    def _update_chunk_untimed(self, c: Chunk, via_device: bool) -> None:
         if c.exp_avg is None:
             c.exp_avg = torch.zeros_like(c.master)
             c.exp_avg_sq = torch.zeros_like(c.master)

@@ -1,0 +1,89 @@
+"""StepTimer: opt-in wall-clock seconds per engine activity, for the benchmark's step breakdown.
+
+The engine's step is forward/backward compute interleaved with chunk copies and a per-chunk
+optimizer. To say where a step's time goes, the ChunkStore times its own regions:
+
+- "h2d": `ChunkStore.fetch`, the host-to-device copy and cast of a chunk, plus its all-gather;
+- "d2h": `ChunkStore.reduce`, the reduce-scatter or all-reduce of a chunk's gradient and the copy
+  of this rank's gradient shard to where its optimizer state lives (the host, usually);
+- "cpu_adam": AdamW updates of host chunks, run by the CPU;
+- "device_adam": AdamW updates of device chunks and of Deep Optimizer States chunks, including
+  the latter's copies to the device and back.
+
+Everything else in a step (forward and backward kernels, hook overhead, gradient clipping, and
+waiting) is not timed here; a caller that measures the whole step gets it as the remainder.
+
+Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
+attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
+each region synchronizes the device on entry and on exit, because GPU work is asynchronous and
+without the syncs a copy's time would land in whichever later region happened to wait for it.
+The syncs also stop copies from overlapping compute, so timed steps are slower than untimed
+ones: enable the timer for benchmarks and diagnosis, not for training runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+CATEGORIES = ("h2d", "d2h", "cpu_adam", "device_adam")
+
+_UNTIMED = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+class StepTimer:
+    """Accumulated seconds and region counts per category; `enabled = True` to start timing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.enabled = False
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.calls = dict.fromkeys(CATEGORIES, 0)
+        self._open = False  # a region is being timed: nested ones are already inside its time
+
+    def region(self, category: str):
+        """A context timing its body under `category` (a no-op when disabled or nested)."""
+        if category not in self.seconds:
+            raise KeyError(f"unknown timing category {category!r} (choose from {', '.join(CATEGORIES)})")
+        if not self.enabled or self._open:
+            return _UNTIMED
+        return _Region(self, category)
+
+    def totals(self) -> dict[str, float]:
+        """A copy of the seconds so far, per category."""
+        return dict(self.seconds)
+
+    def reset(self) -> None:
+        for k in CATEGORIES:
+            self.seconds[k] = 0.0
+            self.calls[k] = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _Region:
+    """One timed region: device synced before the clock starts and before it stops."""
+
+    __slots__ = ("timer", "category", "start")
+
+    def __init__(self, timer: StepTimer, category: str):
+        self.timer, self.category, self.start = timer, category, 0.0
+
+    def __enter__(self):
+        self.timer._sync()  # work queued before the region is not the region's
+        self.timer._open = True
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.timer._sync()  # the region's own queued work is
+            self.timer.seconds[self.category] += time.perf_counter() - self.start
+            self.timer.calls[self.category] += 1
+        finally:
+            self.timer._open = False
+        return False
