@@ -21,7 +21,7 @@ from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.errors import ConfigError
 from elixir_ray.metrics import metrics_table, write_metrics
-from elixir_ray.plan import Plan
+from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
 
 log = logging.getLogger("elixir_ray")
@@ -31,7 +31,7 @@ log = logging.getLogger("elixir_ray")
 class Result:
     metrics: pa.Table
     checkpoint_uri: Optional[str]  # the newest committed checkpoint; None if none could be written
-    plan: Plan
+    plan: RunPlan
     run_dir: str
     metrics_uri: str
     seconds: float

@@ -34,6 +34,56 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    import json
+    import os
+
+    from elixir_ray.config import load_config
+    from elixir_ray.engine import PlanError
+    from elixir_ray.planner.for_config import comparison_table, plan_config
+    from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+
+    cfg = load_config(args.config, overrides=args.set)
+    if args.hardware:
+        with open(args.hardware) as f:
+            hardware = HardwareProfile.from_json(f.read())
+        source = f"rates from {args.hardware}"
+    else:
+        hardware = profile_hardware()
+        source = "rates measured on this machine"
+    if args.save_hardware:
+        _write_text(args.save_hardware, hardware.to_json())
+    try:
+        result = plan_config(cfg, hardware, args.device_memory, args.world_size, args.host_memory)
+    except PlanError as exc:
+        print(f"elixir-ray: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{source}: {hardware.device}, h2d {hardware.h2d_gbps:.1f} GB/s, d2h {hardware.d2h_gbps:.1f} GB/s, "
+          f"CPU AdamW {hardware.cpu_adam_params_per_s / 1e6:,.0f} M params/s, matmul {hardware.matmul_tflops:.1f} TFLOPS")
+    print(result.plan.explain())
+    print()
+    print(comparison_table(result))
+    png = args.png or os.path.splitext(args.config)[0] + ".plan.png"
+    from elixir_ray.planner.chart import write_plan_chart
+
+    write_plan_chart(result.plan, result.profile, result.elem_bytes, png)
+    print(f"chart: {png}")
+    if args.json:
+        _write_text(args.json, json.dumps(result.plan.to_dict(), indent=1))
+        print(f"plan: {args.json}")
+    return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    """Written under a temporary name, then renamed: never half a file."""
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _cmd_bench(args) -> int:
     from elixir_ray.bench.run import main_args
 
@@ -71,6 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
     p.add_argument("out", metavar="OUT", help="output file path or URI")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("plan", help="show the plan the planner picks for a config, and why",
+                       description="Profile the config's model on the meta device (no weights), search the "
+                                   "fastest placement within the budget, print the explanation beside the "
+                                   "hand-made alternatives, and write a PNG of the predicted memory timeline.")
+    p.add_argument("config", help="path to a YAML config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--device-memory", metavar="BYTES", help="budget, e.g. 24GiB (default: engine.device_memory, "
+                                                             "else what the device has free)")
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks to plan for (default 1)")
+    p.add_argument("--host-memory", metavar="BYTES", help="host RAM per rank for optimizer state "
+                                                          "(default: 80%% of free RAM over the ranks)")
+    p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware) instead of "
+                                                      "measuring this machine")
+    p.add_argument("--save-hardware", metavar="JSON", help="also write the rates used, to plan elsewhere later")
+    p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside the config)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")
+    p.set_defaults(func=_cmd_plan)
 
     from elixir_ray.bench.run import add_arguments
 

@@ -74,6 +74,7 @@ class ClusterConfig:
 @dataclass
 class EngineConfig:
     device_memory: Optional[str] = None  # e.g. "24GiB"; default: what the device has free
+    search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
 
 
 @dataclass

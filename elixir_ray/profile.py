@@ -25,6 +25,7 @@ class WorkerProfile:
     device_memory_total: int
     device_memory_free: int
     cpu_threads: int
+    host_memory_free: int = 0  # the host RAM available, shared by the ranks on this host
     hardware: dict = field(default_factory=dict)  # HardwareProfile fields
 
     def to_dict(self) -> dict:
@@ -53,4 +54,5 @@ def profile_worker(rank: int, device: torch.device, dtype: torch.dtype) -> Worke
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return WorkerProfile(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
                          device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
+                         host_memory_free=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
                          hardware=asdict(hw))

@@ -1,7 +1,7 @@
 """The run's plan: what every worker does, decided once on the driver from all workers' profiles.
 
-`make_plan` is a pure function from (config, profiles) to a `Plan`, so it can be tested without a
-cluster and replaced by the searched plan of the planner without touching the driver or workers.
+`make_run_plan` is a pure function from (config, profiles) to a `RunPlan`, so it can be tested
+without a cluster. It holds the batch split and the engine's searched `Plan`, which every rank runs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from elixir_ray.config import RunConfig, resolve_model_shape
+from elixir_ray.config import RunConfig
 from elixir_ray.profile import WorkerProfile
 from elixir_ray.units import parse_bytes
 
@@ -18,7 +18,7 @@ PLAN_VERSION = 1
 
 
 @dataclass
-class Plan:
+class RunPlan:
     version: int
     strategy: str  # "chunked": the chunk engine on every rank, gradients averaged over the group
     world_size: int
@@ -26,9 +26,9 @@ class Plan:
     grad_accum: int
     dtype: str
     device_memory_bytes: int  # the smallest budget among the workers
-    predicted_step_seconds: float  # model FLOPs at the slowest worker's measured matmul rate
+    predicted_step_seconds: float  # the engine plan's prediction, at the slowest worker's measured rates
     notes: list = field(default_factory=list)
-    engine: Optional[dict] = None  # the chunk engine's plan, when the engine runs the step
+    engine: Optional[dict] = None  # the chunk engine's `Plan` (its to_dict())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,7 +37,7 @@ class Plan:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> "RunPlan":
         data = json.loads(text)
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')} is not supported (this build reads {PLAN_VERSION})")
@@ -63,20 +63,21 @@ def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int)
     return micro, per_rank // micro
 
 
-def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> Plan:
+def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> RunPlan:
     """Plan for the weakest worker: the smallest free memory and the slowest measured rates.
 
     `global_batch` (default: micro_batch x grad_accum x workers) stays fixed across restarts.
-    The engine plan is made here, on the driver, from a meta-device trace of the model.
+    The engine plan is searched here, on the driver, from a meta-device trace of the model.
     """
     import torch
 
-    from elixir_ray.engine import plan_for
     from elixir_ray.model.factory import build_model, sample_batch
-    from elixir_ray.model.sizes import gpt_param_count
+    from elixir_ray.planner.hardware import HardwareProfile
+    from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
+    from elixir_ray.planner.search import plan_search
 
     if not profiles:
-        raise ValueError("make_plan needs at least one worker profile")
+        raise ValueError("make_run_plan needs at least one worker profile")
     world = len(profiles)
     if global_batch is None:
         global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world
@@ -86,12 +87,16 @@ def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optio
     budget = min(p.device_memory_free for p in profiles)
     if cfg.engine.device_memory is not None:
         budget = min(budget, parse_bytes(cfg.engine.device_memory))
-    slowest = min(profiles, key=lambda p: p.rates.matmul_tflops)
-    engine_plan = plan_for(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget,
-                           getattr(torch, dtype), world)
-    shape = resolve_model_shape(cfg.model)
-    flops = 6 * gpt_param_count(**shape) * micro * accum * shape["seq_len"]
-    return Plan(
+    rates = HardwareProfile.slowest([p.rates for p in profiles])
+    model = build_model(cfg, device="meta")
+    variants = checkpointing_variants(model) if cfg.engine.search_checkpointing else [None]
+    model_profiles = [profile_model(model, (sample_batch(cfg, micro),), None, v, getattr(torch, dtype))
+                      for v in variants]
+    per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
+    host_budget = min(int(0.8 * p.host_memory_free) // per_host[p.hostname] for p in profiles)
+    elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    engine_plan = plan_search(model_profiles, rates, budget, world, dtype, elem, accum, host_budget=host_budget)
+    return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",
         world_size=world,
@@ -99,7 +104,7 @@ def make_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optio
         grad_accum=accum,
         dtype=dtype,
         device_memory_bytes=int(budget),
-        predicted_step_seconds=flops / (slowest.rates.matmul_tflops * 1e12),
-        notes=[f"slowest worker: rank {slowest.rank} on {slowest.hostname}", *engine_plan.notes],
-        engine=json.loads(engine_plan.to_json()),
+        predicted_step_seconds=engine_plan.predicted_step_seconds,
+        notes=[f"rates: the slowest of {world} worker(s)"],
+        engine=engine_plan.to_dict(),
     )

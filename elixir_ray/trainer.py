@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.engine import EnginePlan, engine_shard, layout_of, load_engine_state, wrap
+from elixir_ray.engine import Plan, engine_shard, layout_of, load_engine_state, wrap
 from elixir_ray.model.factory import build_model, init_fn_for, sample_batch
-from elixir_ray.plan import Plan
+from elixir_ray.run_plan import RunPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +54,7 @@ class TrainState:
 
 
 class RankTrainer:
-    def __init__(self, cfg: RunConfig, plan: Plan, rank: int, device: torch.device,
+    def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, device: torch.device,
                  group: Optional[dist.ProcessGroup] = None):
         self.cfg, self.plan, self.rank, self.device = cfg, plan, rank, device
         self.world_size = plan.world_size
@@ -65,7 +65,7 @@ class RankTrainer:
         torch.manual_seed(cfg.train.seed)  # every rank materialises identical initial weights
         self.model, self.optimizer = wrap(
             module, base_opt, sample_inputs=(sample_batch(cfg, plan.micro_batch),),
-            plan=EnginePlan(**plan.engine) if plan.engine else None,
+            plan=Plan.from_dict(plan.engine) if plan.engine else None,
             device_memory=plan.device_memory_bytes, process_group=group,
             max_grad_norm=cfg.optim.max_grad_norm, dtype=self.compute_dtype, device=device,
             init_fn=init_fn_for(cfg),

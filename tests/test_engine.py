@@ -103,7 +103,7 @@ def test_budget_too_small_names_the_minimum_and_leaves_module_untouched():
     model = Toy()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(PlanError, match=r"too small: at least .* is needed"):
+    with pytest.raises(PlanError, match=r"too small: the smallest plan needs"):
         wrap(model, opt, sample_inputs=(batches(1, 8)[0],), device_memory="4KiB", device="cpu")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.l1.weight.numel() > 0 and model.l1.weight.untyped_storage().nbytes() > 0

@@ -31,7 +31,7 @@ from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker
 from elixir_ray.config import RunConfig
 from elixir_ray.errors import ClusterError
-from elixir_ray.plan import Plan, make_plan
+from elixir_ray.run_plan import RunPlan, make_run_plan
 from elixir_ray.profile import WorkerProfile
 
 log = logging.getLogger("elixir_ray")
@@ -72,7 +72,7 @@ class RestoreSource:
 @dataclass
 class ControllerOutcome:
     metrics: list[dict] = field(default_factory=list)
-    plan: Optional[Plan] = None
+    plan: Optional[RunPlan] = None
     profiles: list[WorkerProfile] = field(default_factory=list)
     final_step: int = 0
     checkpoint_uri: Optional[str] = None
@@ -204,7 +204,7 @@ class TrainController:
         while len(profiles) < self.shape.num_workers:
             profiles.append(profiles[-1])
         try:
-            plan = make_plan(self.cfg, profiles, global_batch=self.global_batch)
+            plan = make_run_plan(self.cfg, profiles, global_batch=self.global_batch)
         except ValueError as exc:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         self.outcome.plan = plan

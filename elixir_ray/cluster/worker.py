@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elixir_ray.config import RunConfig, config_from_dict
-from elixir_ray.plan import Plan
+from elixir_ray.run_plan import RunPlan
 from elixir_ray.profile import WorkerProfile, profile_worker
 from elixir_ray.trainer import DTYPES, RankTrainer
 
@@ -69,11 +69,11 @@ class TrainWorker:
 
     def profile(self) -> WorkerProfile:
         """Measure this worker's device and rates; the model is profiled on the driver, without weights."""
-        from elixir_ray.plan import resolve_dtype
+        from elixir_ray.run_plan import resolve_dtype
 
         return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)])
 
-    def setup(self, plan: Plan) -> None:
+    def setup(self, plan: RunPlan) -> None:
         self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)
 
     def run(self, num_steps: int) -> int:

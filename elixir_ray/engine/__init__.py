@@ -5,10 +5,10 @@ optimizer used like the originals. See docs/engine.md for how chunks, the pool a
 """
 
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import EnginePlan
+from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.state import assemble, engine_shard, engine_state, layout_of, load_engine_state
-from elixir_ray.engine.wrap import ChunkedModule, manual_plan, plan_for, wrap
+from elixir_ray.engine.wrap import ChunkedModule, manual_plan, wrap
 
-__all__ = ["ChunkPool", "ChunkedModule", "EnginePlan", "PlanError", "assemble", "engine_shard", "engine_state",
-           "layout_of", "load_engine_state", "manual_plan", "plan_for", "wrap"]
+__all__ = ["ChunkPool", "ChunkedModule", "Plan", "PlanError", "assemble", "engine_shard", "engine_state",
+           "layout_of", "load_engine_state", "manual_plan", "wrap"]

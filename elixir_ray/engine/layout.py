@@ -51,5 +51,36 @@ def choose_chunk_size(numels: list[int], target_chunks: int = 16, align: int = 6
     return min(candidates, key=lambda s: (waste(numels, s), s))
 
 
+def chunk_size_candidates(numels: list[int], targets: tuple[int, ...] = (8, 16, 32, 64)) -> list[int]:
+    """Least-waste chunk sizes for a few target chunk counts (fewer, larger chunks copy more
+    efficiently; more, smaller ones let a small pool hold a useful share of the model)."""
+    return sorted({choose_chunk_size(numels, target_chunks=t) for t in targets})
+
+
+def chunk_events(events: list[tuple[int, ...]], phases: list[str], chunk_of_param: list[int],
+                 grad_epochs: list[int] | None = None) -> tuple[list[tuple[int, ...]], int]:
+    """The traced accesses in chunk ids, and the fewest blocks that can serve them safely.
+
+    An access needs all its chunks at once; a recomputed region needs all of its chunks until its
+    backward has run. A region ends, as in the engine, at any other access or when gradients
+    arrive (`grad_epochs` changes). One more block keeps the access being served from evicting
+    its own chunks.
+    """
+    epochs = grad_epochs if grad_epochs else [0] * len(events)
+    out, widest, run, run_epoch = [], 1, set(), None
+    for ev, phase, epoch in zip(events, phases, epochs):
+        chunks = tuple(dict.fromkeys(chunk_of_param[i] for i in ev))
+        out.append(chunks)
+        widest = max(widest, len(chunks))
+        if phase == "recompute":
+            if epoch != run_epoch:
+                run, run_epoch = set(), epoch
+            run |= set(chunks)
+            widest = max(widest, len(run))
+        else:
+            run, run_epoch = set(), None
+    return out, widest + 1
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

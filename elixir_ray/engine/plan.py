@@ -1,36 +1,108 @@
-"""The engine's plan: how parameters are packed into chunks and where each chunk's state lives.
+"""The plan: how parameters are packed into chunks, where each chunk's state lives, and what that costs.
 
 A small versioned dataclass, JSON-serialisable, so the planner (or a user) can produce one on the
-driver and every rank can run it. `default_plan` is the built-in plan used when none is given:
-all optimizer state on the host, the pool as large as the budget allows.
+driver and every rank can run it. The engine reads only the layout fields; the predictions and
+their breakdowns are there so that a user can see why the plan is what it is (`explain()`) and
+check the prediction against what the run measures.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
-ENGINE_PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass
-class EnginePlan:
+class Plan:
     chunk_size: int  # elements per chunk (a parameter larger than this gets a chunk of its own size)
     n_blocks: int  # compute blocks in the device pool
     param_order: list  # parameter names in first-use order; the packing order
     placements: list  # per chunk: "host" or "device" (fp32 master, gradient shard and AdamW states)
     sharded: list  # per chunk: True to shard across ranks (all-gathered on fetch), False to replicate
     dos_gap: int = 0  # Deep Optimizer States: update every dos_gap-th host chunk on the device (0: off)
-    version: int = ENGINE_PLAN_VERSION
+    activation_checkpointing: Optional[list] = None  # per checkpointable block, when the module has them
+    world_size: int = 1
+    dtype: str = ""  # compute dtype the plan was made for, e.g. "bfloat16"
+    budget_bytes: int = 0  # device_memory the plan was made for (0: not planned against a budget)
+    chunk_numels: list = field(default_factory=list)  # per chunk: parameter elements it holds (no padding)
+    predicted_peak_bytes: int = 0
+    predicted_step_seconds: float = 0.0
+    memory: dict = field(default_factory=dict)  # predicted peak, by part, in bytes
+    time: dict = field(default_factory=dict)  # predicted step time, by part, in seconds
+    version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.placements)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     @classmethod
-    def from_json(cls, text: str) -> "EnginePlan":
-        data = json.loads(text)
-        if data.get("version") != ENGINE_PLAN_VERSION:
-            raise ValueError(f"engine plan version {data.get('version')} is not supported "
-                             f"(this build reads {ENGINE_PLAN_VERSION})")
+    def from_dict(cls, data: dict) -> "Plan":
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {data.get('version')} is not supported (this build reads {PLAN_VERSION}); "
+                             f"make the plan again with this version of elixir_ray")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"plan has unknown fields {unknown}")
         return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def explain(self) -> str:
+        """A few lines a person can check: chunks and where they live, the pool, memory and time by part."""
+        from elixir_ray.units import format_bytes
+
+        lines = []
+        n = self.n_chunks
+        on_device = sum(p == "device" for p in self.placements)
+        replicated = sum(not s for s in self.sharded)
+        total = sum(self.chunk_numels)
+        lines.append(f"plan: {n} chunks of {self.chunk_size:,} elements ({total:,} parameters), "
+                     f"{self.world_size} rank(s), compute in {self.dtype or 'the default dtype'}")
+        lines.append(f"  pool: {self.n_blocks} of {n} chunks resident at once"
+                     + (" (the whole model)" if self.n_blocks >= n else ""))
+        lines.append(f"  optimizer state: {on_device} chunk(s) on the device, {n - on_device} on the host"
+                     + (f"; Deep Optimizer States updates every {self.dos_gap}th host chunk on the device"
+                        if self.dos_gap else ""))
+        if self.world_size > 1:
+            lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
+        if self.activation_checkpointing is not None:
+            k = sum(bool(x) for x in self.activation_checkpointing)
+            lines.append(f"  activation checkpointing: {k} of {len(self.activation_checkpointing)} blocks")
+        if n:
+            lines.append("  chunks: " + _placement_strip(self.placements, self.sharded, self.world_size))
+        if self.memory:
+            budget = f" of {format_bytes(self.budget_bytes)} budget" if self.budget_bytes else ""
+            lines.append(f"  predicted peak device memory: {format_bytes(self.predicted_peak_bytes)}{budget}")
+            for part, value in sorted(self.memory.items(), key=lambda kv: -kv[1]):
+                if value:
+                    lines.append(f"    {part:<24} {format_bytes(value):>12}")
+        if self.time:
+            lines.append(f"  predicted step time: {self.predicted_step_seconds * 1e3:,.1f} ms")
+            for part, value in sorted(self.time.items(), key=lambda kv: -kv[1]):
+                if value:
+                    lines.append(f"    {part:<24} {value * 1e3:>10,.1f} ms")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _placement_strip(placements: list, sharded: list, world: int) -> str:
+    """One character per chunk: D device, H host; lower case when replicated across ranks."""
+    out = []
+    for p, s in zip(placements, sharded):
+        ch = "D" if p == "device" else "H"
+        out.append(ch if (s or world == 1) else ch.lower())
+    legend = "D device, H host" + (", lower case replicated" if world > 1 else "")
+    return "".join(out) + f"   ({legend})"

@@ -5,17 +5,20 @@ inputs are swapped for meta tensors, then restored), recording:
 - every module forward (recomputation under activation checkpointing included) with its direct
   parameters, and every parameter read back from autograd's saved tensors in backward;
 - which parameters received a gradient;
-- the bytes of activations autograd saved, an estimate of the activation memory.
+- the bytes of activations autograd saved (an estimate of the activation memory), and the
+  matmul-class FLOPs of the step, counted by torch's FlopCounterMode.
 Parameters are identified by their storage, so views (a transposed weight) count as the weight.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map
 
 
@@ -26,6 +29,10 @@ class AccessTrace:
     phases: list[str]  # per event: "forward", "recompute" or "backward"
     got_grad: list[bool]  # per parameter: received a gradient in the traced step
     saved_activation_bytes: int
+    saved_before: list[int] = field(default_factory=list)  # per event: activation bytes saved so far
+    largest_saved_bytes: int = 0  # the largest single saved activation
+    flops: int = 0  # matmul-class FLOPs of the step (forward, recompute and backward)
+    grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
 
 
 def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -43,13 +50,17 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _on_meta(module: nn.Module, params: list[nn.Parameter]):
+def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torch.dtype] = None):
     """Temporarily replace every parameter and buffer by a meta stand-in of the same shape.
 
-    Yields the stand-ins in the order of `params` (a tied parameter gets one shared stand-in).
+    Floating-point stand-ins take `dtype` (the compute dtype) when given, so that the activations
+    counted are those the engine's compute copies will produce. Yields the stand-ins in the order
+    of `params` (a tied parameter gets one shared stand-in).
     """
-    stand_in = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                for p in params}
+    def meta_like(t):
+        return torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    stand_in = {id(p): nn.Parameter(meta_like(p), requires_grad=p.requires_grad) for p in params}
     swapped = []
     for mod in module.modules():
         for name, p in mod._parameters.items():
@@ -59,7 +70,7 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter]):
         for name, buf in mod._buffers.items():
             if buf is not None:
                 swapped.append((mod._buffers, name, buf))
-                mod._buffers[name] = torch.empty_like(buf, device="meta")
+                mod._buffers[name] = meta_like(buf)
     try:
         yield [stand_in[id(p)] for p in params]
     finally:
@@ -67,11 +78,14 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter]):
             table[name] = original
 
 
-def _to_meta(x):
-    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+def _to_meta(x, dtype: Optional[torch.dtype] = None):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_like(x, device="meta", dtype=dtype if dtype is not None and x.is_floating_point() else x.dtype)
 
 
-def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None) -> AccessTrace:
+def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Optional[torch.dtype] = None
+               ) -> AccessTrace:
     named = unique_parameters(module)
     params = [p for _, p in named]
     events: list[tuple[int, ...]] = []
@@ -79,19 +93,27 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None) -> AccessT
     got_grad = [False] * len(params)
     first_use: list[int] = []
     seen: set[int] = set()
-    state = {"phase": "forward", "saved": 0}
+    saved_before: list[int] = []
+    grad_epochs: list[int] = []
+    state = {"phase": "forward", "saved": 0, "largest": 0, "grads": 0}
+
+    def on_grad(i):
+        got_grad[i] = True
+        state["grads"] += 1
 
     def record(indices, phase):
         if not indices:
             return
         events.append(tuple(indices))
         phases.append(phase)
+        saved_before.append(state["saved"])
+        grad_epochs.append(state["grads"])
         for i in indices:
             if i not in seen:
                 seen.add(i)
                 first_use.append(i)
 
-    with _on_meta(module, params) as metas:
+    with _on_meta(module, params, dtype) as metas:
         key_to_index = {storage_key(p): i for i, p in enumerate(metas)}
         direct = {mod: [key_to_index[storage_key(p)] for p in mod.parameters(recurse=False)]
                   for mod in module.modules()}
@@ -102,7 +124,9 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None) -> AccessT
         def pack(t):
             i = key_to_index.get(storage_key(t)) if t.device.type == "meta" else None
             if i is None:
-                state["saved"] += t.numel() * t.element_size()
+                nbytes = t.numel() * t.element_size()
+                state["saved"] += nbytes
+                state["largest"] = max(state["largest"], nbytes)
             return t
 
         def unpack(t):
@@ -112,18 +136,21 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None) -> AccessT
             return t
 
         handles = [m.register_forward_pre_hook(pre_hook) for m, ids in direct.items() if ids]
-        handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: got_grad.__setitem__(i, True))
+        handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i))
                     for i, p in enumerate(metas) if p.requires_grad]
+        counter = FlopCounterMode(display=False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = module(*tree_map(_to_meta, tuple(sample_inputs)))
-            loss = loss_fn(out) if loss_fn else out
-            state["phase"] = "backward"
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+            with counter, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = module(*tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs)))
+                loss = loss_fn(out) if loss_fn else out
+                state["phase"] = "backward"
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
         finally:
             for h in handles:
                 h.remove()
     order = first_use + [i for i in range(len(params)) if i not in seen]
     return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
-                       saved_activation_bytes=state["saved"])
+                       saved_activation_bytes=state["saved"], saved_before=saved_before,
+                       largest_saved_bytes=state["largest"], flops=int(counter.get_total_flops()),
+                       grad_epochs=grad_epochs)

@@ -16,88 +16,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, write_slot
-from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
-from elixir_ray.engine.layout import choose_chunk_size, pack
+from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer
-from elixir_ray.engine.plan import EnginePlan
+from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
-from elixir_ray.engine.trace import AccessTrace, trace_step, unique_parameters
-from elixir_ray.units import format_bytes, parse_bytes
-
-
-def default_budget(device: torch.device) -> int:
-    """What the device has free; on CUDA within `set_per_process_memory_fraction`, on CPU the free RAM."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        fraction = getter(device) if getter else 1.0
-        return int(min(free, fraction * total - torch.cuda.memory_reserved(device)))
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def chunk_events(trace: AccessTrace, chunk_of_param: list[int]) -> tuple[list[tuple[int, ...]], int]:
-    """The traced accesses in chunk ids, and the fewest blocks that can serve them safely.
-
-    An access needs all its chunks at once; a recomputed region needs all of its chunks until its
-    backward has run. One more block keeps the access being served from evicting its own chunks.
-    """
-    events, widest, run = [], 1, set()
-    for ev, phase in zip(trace.events, trace.phases):
-        chunks = tuple(dict.fromkeys(chunk_of_param[i] for i in ev))
-        events.append(chunks)
-        widest = max(widest, len(chunks))
-        if phase == "recompute":
-            run |= set(chunks)
-            widest = max(widest, len(run))
-        else:
-            run = set()
-    return events, widest + 1
-
-
-def default_plan(names: list[str], numels: list[int], trace: AccessTrace, budget: int, elem_bytes: int,
-                 world: int) -> EnginePlan:
-    """All optimizer state on the host, chunks sharded over ranks, as many pool blocks as fit."""
-    order = trace.order
-    ordered = [numels[i] for i in order]
-    chunk_size = choose_chunk_size(ordered)
-    slots, sizes = pack(ordered, chunk_size, world)
-    chunk_of_param = [0] * len(numels)
-    for slot, i in zip(slots, order):
-        chunk_of_param[i] = slot.chunk
-    _, min_blocks = chunk_events(trace, chunk_of_param)
-    min_blocks = min(min_blocks, len(sizes))
-    block = max(sizes) * elem_bytes
-    staging = 2 * max(sizes) * 4  # fp32 gradient buffers of the chunks being reduced
-    activations = trace.saved_activation_bytes
-    need = min_blocks * block + staging + activations
-    if budget < need:
-        parts = sorted([(min_blocks * block, f"{min_blocks} pool blocks of {format_bytes(block)}"),
-                        (activations, f"{format_bytes(activations)} of saved activations"),
-                        (staging, f"{format_bytes(staging)} of gradient staging")], reverse=True)
-        hint = ("enable activation checkpointing or use a smaller micro-batch" if parts[0][0] == activations
-                else "a model with smaller layers, or more memory")
-        raise PlanError(f"device_memory {format_bytes(budget)} is too small: at least {format_bytes(need)} "
-                        f"is needed ({', '.join(p for _, p in parts)}); {hint}")
-    n_blocks = int(min(len(sizes), (budget - staging - activations) // block))
-    return EnginePlan(
-        chunk_size=chunk_size, n_blocks=n_blocks, param_order=[names[i] for i in order],
-        placements=["host"] * len(sizes), sharded=[world > 1] * len(sizes), dos_gap=0,
-        notes=[f"built-in plan: {len(sizes)} chunks of {chunk_size:,} elements, {n_blocks} pool blocks, "
-               f"all optimizer state on the host"],
-    )
-
-
-def plan_for(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str], dtype: torch.dtype,
-             world_size: int = 1, loss_fn: Optional[Callable] = None) -> EnginePlan:
-    """The built-in plan for a module (real or on the meta device), without touching its weights."""
-    named = unique_parameters(module)
-    trace = trace_step(module, tuple(sample_inputs), loss_fn)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return default_plan([n for n, _ in named], [p.numel() for _, p in named], trace, parse_bytes(device_memory),
-                        elem, world_size)
+from elixir_ray.engine.trace import trace_step, unique_parameters
 
 
 def _post_order(module: nn.Module):
@@ -110,7 +34,7 @@ class ChunkedModule(nn.Module):
     """The wrapped module: call it like the original; `state_dict()` returns full fp32 tensors."""
 
     def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, hooks: EngineHooks,
-                 slots: list[ParamSlot], plan: EnginePlan, loss_scale: Optional[DynamicLossScale]):
+                 slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale]):
         super().__init__()
         self.module = module
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
@@ -166,7 +90,7 @@ def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
 
 
 def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Optional[tuple] = None,
-         device_memory: Union[int, str, None] = None, plan: Optional[EnginePlan] = None,
+         device_memory: Union[int, str, None] = None, plan: Optional[Plan] = None,
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
          dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
          init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None):
@@ -189,12 +113,21 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
                 raise ValueError("the optimizer holds a parameter that is not in the module")
     if sample_inputs is None:
         raise ValueError("wrap needs sample_inputs=(batch,) to trace the order parameters are used in")
-    budget = parse_bytes(device_memory) if device_memory is not None else default_budget(device)
-    trace = trace_step(module, tuple(sample_inputs), loss_fn)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    plan = plan or default_plan(names, [p.numel() for p in params], trace, budget, elem, comm.world)
+    if plan is None:  # the planner imports the engine, so it is imported here, when needed
+        from elixir_ray.planner.api import plan as search_plan, quick_hardware
+
+        plan = search_plan(module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype,
+                           loss_fn)
+    elif plan.world_size != comm.world:
+        raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
     if sorted(plan.param_order) != sorted(names):
         raise ValueError("the plan's param_order does not name exactly this module's parameters")
+    if plan.activation_checkpointing is not None:
+        if not callable(getattr(module, "set_checkpointing", None)):
+            raise ValueError(f"the plan sets activation checkpointing but {type(module).__name__} has no "
+                             f"set_checkpointing(mask)")
+        module.set_checkpointing(plan.activation_checkpointing)
+    trace = trace_step(module, tuple(sample_inputs), loss_fn)
     # ---- nothing above modified the module; from here on it is converted ----
     index = {n: i for i, n in enumerate(names)}
     ordered = [params[index[n]] for n in plan.param_order]
@@ -217,7 +150,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     chunk_of_param = [0] * len(names)
     for s in slots:
         chunk_of_param[index[s.name]] = s.chunk
-    events, min_blocks = chunk_events(trace, chunk_of_param)
+    events, min_blocks = chunk_events(trace.events, trace.phases, chunk_of_param, trace.grad_epochs)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
                      keep_recent=max(1, min_blocks - 1))
     hooks = EngineHooks(module, store, pool, slots)
@@ -277,15 +210,18 @@ def _materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torc
 
 def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_blocks: int, world_size: int = 1,
                 placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
-                dos_gap: int = 0, loss_fn: Optional[Callable] = None) -> EnginePlan:
+                dos_gap: int = 0, loss_fn: Optional[Callable] = None) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
     named = unique_parameters(module)
     trace = trace_step(module, tuple(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
-    _, sizes = pack([named[i][1].numel() for i in trace.order], chunk_size, world_size)
+    slots, sizes = pack([named[i][1].numel() for i in trace.order], chunk_size, world_size)
     n = len(sizes)
-    return EnginePlan(
-        chunk_size=chunk_size, n_blocks=n_blocks, param_order=order,
+    numels = [0] * n
+    for slot in slots:
+        numels[slot.chunk] += slot.numel
+    return Plan(
+        chunk_size=chunk_size, n_blocks=n_blocks, param_order=order, world_size=world_size, chunk_numels=numels,
         placements=[placements] * n if isinstance(placements, str) else list(placements),
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
         dos_gap=dos_gap, notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],

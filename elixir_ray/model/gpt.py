@@ -83,8 +83,18 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings
+        self._checkpointing = [bool(cfg.activation_checkpointing)] * cfg.n_layers
         if self.wte.weight.device.type != "meta":
             self.apply(lambda m: init_gpt_weights(m, cfg.n_layers))
+
+    def checkpointing(self) -> list[bool]:
+        """Per block: recompute its activations in backward instead of keeping them."""
+        return list(self._checkpointing)
+
+    def set_checkpointing(self, mask: list[bool]) -> None:
+        if len(mask) != len(self.blocks):
+            raise ValueError(f"checkpointing mask has {len(mask)} entries, the model has {len(self.blocks)} blocks")
+        self._checkpointing = [bool(x) for x in mask]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -95,8 +105,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+        for block, recompute in zip(self.blocks, self._checkpointing):
+            if recompute and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)

@@ -15,8 +15,13 @@ def count_loads(accesses: list[tuple[int, ...]], n_blocks: int) -> int:
 
     Raises ValueError if one op needs more chunks than there are blocks.
     """
+    return sum(loads_per_chunk(accesses, n_blocks).values())
+
+
+def loads_per_chunk(accesses: list[tuple[int, ...]], n_blocks: int) -> dict[int, int]:
+    """Like `count_loads`, by chunk: a host chunk's load costs a copy, a device chunk's far less."""
     if not accesses:
-        return 0
+        return {}
     widest = max(len(set(a)) for a in accesses)
     if widest > n_blocks:
         raise ValueError(f"an op touches {widest} chunks but the pool has only {n_blocks} blocks")
@@ -30,7 +35,7 @@ def count_loads(accesses: list[tuple[int, ...]], n_blocks: int) -> int:
             upcoming[c] = i
     resident: dict[int, int] = {}  # chunk -> the position it is next used at
     heap: list[tuple[int, int]] = []  # (-next use, chunk); entries that no longer match are stale
-    loads = 0
+    loads: dict[int, int] = {}
     for i, op in enumerate(accesses):
         needed = next_use[i].keys()
         for c in needed:  # chunks used now rank lowest, so they are never the farthest
@@ -40,7 +45,7 @@ def count_loads(accesses: list[tuple[int, ...]], n_blocks: int) -> int:
         for c in needed:
             if c in resident:
                 continue
-            loads += 1
+            loads[c] = loads.get(c, 0) + 1
             if len(resident) >= n_blocks:
                 while True:
                     neg, victim = heapq.heappop(heap)

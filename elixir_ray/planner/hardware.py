@@ -22,6 +22,7 @@ class HardwareProfile:
     device_adam_params_per_s: float
     matmul_tflops: float  # in the compute dtype
     cpu_threads: int
+    collective_gbps: float = 0.0  # between ranks, when measured (0: the planner assumes the h2d rate)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -38,6 +39,7 @@ class HardwareProfile:
             **{k: min(getattr(p, k) for p in profiles) for k in (
                 "h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops")},
             cpu_threads=min(p.cpu_threads for p in profiles),
+            collective_gbps=min(p.collective_gbps for p in profiles),
         )
 
 
@@ -76,8 +78,9 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     cpu_adam = _adam_rate(torch.device("cpu"), adam_numel)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
     n = 4096 if on_gpu else 512
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the caller's random state alone
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     tflops = 2 * n**3 / _timed(lambda: a @ b, device, repeats=5) / 1e12
     return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,

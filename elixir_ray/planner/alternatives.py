@@ -1,0 +1,57 @@
+"""The hand-made plans users of other systems write, costed by the same model as the searched plan.
+
+They answer "is the search worth it?": every one of them is a member of the family the search
+enumerates, so the searched plan is never predicted slower; `jobs/bench_plans.py` measures them.
+- all optimizer state on the host (ZeRO-Offload style), the largest pool that fits;
+- as much optimizer state on the device as fits, in chunk order, with the smallest pool;
+- Gemini-style offload fractions: that fraction of the chunks (the last ones) keeps its state on
+  the host, the rest on the device, the largest pool that fits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from elixir_ray.engine.plan import Plan
+from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.search import SAFETY, Choice, Layout, choice_to_plan, evaluate, pool_candidates
+
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def _fits(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, budget: int,
+          host_budget: Optional[int]) -> bool:
+    memory, _, host_bytes = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    return sum(memory.values()) <= budget * (1 - SAFETY) and (host_budget is None or host_bytes <= host_budget)
+
+
+def _largest_pool(lay: Layout, device: np.ndarray, *args) -> Optional[Choice]:
+    for n in reversed(pool_candidates(lay)):
+        choice = Choice(lay, n, device, 0)
+        if _fits(choice, *args):
+            return choice
+    return None
+
+
+def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, dtype_name: str, elem_bytes: int,
+                    grad_accum: int = 1, host_budget: Optional[int] = None) -> dict[str, Optional[Plan]]:
+    """name -> Plan, or None where that recipe does not fit the budget."""
+    args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
+    n_chunks = len(lay.sizes)
+    choices: dict[str, Optional[Choice]] = {}
+    choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), *args)
+    most = None
+    for k in range(n_chunks + 1):
+        device = np.arange(n_chunks) < k
+        choice = Choice(lay, lay.min_blocks, device, 0)
+        if _fits(choice, *args):
+            most = choice
+    choices["as much as fits on the device"] = most
+    for fraction in OFFLOAD_FRACTIONS:
+        on_device = n_chunks - int(round(fraction * n_chunks))
+        choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, *args)
+    return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
+                                                         note=f"hand-made: {name}")
+            for name, c in choices.items()}

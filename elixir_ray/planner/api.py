@@ -1,0 +1,62 @@
+"""`elixir_ray.plan(module, ...)`: profile a model without weights and search its plan."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from elixir_ray.engine.plan import Plan
+from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
+from elixir_ray.planner.search import plan_search
+from elixir_ray.units import parse_bytes
+
+
+def available_host_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_budget(device: torch.device) -> int:
+    """What the device has free; on CUDA within `set_per_process_memory_fraction`, on CPU the free RAM."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = getter(device) if getter else 1.0
+        return int(min(free, fraction * total - torch.cuda.memory_reserved(device)))
+    return available_host_bytes()
+
+
+def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str, None] = None, world_size: int = 1,
+         hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
+         loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
+         search_checkpointing: bool = True) -> Plan:
+    """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
+
+    The module may live on the meta device; it is traced, never run on real weights. `hardware`
+    defaults to a measurement of this machine's device. `host_memory` bounds the optimizer state
+    kept on the host per rank (default: the free RAM shared by `world_size` ranks).
+    `search_checkpointing=False` keeps the module's own activation-checkpointing setting.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if hardware is None:
+        hardware = profile_hardware()
+    device = torch.device(hardware.device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
+    host = parse_bytes(host_memory) if host_memory is not None else int(0.8 * available_host_bytes()) // world_size
+    variants = checkpointing_variants(module) if search_checkpointing else [None]
+    profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
+                       host_budget=host)
+
+
+def quick_hardware(device: torch.device) -> HardwareProfile:
+    """A short measurement for `wrap` without a plan (a second or so on a GPU, less on a CPU)."""
+    if device.type == "cuda":
+        return profile_hardware(device, copy_bytes=64 * 2**20, adam_numel=16 * 2**20)
+    return profile_hardware(device, copy_bytes=8 * 2**20, adam_numel=2**20)

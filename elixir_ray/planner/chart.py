@@ -1,0 +1,83 @@
+"""The plan as a picture: predicted device memory over one step, beside where each chunk lives."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from elixir_ray.engine.plan import Plan
+from elixir_ray.planner.cost import STATE_BYTES, dos_mask
+from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.search import make_layout
+
+
+def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
+    """Per traced access: bytes of resident optimizer state and buffers, pool blocks, and activations.
+
+    The pool fills as chunks are first used and then stays full (eviction only swaps); saved
+    activations grow through forward as traced and are released through backward.
+    """
+    lay = make_layout(profile, plan.chunk_size, plan.world_size)
+    trace = profile.trace
+    block = int(lay.sizes.max()) * elem_bytes
+    device = np.array([p == "device" for p in plan.placements])
+    fixed = float((STATE_BYTES * lay.shards)[device].sum()) + profile.buffer_bytes
+    seen: set[int] = set()
+    pool, acts = [], []
+    backward = [i for i, ph in enumerate(trace.phases) if ph != "forward"]
+    first_backward = backward[0] if backward else len(trace.phases)
+    total = trace.saved_activation_bytes
+    for i, chunks in enumerate(lay.events):
+        seen.update(chunks)
+        pool.append(min(plan.n_blocks, len(seen)) * block)
+        if i < first_backward:
+            acts.append(trace.saved_before[i] if trace.saved_before else 0)
+        else:
+            done = (i - first_backward + 1) / max(1, len(trace.phases) - first_backward)
+            acts.append(total * (1 - done))
+    n = len(lay.events)
+    return {"state": np.full(n, fixed), "pool": np.array(pool, dtype=float), "activations": np.array(acts, dtype=float),
+            "first_backward": np.array([first_backward])}
+
+
+def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = memory_timeline(plan, profile, elem_bytes)
+    top = max(plan.budget_bytes, plan.predicted_peak_bytes)
+    gib, unit = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
+    x = np.arange(len(t["pool"]))
+    ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["activations"] / gib,
+                 labels=["optimizer state on device + buffers", "pool blocks", "saved activations"],
+                 colors=["#4c72b0", "#55a868", "#dd8452"], alpha=0.85)
+    if plan.budget_bytes:
+        ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.axvline(int(t["first_backward"][0]), color="grey", linestyle=":", linewidth=1, label="backward starts")
+    ax.set_xlabel("traced access (one training step)")
+    ax.set_ylabel(unit)
+    ax.set_title(f"predicted device memory (peak {plan.predicted_peak_bytes / gib:.2f} {unit})")
+    ax.legend(loc="upper left", fontsize=8)
+    host = np.array([p != "device" for p in plan.placements])
+    dos = dos_mask(host, plan.dos_gap)
+    sizes = np.array(plan.chunk_numels, dtype=float) / 1e6
+    colors = ["#4c72b0" if not h else ("#c44e52" if d else "#8c8c8c") for h, d in zip(host, dos)]
+    bx.barh(np.arange(len(sizes)), sizes, color=colors)
+    bx.invert_yaxis()
+    bx.set_xlabel("parameters (millions)")
+    bx.set_ylabel("chunk (first-use order)")
+    bx.set_title(f"{len(sizes)} chunks, pool of {plan.n_blocks}")
+    from matplotlib.patches import Patch
+
+    bx.legend(handles=[Patch(color="#4c72b0", label="state on device"), Patch(color="#8c8c8c", label="state on host"),
+                       Patch(color="#c44e52", label="host, updated on device (DOS)")], fontsize=8, loc="lower right")
+    fig.suptitle(f"{plan.predicted_step_seconds * 1e3:,.1f} ms predicted per step")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    import os
+
+    os.replace(tmp, path)

@@ -1,0 +1,75 @@
+"""The cost model: predicted peak device memory and step time of a placement, from measured rates.
+
+It models what the engine does today, step by step, and nothing it does not:
+- every micro-step loads each chunk it needs into a pool block (Belady eviction, cold after each
+  optimizer step): a host chunk copies its fp32 shard over PCIe and casts it, a device chunk only
+  casts; a sharded chunk is then all-gathered;
+- each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
+  for a host chunk, copied to the host, once per micro-step;
+- the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
+  Optimizer States chunks a copy to the device, a device update and a copy back);
+- these run one after another: the engine does not yet overlap copies or the CPU update with
+  compute, so the predicted time is the sum of the parts.
+Rates come from `HardwareProfile`; the compute rate is the measured matmul rate applied to the
+traced FLOPs. Collectives are assumed to run at the host-to-device rate unless the profile says
+otherwise (`collective_gbps`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from elixir_ray.planner.hardware import HardwareProfile
+
+STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
+DOS_COPY_IN = 16  # master, gradient and both moments go to the device
+DOS_COPY_OUT = 12  # master and both moments come back
+
+
+@dataclass
+class ChunkCosts:
+    """Per-chunk seconds (numpy arrays, one entry per chunk) for a given pool size."""
+
+    load_host: np.ndarray  # one load of the chunk when its state is on the host
+    load_device: np.ndarray  # one load when its state is on the device
+    reduce_host: np.ndarray  # gradient reduction plus the copy to the host, per micro-step
+    reduce_device: np.ndarray
+    adam_host: np.ndarray
+    adam_device: np.ndarray
+    adam_dos: np.ndarray  # a host chunk updated on the device (Deep Optimizer States)
+
+
+def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
+                hw: HardwareProfile) -> ChunkCosts:
+    h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
+    coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
+    spread = (world - 1) / world if world > 1 else 0.0
+    gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
+    reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
+    return ChunkCosts(
+        load_host=shards * 4 / h2d + gather,
+        load_device=gather,
+        reduce_host=reduce_comm + shards * 4 / d2h,
+        reduce_device=reduce_comm,
+        adam_host=shards / hw.cpu_adam_params_per_s,
+        adam_device=shards / hw.device_adam_params_per_s,
+        adam_dos=shards * DOS_COPY_IN / h2d + shards * DOS_COPY_OUT / d2h + shards / hw.device_adam_params_per_s,
+    )
+
+
+def compute_seconds(flops: int, hw: HardwareProfile) -> float:
+    return flops / (hw.matmul_tflops * 1e12)
+
+
+def dos_mask(host: np.ndarray, gap: int) -> np.ndarray:
+    """Which chunks the engine updates on the device under Deep Optimizer States with this gap.
+
+    `host` is a boolean array (one row per candidate, or a single row); the engine counts host
+    chunks in chunk order and sends every gap-th one to the device.
+    """
+    if gap <= 0:
+        return np.zeros_like(host, dtype=bool)
+    position = np.cumsum(host, axis=-1) - 1
+    return host & (position % gap == gap - 1)

@@ -1,0 +1,66 @@
+"""Planning a run's config without a cluster: what `elixir-ray plan CONFIG.yaml` shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from elixir_ray.config import RunConfig
+from elixir_ray.engine.plan import Plan
+from elixir_ray.planner.alternatives import hand_made_plans
+from elixir_ray.planner.api import available_host_bytes, device_budget
+from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
+from elixir_ray.planner.search import make_layout, plan_search
+from elixir_ray.units import parse_bytes
+
+
+@dataclass
+class ConfigPlan:
+    plan: Plan
+    profile: ModelProfile  # the profile (checkpointing setting) the plan chose
+    elem_bytes: int
+    alternatives: dict  # name -> Plan or None (does not fit)
+
+
+def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Optional[str] = None,
+                world_size: int = 1, host_memory: Optional[str] = None) -> ConfigPlan:
+    from elixir_ray.model.factory import build_model, sample_batch
+    from elixir_ray.run_plan import resolve_dtype
+
+    device = torch.device(hardware.device)
+    dtype_name = resolve_dtype(cfg.train.dtype, device.type)
+    dtype = getattr(torch, dtype_name)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    memory = device_memory or cfg.engine.device_memory
+    budget = parse_bytes(memory) if memory is not None else device_budget(device)
+    host = parse_bytes(host_memory) if host_memory else int(0.8 * available_host_bytes()) // world_size
+    model = build_model(cfg, device="meta")
+    variants = checkpointing_variants(model) if cfg.engine.search_checkpointing else [None]
+    sample = (sample_batch(cfg, cfg.train.micro_batch),)
+    profiles = [profile_model(model, sample, None, v, dtype) for v in variants]
+    plan = plan_search(profiles, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host_budget=host)
+    chosen = next(p for p in profiles if p.checkpointing == plan.activation_checkpointing)
+    layout = make_layout(chosen, plan.chunk_size, world_size)
+    alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host)
+    return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)
+
+
+def comparison_table(result: ConfigPlan) -> str:
+    """Markdown: the searched plan beside each hand-made recipe, predicted time and peak."""
+    from elixir_ray.units import format_bytes
+
+    rows = [("searched", result.plan), *result.alternatives.items()]
+    best = result.plan.predicted_step_seconds
+    lines = ["| plan | predicted step | vs searched | predicted peak | device chunks | pool |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, p in rows:
+        if p is None:
+            lines.append(f"| {name} | does not fit | | | | |")
+            continue
+        lines.append(f"| {name} | {p.predicted_step_seconds * 1e3:,.1f} ms | {p.predicted_step_seconds / best:.2f}x | "
+                     f"{format_bytes(p.predicted_peak_bytes)} | {p.placements.count('device')}/{p.n_chunks} | "
+                     f"{p.n_blocks} |")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""What the planner knows of a model: traced on the meta device, so no weights are ever allocated.
+
+A profile records, for one setting of activation checkpointing, the parameters (names, sizes) and
+the order a step uses them in (recomputation included), the activation bytes autograd saves and
+the step's matmul FLOPs. A module that can switch checkpointing per block (it has
+`checkpointing()` and `set_checkpointing(mask)`, as our GPT does) is profiled once per setting the
+search considers; the module's own setting is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from elixir_ray.engine.trace import AccessTrace, trace_step, unique_parameters
+
+
+@dataclass
+class ModelProfile:
+    names: list[str]
+    numels: list[int]
+    trace: AccessTrace
+    buffer_bytes: int  # module buffers, always resident on the device
+    checkpointing: Optional[list[bool]]  # the per-block setting traced (None: the module has no switch)
+    batch_size: int  # rows in the sample inputs (the micro-batch the activations were measured at)
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.numels)
+
+
+def supports_checkpointing(module: nn.Module) -> bool:
+    return callable(getattr(module, "checkpointing", None)) and callable(getattr(module, "set_checkpointing", None))
+
+
+def profile_model(module: nn.Module, sample_inputs: tuple, loss_fn: Optional[Callable] = None,
+                  checkpointing: Optional[list[bool]] = None, dtype: Optional[torch.dtype] = None) -> ModelProfile:
+    """Trace one step of `module` (real or on the meta device) with the given checkpointing setting."""
+    previous = module.checkpointing() if supports_checkpointing(module) else None
+    if checkpointing is not None:
+        if previous is None:
+            raise ValueError(f"{type(module).__name__} has no per-block activation checkpointing switch "
+                             f"(methods checkpointing() and set_checkpointing(mask))")
+        module.set_checkpointing(list(checkpointing))
+    try:
+        named = unique_parameters(module)
+        trace = trace_step(module, tuple(sample_inputs), loss_fn, dtype)
+        traced_setting = module.checkpointing() if previous is not None else None
+    finally:
+        if previous is not None:
+            module.set_checkpointing(previous)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    first = sample_inputs[0] if sample_inputs else None
+    batch = int(first.shape[0]) if hasattr(first, "shape") and len(first.shape) else 1
+    return ModelProfile(names=[n for n, _ in named], numels=[p.numel() for _, p in named], trace=trace,
+                        buffer_bytes=buffers, checkpointing=traced_setting, batch_size=batch)
+
+
+def checkpointing_variants(module: nn.Module) -> list[Optional[list[bool]]]:
+    """The checkpointing settings the search tries: none, every other block, every block, and the module's own."""
+    if not supports_checkpointing(module):
+        return [None]
+    own = list(module.checkpointing())
+    n = len(own)
+    variants = [[False] * n, [i % 2 == 0 for i in range(n)], [True] * n]
+    if own not in variants:
+        variants.append(own)
+    return variants

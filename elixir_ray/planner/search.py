@@ -1,0 +1,260 @@
+"""plan_search: the fastest predicted placement whose predicted peak fits the budget.
+
+Candidates are enumerated without looking at the budget: per activation-checkpointing setting,
+chunk size and pool size, the chunks are ranked by benefit per byte of moving their optimizer
+state to the device (Elixir uses one global priority; a ranking per chunk spends the budget where
+it buys most), and every prefix of that ranking is a candidate, with each Deep Optimizer States
+gap. The budget only filters. So a larger budget can only add candidates, and never predicts a
+slower step. The enumeration is vectorised over prefixes, which keeps a 10B-parameter model's
+search to seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from elixir_ray.engine.errors import PlanError
+from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, pack
+from elixir_ray.engine.plan import Plan
+from elixir_ray.planner.cache_sim import loads_per_chunk
+from elixir_ray.planner.cost import STATE_BYTES, ChunkCosts, chunk_costs, compute_seconds, dos_mask
+from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.units import format_bytes
+
+DOS_GAPS = (0, 2, 3, 4, 8)
+SAFETY = 0.08  # fraction of the budget kept free for allocator fragmentation and transients
+
+
+@dataclass
+class Layout:
+    """One profile packed at one chunk size: what the cost model needs, as arrays."""
+
+    profile: ModelProfile
+    chunk_size: int
+    sizes: np.ndarray  # padded elements per chunk
+    numels: np.ndarray  # parameter elements per chunk
+    shards: np.ndarray  # elements of each chunk this rank holds
+    replicated: np.ndarray  # bool per chunk
+    events: list  # chunk ids per traced access
+    min_blocks: int
+    param_order: list
+
+
+@dataclass
+class Choice:
+    layout: Layout
+    n_blocks: int
+    device: np.ndarray  # bool per chunk: optimizer state on the device
+    dos_gap: int
+
+
+def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
+    order = profile.trace.order
+    slots, sizes = pack([profile.numels[i] for i in order], chunk_size, world)
+    chunk_of_param = [0] * len(profile.numels)
+    numels = np.zeros(len(sizes), dtype=np.int64)
+    for slot, i in zip(slots, order):
+        chunk_of_param[i] = slot.chunk
+        numels[slot.chunk] += slot.numel
+    events, min_blocks = chunk_events(profile.trace.events, profile.trace.phases, chunk_of_param,
+                                       profile.trace.grad_epochs)
+    sizes_arr = np.array(sizes, dtype=np.int64)
+    replicated = np.zeros(len(sizes), dtype=bool) if world > 1 else np.ones(len(sizes), dtype=bool)
+    return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
+                  shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
+                  events=events, min_blocks=min(min_blocks, len(sizes)),
+                  param_order=[profile.names[i] for i in order])
+
+
+def pool_candidates(layout: Layout) -> list[int]:
+    """Pool sizes to try: all of them for small models, a geometric spread otherwise."""
+    lo, hi = layout.min_blocks, len(layout.sizes)
+    if hi - lo <= 96:
+        return list(range(lo, hi + 1))
+    return sorted({int(round(x)) for x in np.geomspace(lo, hi, 64)} | {lo, hi})
+
+
+def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
+    counts = loads_per_chunk(layout.events, n_blocks)
+    out = np.zeros(len(layout.sizes), dtype=np.float64)
+    for c, k in counts.items():
+        out[c] = k
+    return out
+
+
+# -- one configuration, part by part ---------------------------------------------------------------
+
+def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int
+             ) -> tuple[dict, dict, int]:
+    """(device memory parts in bytes, step time parts in seconds, host bytes) of one configuration."""
+    lay = choice.layout
+    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
+    loads = loads_at(lay, choice.n_blocks)
+    dev, host = choice.device, ~choice.device
+    dos = dos_mask(host, choice.dos_gap)
+    plain_host = host & ~dos
+    h2d_rate = hw.h2d_gbps * 1e9
+    copies_in = float((loads * lay.shards * 4 / h2d_rate)[host].sum())
+    gathers = float((loads * costs.load_device).sum())
+    reduce_comm = float(costs.reduce_device.sum())
+    copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
+    time = {
+        "compute": grad_accum * compute_seconds(lay.profile.trace.flops, hw),
+        "copies host->device": grad_accum * copies_in,
+        "all-gather": grad_accum * gathers,
+        "gradient reduce": grad_accum * reduce_comm,
+        "copies device->host": grad_accum * copies_out,
+        "CPU AdamW": float(costs.adam_host[plain_host].sum()),
+        "device AdamW": float(costs.adam_device[dev].sum()),
+        "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
+    }
+    memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
+                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world)
+    host_bytes = int((STATE_BYTES * lay.shards)[host].sum())
+    return memory, time, host_bytes
+
+
+def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int) -> dict:
+    block = int(lay.sizes.max()) * elem_bytes
+    staging = 2 * int(lay.sizes.max()) * 4 + (int(lay.shards.max()) * 4 if world > 1 else 0)
+    trace = lay.profile.trace
+    backward = staging + trace.saved_activation_bytes + trace.largest_saved_bytes
+    step = STATE_BYTES * int(lay.shards.max()) if dos else 0
+    return {
+        "pool blocks": n_blocks * block,
+        "optimizer state on device": device_state,
+        "activations": trace.saved_activation_bytes + trace.largest_saved_bytes if backward >= step else 0,
+        "gradient staging": staging if backward >= step else 0,
+        "Deep Optimizer States buffer": step if step > backward else 0,
+        "buffers": lay.profile.buffer_bytes,
+    }
+
+
+# -- the search -------------------------------------------------------------------------------------
+
+@dataclass
+class _Best:
+    seconds: float = float("inf")
+    peak: int = 0
+    choice: Optional[Choice] = None
+
+
+def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
+                   host_budget: Optional[int], best: _Best, smallest: dict) -> None:
+    """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
+    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
+    n_chunks = len(lay.sizes)
+    state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
+    compute = grad_accum * compute_seconds(lay.profile.trace.flops, hw)
+    for n in pool_candidates(lay):
+        loads = loads_at(lay, n)
+        host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host) + costs.adam_host
+        dev_cost = grad_accum * (loads * costs.load_device + costs.reduce_device) + costs.adam_device
+        benefit = host_cost - dev_cost
+        by_benefit = np.argsort(-(benefit / state_bytes), kind="stable")
+        for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
+            _search_prefixes(lay, n, ranking, benefit, host_cost, state_bytes, costs, compute, elem_bytes, world,
+                             limit, host_budget, best, smallest)
+
+
+def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, benefit: np.ndarray, host_cost: np.ndarray,
+                     state_bytes: np.ndarray, costs: ChunkCosts, compute: float, elem_bytes: int, world: int,
+                     limit: float, host_budget: Optional[int], best: _Best, smallest: dict) -> None:
+    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n."""
+    n_chunks = len(lay.sizes)
+    rank_of = np.empty(n_chunks, dtype=np.int64)
+    rank_of[ranking] = np.arange(n_chunks)
+    ks = np.arange(n_chunks + 1)
+    device = rank_of[None, :] < ks[:, None]  # row k: the first k chunks of the ranking on the device
+    base = compute + host_cost.sum() - np.concatenate([[0.0], np.cumsum(benefit[ranking])])
+    device_state = np.concatenate([[0.0], np.cumsum(state_bytes[ranking])])
+    host_bytes = state_bytes.sum() - device_state
+    host_ok = np.ones(len(ks), dtype=bool) if host_budget is None else host_bytes <= host_budget
+    for gap in DOS_GAPS:
+        host = ~device
+        dos = dos_mask(host, gap)
+        seconds = base + dos @ (costs.adam_dos - costs.adam_host)
+        has_host = host.any(axis=1)
+        peaks = np.array([sum(_memory_parts(lay, n, int(device_state[k]), gap > 0 and bool(has_host[k]),
+                                            elem_bytes, world).values()) for k in ks])
+        if gap > 0 and not has_host.any():
+            continue
+        for k in np.flatnonzero(host_ok):
+            need = peaks[k] / (1 - SAFETY)
+            if need < smallest.get("need", float("inf")):
+                smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap))
+        ok = host_ok & (peaks <= limit)
+        if not ok.any():
+            continue
+        k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
+        if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
+            best.seconds, best.peak = float(seconds[k]), int(peaks[k])
+            best.choice = Choice(lay, n, device[k].copy(), gap)
+
+
+def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
+                dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
+                host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None) -> Plan:
+    """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes.
+
+    Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
+    """
+    limit = budget * (1 - SAFETY)
+    best, smallest = _Best(), {}
+    for profile in profiles:
+        ordered = [profile.numels[i] for i in profile.trace.order]
+        for cs in chunk_sizes or chunk_size_candidates(ordered):
+            lay = make_layout(profile, cs, world_size)
+            _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest)
+    if best.choice is None:
+        raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
+    return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
+                          note="searched: fastest predicted step within the budget")
+
+
+def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
+                   grad_accum: int, budget: int, note: str) -> Plan:
+    memory, time, host_bytes = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    lay = choice.layout
+    notes = [note, f"optimizer state on the host: {format_bytes(host_bytes)} per rank",
+             "the engine runs copies, reductions and the optimizer one after another; the time is their sum"]
+    if lay.profile.checkpointing is not None:
+        notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
+    return Plan(
+        chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
+        placements=["device" if d else "host" for d in choice.device],
+        sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap,
+        activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
+        budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
+        predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=float(sum(time.values())),
+        memory=memory, time=time, notes=notes,
+    )
+
+
+def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
+                       grad_accum: int, host_budget: Optional[int]) -> str:
+    if "choice" not in smallest:
+        return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
+                f"state): give the device more memory, add ranks, or free host memory")
+    choice: Choice = smallest["choice"]
+    memory, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    part, value = max(memory.items(), key=lambda kv: kv[1])
+    prof = choice.layout.profile
+    if part == "activations":
+        ckpt = prof.checkpointing
+        if ckpt is not None and not all(ckpt):
+            hint = "enable activation checkpointing"
+        else:
+            hint = f"use micro-batch {max(1, prof.batch_size // 2)}" if prof.batch_size > 1 else "use shorter sequences"
+        dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
+    elif part == "pool blocks":
+        dominant = (f"the pool needs at least {choice.n_blocks} blocks of {format_bytes(value // choice.n_blocks)} "
+                    f"({format_bytes(value)}): the largest layer or parameter sets the block size")
+    else:
+        dominant = f"{part} needs {format_bytes(value)}"
+    return (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs "
+            f"{format_bytes(int(smallest['need']))} ({dominant})")

@@ -1,0 +1,195 @@
+"""The planner: searched plans fit their budget, never get slower with more budget, round-trip as
+JSON, beat the hand-made recipes in prediction, train exactly like plain torch, and explain themselves."""
+
+import copy
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
+
+import elixir_ray
+from elixir_ray.config import config_from_dict
+from elixir_ray.engine.layout import pack
+from elixir_ray.planner.for_config import plan_config
+from elixir_ray.units import parse_bytes
+
+# rates of the kind an H100 box measures; fixed so that the properties are about the search alone
+GPU = elixir_ray.HardwareProfile(device="cuda:0", h2d_gbps=25.0, d2h_gbps=22.0, cpu_adam_params_per_s=1.5e9,
+                                 device_adam_params_per_s=60e9, matmul_tflops=400.0, cpu_threads=16)
+CPU = elixir_ray.HardwareProfile(device="cpu", h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=5e8,
+                                 device_adam_params_per_s=5e8, matmul_tflops=0.1, cpu_threads=2)
+VOCAB = 64
+
+
+class Stack(nn.Module):
+    """Blocks of varied widths, tied embeddings, and a per-block checkpointing switch."""
+
+    def __init__(self, widths: list[int], d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, w), nn.GELU(), nn.Linear(w, d))
+                                    for w in widths)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self._ckpt = [False] * len(widths)
+
+    def checkpointing(self):
+        return list(self._ckpt)
+
+    def set_checkpointing(self, mask):
+        self._ckpt = list(mask)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for block, ck in zip(self.blocks, self._ckpt):
+            h = h + (checkpoint(block, h, use_reentrant=False) if ck and torch.is_grad_enabled() else block(h))
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def _sample(rows: int = 4, seq: int = 17) -> tuple:
+    return (torch.zeros(rows, seq, dtype=torch.long),)
+
+
+def _min_budget(model, sample, **kw) -> int:
+    with pytest.raises(elixir_ray.PlanError) as err:
+        elixir_ray.plan(model, sample, device_memory=1024, **kw)
+    return parse_bytes(re.search(r"smallest plan needs ([\d.]+ \w+)", str(err.value)).group(1).replace(" ", ""))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(widths=st.lists(st.sampled_from([16, 48, 128, 256]), min_size=1, max_size=6),
+       rows=st.sampled_from([1, 4, 16]), world=st.sampled_from([1, 2, 4]), factor=st.floats(1.05, 20.0),
+       more=st.floats(1.0, 8.0))
+def test_plan_properties(widths, rows, world, factor, more):
+    with torch.device("meta"):
+        model = Stack(widths)
+    sample = _sample(rows)
+    minimum = _min_budget(model, sample, hardware=GPU, world_size=world)
+    budget = int(minimum * factor)
+    plan = elixir_ray.plan(model, sample, device_memory=budget, hardware=GPU, world_size=world)
+    # every parameter is in exactly one chunk
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(plan.param_order) == sorted(names)
+    numel = dict(model.named_parameters())
+    slots, sizes = pack([numel[n].numel() for n in plan.param_order], plan.chunk_size, world)
+    assert len(slots) == len(names) and len(sizes) == plan.n_chunks == len(plan.sharded)
+    assert sum(plan.chunk_numels) == sum(p.numel() for p in model.parameters())
+    assert all(s % world == 0 for s in sizes)
+    # the prediction fits and adds up
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes == sum(plan.memory.values())
+    assert plan.predicted_step_seconds == pytest.approx(sum(plan.time.values()), rel=1e-9)
+    # JSON round trip
+    assert elixir_ray.Plan.from_json(plan.to_json()) == plan
+    # more budget never predicts a slower step
+    richer = elixir_ray.plan(model, sample, device_memory=int(budget * more), hardware=GPU, world_size=world)
+    assert richer.predicted_step_seconds <= plan.predicted_step_seconds * (1 + 1e-12)
+
+
+def test_too_small_budget_names_the_minimum_and_what_dominates():
+    with torch.device("meta"):
+        model = Stack([256, 256])
+    sample = _sample(64, 65)  # large activations: they dominate
+    with pytest.raises(elixir_ray.PlanError, match=r"too small: the smallest plan needs .*activations at "
+                                                   r"micro-batch 64 need .*micro-batch 32"):
+        elixir_ray.plan(model, sample, device_memory="64KiB", hardware=GPU)
+    minimum = _min_budget(model, sample, hardware=GPU)
+    plan = elixir_ray.plan(model, sample, device_memory=int(minimum * 1.03), hardware=GPU)
+    assert plan.activation_checkpointing == [True, True]  # the only way in at the minimum
+    off = _min_budget(model, sample, hardware=GPU, search_checkpointing=False)
+    assert off > minimum
+
+
+def test_searched_plan_is_predicted_no_slower_than_hand_made_recipes():
+    cfg = config_from_dict({"model": {"size": "small"}, "train": {"micro_batch": 4}})
+    checked = 0
+    for budget in ("190MiB", "220MiB", "260MiB", "400MiB"):
+        result = plan_config(cfg, GPU, device_memory=budget)
+        assert result.plan.predicted_peak_bytes <= parse_bytes(budget)
+        for name, alt in result.alternatives.items():
+            if alt is not None:
+                checked += 1
+                assert alt.predicted_peak_bytes <= parse_bytes(budget), name
+                assert result.plan.predicted_step_seconds <= alt.predicted_step_seconds * (1 + 1e-9), name
+    assert checked >= 8
+
+
+def test_searched_plan_trains_exactly_like_torch():
+    torch.manual_seed(0)
+    model = Stack([48, 128, 16, 64, 128, 32])
+    reference = copy.deepcopy(model)
+    sample = _sample(4)
+    minimum = _min_budget(model, sample, hardware=CPU)
+    plan = elixir_ray.plan(model, sample, device_memory=int(minimum * 1.1), hardware=CPU)
+    assert plan.n_blocks < plan.n_chunks  # the pool is smaller than the model: evictions happen
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wrapped, wopt = elixir_ray.wrap(model, opt, sample_inputs=sample, plan=plan, device="cpu")
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference.set_checkpointing(plan.activation_checkpointing)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        batch = torch.randint(0, VOCAB, (4, 17), generator=g)
+        a = wrapped(batch)
+        a.backward()
+        wopt.step()
+        wopt.zero_grad()
+        b = reference(batch)
+        b.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(a.item() - b.item()) <= 1e-5
+    state = wrapped.state_dict()
+    assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-5
+
+
+def test_wrap_without_a_plan_searches_one():
+    model = Stack([16, 16])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped, _ = elixir_ray.wrap(model, opt, sample_inputs=_sample(2), device_memory="8MiB", device="cpu")
+    assert wrapped.plan.predicted_step_seconds > 0 and wrapped.plan.budget_bytes == 8 * 2**20
+    assert "searched" in wrapped.plan.notes[0]
+
+
+def test_explain_lists_chunks_memory_and_time():
+    with torch.device("meta"):
+        model = Stack([128] * 4)
+    plan = elixir_ray.plan(model, _sample(8), device_memory="4MiB", hardware=GPU, world_size=2)
+    text = plan.explain()
+    for needle in ("chunks of", "pool:", "optimizer state:", "across ranks:", "predicted peak device memory",
+                   "pool blocks", "predicted step time", "compute", "of 4.0 MiB budget"):
+        assert needle in text, needle
+
+
+def test_old_plan_versions_and_unknown_fields_are_refused():
+    with torch.device("meta"):
+        model = Stack([16])
+    data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU).to_json())
+    with pytest.raises(ValueError, match="version 1 is not supported"):
+        elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        elixir_ray.Plan.from_json(json.dumps({**data, "surprise": 1}))
+
+
+def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
+    hw = tmp_path / "hw.json"
+    hw.write_text(GPU.to_json())
+    png, out = tmp_path / "plan.png", tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "elixir_ray", "plan", "jobs/configs/tiny.yaml", "--hardware", str(hw),
+                           "--device-memory", "8MiB", "--png", str(png), "--json", str(out),
+                           "--set", "engine.search_checkpointing=true"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step time" in proc.stdout and "| searched |" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = elixir_ray.Plan.from_json(out.read_text())
+    assert plan.budget_bytes == 8 * 2**20 and plan.predicted_peak_bytes <= plan.budget_bytes
+    bad = subprocess.run([sys.executable, "-m", "elixir_ray", "plan", "jobs/configs/tiny.yaml", "--hardware", str(hw),
+                          "--device-memory", "1KiB", "--png", str(png)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "smallest plan needs" in bad.stderr
