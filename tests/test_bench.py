@@ -7,6 +7,7 @@ activity lands in which category, and that a disabled timer changes nothing.
 import copy
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -114,3 +115,20 @@ def test_nested_regions_count_once_and_unknown_categories_are_refused():
         timer.region("compute")
     timer.reset()
     assert timer.totals() == dict.fromkeys(CATEGORIES, 0.0)
+
+
+def test_plan_comparison_smoke_runs_every_fitting_plan(tmp_path):
+    out = tmp_path / "plans.json"
+    proc = subprocess.run([sys.executable, "jobs/bench_plans.py", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["plan"] == "searched" and rows[0]["fits"]
+    assert {r["plan"] for r in rows} >= {"all optimizer state on the host", "as much as fits on the device",
+                                        "offload fraction 0.5"}
+    for r in rows:
+        if r["fits"]:
+            assert not r.get("skipped"), r
+            assert r["step_seconds"] > 0 and r["predicted_peak_bytes"] <= 24 * 2**20
+            assert rows[0]["predicted_step_seconds"] <= r["predicted_step_seconds"] * (1 + 1e-9)
+    assert "| searched |" in proc.stdout

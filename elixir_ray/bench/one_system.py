@@ -19,10 +19,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")
     args = parser.parse_args()
+    plan = None
+    if args.plan:
+        from elixir_ray.engine.plan import Plan
+
+        with open(args.plan) as f:
+            plan = Plan.from_json(f.read())
     try:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
-                            steps=args.steps, warmup=args.warmup).to_dict()
+                            steps=args.steps, warmup=args.warmup, plan=plan).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure

@@ -108,7 +108,7 @@ def _check_tied(model, system: str) -> None:
         raise RuntimeError(f"{system}: head.weight and wte.weight are no longer tied after to_empty")
 
 
-def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int]):
+def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int], plan=None):
     """(step function taking a batch and returning the loss, parameter count, StepTimer or None).
 
     The timer, for elixir_ray, is its engine's (`model.store.timer`), disabled until
@@ -185,7 +185,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         params = model.num_parameters()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
-        wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes,
+        wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes, plan=plan,
                              dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers))
 
         def step(batch):
@@ -206,7 +206,8 @@ def reference_parameters(shape: BenchShape) -> int:
 
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
-               steps: int = 6, warmup: int = 2) -> SystemResult:
+               steps: int = 6, warmup: int = 2, plan=None) -> SystemResult:
+    """`plan` (elixir_ray only): run this Plan instead of searching one under the cap."""
     torch.manual_seed(0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -214,7 +215,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    step, params, timer = _build(system, shape, device, cap_bytes)
+    step, params, timer = _build(system, shape, device, cap_bytes, plan)
     expected = reference_parameters(shape)
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")

@@ -1,0 +1,50 @@
+"""Searched plan vs hand-made recipes, measured: the planner issue's comparison table.
+
+    python jobs/bench_plans.py --shape gpt-4b --cap 24GiB [--hardware hw.json] [--out runs/bench_plans.json]
+    python jobs/bench_plans.py --smoke        # a tiny shape on CPU
+
+Rates are measured on this machine unless --hardware gives a file (`elixir-ray plan --save-hardware`).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elixir_ray.bench.plans import plan_table_markdown, run_plan_table  # noqa: E402
+from elixir_ray.bench.systems import SHAPES  # noqa: E402
+from elixir_ray.planner.hardware import HardwareProfile, profile_hardware  # noqa: E402
+from elixir_ray.units import parse_bytes  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b")
+    parser.add_argument("--cap", default="24GiB", help="device memory budget for every plan")
+    parser.add_argument("--hardware", help="HardwareProfile JSON (default: measure here)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape on CPU with a small cap")
+    parser.add_argument("--out", default="runs/bench_plans.json")
+    args = parser.parse_args()
+    shape, cap = ("smoke", parse_bytes("24MiB")) if args.smoke else (args.shape, parse_bytes(args.cap))
+    if args.hardware:
+        with open(args.hardware) as f:
+            hw = HardwareProfile.from_json(f.read())
+    else:
+        hw = profile_hardware("cpu" if args.smoke else None)
+    rows = run_plan_table(shape, cap, hw, steps=2 if args.smoke else args.steps, warmup=1 if args.smoke else 2,
+                          device="cpu" if args.smoke else None)
+    print(plan_table_markdown(rows))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"shape": shape, "cap_bytes": cap, "hardware": json.loads(hw.to_json()), "rows": rows}, f, indent=1)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
