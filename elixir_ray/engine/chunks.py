@@ -43,11 +43,14 @@ class Comm:
         self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(out, shard, group=self.group)
+        # torch 2.13 renamed these collectives (the old names warn); older releases have only the old names
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, shard, group=self.group)
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
         full.div_(self.world)
-        dist.reduce_scatter_tensor(out, full, group=self.group)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, full, group=self.group)
 
     def all_reduce_mean(self, t: torch.Tensor) -> None:
         t.div_(self.world)
