@@ -167,3 +167,23 @@ def test_low_precision_compute_tracks_the_fp32_loss_curve(dtype):
     losses = engine_run(model, opt, data, STEPS, ACCUM)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2
     assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+
+
+def test_fp16_needs_the_module_to_return_the_loss():
+    """The loss scale is applied to the module's output; anything else would train on unscaled gradients."""
+
+    class ReturnsPair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Toy()
+
+        def forward(self, x):
+            loss = self.inner(x)
+            return loss, loss.detach()
+
+    m = ReturnsPair()
+    sample = (batches(1, 4)[0],)
+    model, _ = wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=sample, device="cpu", dtype=torch.float16,
+                    device_memory="64MiB", loss_fn=lambda out: out[0])
+    with pytest.raises(TypeError, match="must return the scalar loss"):
+        model(sample[0])

@@ -87,7 +87,7 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("the benchmark chart needs matplotlib: pip install 'elixir_ray[bench]'") from None
+        raise RuntimeError("the benchmark chart needs matplotlib: pip install matplotlib (a dependency of elixir_ray)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

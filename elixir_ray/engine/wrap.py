@@ -43,7 +43,10 @@ class ChunkedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.hooks.forward(*args, **kwargs)
-        if self.loss_scale is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+        if self.loss_scale is not None and torch.is_grad_enabled():
+            if not (isinstance(out, torch.Tensor) and out.requires_grad and out.numel() == 1):
+                raise TypeError("with dtype=torch.float16 the module must return the scalar loss, so that the "
+                                "engine can scale it; return the loss from forward, or use bfloat16")
             scale = self.loss_scale.scale
             out.register_hook(lambda g: g * scale)
         return out
