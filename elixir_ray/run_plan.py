@@ -72,9 +72,8 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     import torch
 
     from elixir_ray.model.factory import build_model, sample_batch
+    from elixir_ray.planner.api import default_host_budget, search_module
     from elixir_ray.planner.hardware import HardwareProfile
-    from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
-    from elixir_ray.planner.search import plan_search
 
     if not profiles:
         raise ValueError("make_run_plan needs at least one worker profile")
@@ -88,14 +87,10 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     if cfg.engine.device_memory is not None:
         budget = min(budget, parse_bytes(cfg.engine.device_memory))
     rates = HardwareProfile.slowest([p.rates for p in profiles])
-    model = build_model(cfg, device="meta")
-    variants = checkpointing_variants(model) if cfg.engine.search_checkpointing else [None]
-    model_profiles = [profile_model(model, (sample_batch(cfg, micro),), None, v, getattr(torch, dtype))
-                      for v in variants]
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
-    host_budget = min(int(0.8 * p.host_memory_free) // per_host[p.hostname] for p in profiles)
-    elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    engine_plan = plan_search(model_profiles, rates, budget, world, dtype, elem, accum, host_budget=host_budget)
+    host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
+    engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world, rates,
+                                   getattr(torch, dtype), None, accum, host_budget, cfg.engine.search_checkpointing)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

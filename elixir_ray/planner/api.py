@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
-from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
+from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.search import plan_search
 from elixir_ray.units import parse_bytes
 
@@ -27,6 +27,28 @@ def device_budget(device: torch.device) -> int:
         fraction = getter(device) if getter else 1.0
         return int(min(free, fraction * total - torch.cuda.memory_reserved(device)))
     return available_host_bytes()
+
+
+HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state; the rest for the process, data and pinning
+
+
+def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) -> int:
+    """Host RAM for optimizer state per rank: a fraction of what is free, shared by the ranks on the host."""
+    free = available_host_bytes() if free_bytes is None else free_bytes
+    return int(HOST_FRACTION * free) // max(1, ranks_on_host)
+
+
+def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_size: int, hardware: HardwareProfile,
+                  dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
+                  search_checkpointing: bool) -> tuple[Plan, ModelProfile]:
+    """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile."""
+    variants = checkpointing_variants(module) if search_checkpointing else [None]
+    profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
+                        host_budget=host_budget)
+    chosen = next(p for p in profiles if p.checkpointing == found.activation_checkpointing)
+    return found, chosen
 
 
 def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str, None] = None, world_size: int = 1,
@@ -47,12 +69,9 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     device = torch.device(hardware.device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
-    host = parse_bytes(host_memory) if host_memory is not None else int(0.8 * available_host_bytes()) // world_size
-    variants = checkpointing_variants(module) if search_checkpointing else [None]
-    profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
-                       host_budget=host)
+    host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
+    return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
+                         search_checkpointing)[0]
 
 
 def quick_hardware(device: torch.device) -> HardwareProfile:

@@ -10,10 +10,10 @@ import torch
 from elixir_ray.config import RunConfig
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.alternatives import hand_made_plans
-from elixir_ray.planner.api import available_host_bytes, device_budget
+from elixir_ray.planner.api import default_host_budget, device_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
-from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
-from elixir_ray.planner.search import make_layout, plan_search
+from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.search import make_layout
 from elixir_ray.units import parse_bytes
 
 
@@ -36,13 +36,10 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     elem = torch.empty(0, dtype=dtype).element_size()
     memory = device_memory or cfg.engine.device_memory
     budget = parse_bytes(memory) if memory is not None else device_budget(device)
-    host = parse_bytes(host_memory) if host_memory else int(0.8 * available_host_bytes()) // world_size
-    model = build_model(cfg, device="meta")
-    variants = checkpointing_variants(model) if cfg.engine.search_checkpointing else [None]
-    sample = (sample_batch(cfg, cfg.train.micro_batch),)
-    profiles = [profile_model(model, sample, None, v, dtype) for v in variants]
-    plan = plan_search(profiles, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host_budget=host)
-    chosen = next(p for p in profiles if p.checkpointing == plan.activation_checkpointing)
+    host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
+    plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
+                                 budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
+                                 cfg.engine.search_checkpointing)
     layout = make_layout(chosen, plan.chunk_size, world_size)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)

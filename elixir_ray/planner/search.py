@@ -97,8 +97,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
     plain_host = host & ~dos
-    h2d_rate = hw.h2d_gbps * 1e9
-    copies_in = float((loads * lay.shards * 4 / h2d_rate)[host].sum())
+    copies_in = float((loads * (costs.load_host - costs.load_device))[host].sum())
     gathers = float((loads * costs.load_device).sum())
     reduce_comm = float(costs.reduce_device.sum())
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
@@ -174,15 +173,16 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, benefit: np.ndarr
     device_state = np.concatenate([[0.0], np.cumsum(state_bytes[ranking])])
     host_bytes = state_bytes.sum() - device_state
     host_ok = np.ones(len(ks), dtype=bool) if host_budget is None else host_bytes <= host_budget
+    host = ~device
+    has_host = host.any(axis=1)
+    # the peak is the device state plus parts that depend only on n and on whether a DOS buffer exists
+    fixed = {dos: sum(_memory_parts(lay, n, 0, dos, elem_bytes, world).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
-        host = ~device
-        dos = dos_mask(host, gap)
-        seconds = base + dos @ (costs.adam_dos - costs.adam_host)
-        has_host = host.any(axis=1)
-        peaks = np.array([sum(_memory_parts(lay, n, int(device_state[k]), gap > 0 and bool(has_host[k]),
-                                            elem_bytes, world).values()) for k in ks])
         if gap > 0 and not has_host.any():
             continue
+        dos = dos_mask(host, gap)
+        seconds = base + dos @ (costs.adam_dos - costs.adam_host)
+        peaks = device_state + np.where(has_host & (gap > 0), fixed[True], fixed[False])
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
             if need < smallest.get("need", float("inf")):
