@@ -8,9 +8,9 @@ import os
 from elixir_ray.units import format_bytes
 
 # measured categories first (elixir_ray/engine/timing.py), then the remainder of the step
-BREAKDOWN_ORDER = ("compute_and_waits", "h2d", "d2h", "cpu_adam", "device_adam")
+BREAKDOWN_ORDER = ("compute_and_waits", "h2d", "d2h", "cpu_adam_wait", "device_adam")
 BREAKDOWN_COLORS = {"compute_and_waits": "#4472c4", "h2d": "#ed7d31", "d2h": "#ffc000",
-                    "cpu_adam": "#70ad47", "device_adam": "#a5a5a5"}
+                    "cpu_adam_wait": "#70ad47", "device_adam": "#a5a5a5"}
 
 
 def add_ratios(results: list[dict]) -> list[dict]:
@@ -69,16 +69,20 @@ def breakdown_table(results: list[dict]) -> str:
     if not rows:
         return ""
     cats = _categories(rows)
+    background = list(dict.fromkeys(k for r in rows for k in r.get("background") or {}))
     lines = ["Where a step's time goes, in milliseconds per step (mean of extra steps timed with device syncs, "
-             "which can make them slower than the steps above; compute_and_waits is the untimed remainder):", "",
-             "| system | timed step (ms) | " + " | ".join(cats) + " |",
-             "|---|---|" + "---|" * len(cats)]
+             "which can make them slower than the steps above; compute_and_waits is the untimed remainder). "
+             "Background columns are work on another thread that overlaps the rest, so they are not part of "
+             "the sum; cpu_adam_wait is what the CPU AdamW failed to hide:", "",
+             "| system | timed step (ms) | " + " | ".join(cats) + " | " + " | ".join(f"{k} (background)" for k in background) + " |",
+             "|---|---|" + "---|" * (len(cats) + len(background))]
     for r in rows:
         total = r.get("breakdown_step_seconds") or sum(r["breakdown"].values())
         cells = []
         for k in cats:
             v = r["breakdown"].get(k, 0.0)
             cells.append(f"{v * 1e3:.1f} ({v / total:.0%})" if total > 0 else f"{v * 1e3:.1f}")
+        cells += [f"{(r.get('background') or {}).get(k, 0.0) * 1e3:.1f}" for k in background]
         lines.append(f"| {r['system']} | {total * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

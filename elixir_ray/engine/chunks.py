@@ -6,10 +6,19 @@ device. Its compute copy is one flat tensor in the compute dtype on the compute 
 parameter in the chunk is a view of it. Freeing the copy shrinks its storage to zero and
 fetching regrows and refills the same storage, so tensors autograd saved from the parameters
 see the weights again after a refetch (weights do not change within a step).
+
+A host chunk computed in a lower precision also keeps `upload`, its master already cast to the
+compute dtype (pinned), refreshed after every update: a fetch then copies half the bytes of the
+fp32 master and needs no fp32 buffer on the device.
+
+Two things may be in flight for a chunk, and everything that reads or writes its state waits for
+them first (`settle`, `make_usable`): its CPU AdamW update on the background thread (`update`),
+and, on CUDA, a prefetch of its compute copy on the copy stream (`ready`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
 
@@ -97,10 +107,15 @@ class Chunk:
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     compute: Optional[torch.Tensor] = None  # compute dtype [size] on the compute device
+    upload: Optional[torch.Tensor] = None  # host chunks in low precision: master cast to the compute dtype
     staging: Optional[torch.Tensor] = None  # fp32 [size]: gradients collected during backward
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
     eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete
+    update: Optional[Future] = None  # its CPU AdamW update, queued or running on the background thread
+    updated: bool = False  # its update for the step under way has been started
+    ready: Optional[torch.cuda.Event] = None  # CUDA: its prefetch on the copy stream has finished
+    grad_ready: Optional[torch.cuda.Event] = None  # CUDA: its gradient's copy to the host has landed
 
     @property
     def resident(self) -> bool:
@@ -125,13 +140,17 @@ class ChunkStore:
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.pin = device.type == "cuda"
-        self.counts = {"fetches": 0, "evictions": 0, "reduces": 0}
+        self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
         self.timer = StepTimer(device)
+        self.updates = HostUpdates(self.timer)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
             where = self.state_device(c)
             c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=where, pin_memory=self._pin(where))
+            if where.type == "cpu" and dtype != torch.float32:
+                c.upload = torch.zeros(c.shard_len, dtype=dtype, pin_memory=self._pin(where))
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage
                 _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
@@ -154,9 +173,39 @@ class ChunkStore:
 
         A device-to-host copy with non_blocking=True returns before the data has arrived, so the
         host must not read host-placed gradients (norm, overflow check, CPU AdamW) before this.
+        Both streams: a prefetch may still be reading a host master the CPU is about to update.
         """
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
+
+    # -- work in flight ---------------------------------------------------------------------------
+
+    def settle(self, c: Chunk) -> None:
+        """Wait for the chunk's CPU update, if one is queued or running (re-raising its error)."""
+        if c.update is not None:
+            future, c.update = c.update, None
+            self.updates.wait(future)
+
+    def settle_all(self) -> None:
+        """Every chunk's state final and every device copy landed: before reading or writing state wholesale."""
+        for c in self.chunks:
+            self.settle(c)
+        self.wait_for_copies()
+
+    def usable(self, c: Chunk) -> bool:
+        """Its compute copy is there and filled, as far as the compute stream is concerned."""
+        return c.ready is None and c.resident
+
+    def make_usable(self, c: Chunk) -> None:
+        """Order the compute stream after the chunk's prefetch (a no-op when none is pending)."""
+        if c.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(c.ready)
+            c.ready = None
+
+    def refresh_upload(self, c: Chunk) -> None:
+        """Recast the master into the compute-dtype upload copy, after the master changed."""
+        if c.upload is not None:
+            c.upload.copy_(c.master)
 
     def state_device(self, chunk: Chunk) -> torch.device:
         return self.device if chunk.placement == "device" else torch.device("cpu")
@@ -170,27 +219,53 @@ class ChunkStore:
     # -- compute copies -------------------------------------------------------------------------
 
     def fetch(self, c: Chunk) -> None:
+        """Fill the chunk's compute copy now, on the compute stream."""
+        self.settle(c)
         with self.timer.region("h2d"):
-            self._fetch(c)
+            c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
+            self._fill(c)
         self.counts["fetches"] += 1
 
-    def _fetch(self, c: Chunk) -> None:
-        storage = c.compute.untyped_storage()
-        storage.resize_(c.size * c.compute.element_size())
-        shard = c.master.to(self.device, non_blocking=True).to(self.dtype)
+    def prefetch(self, c: Chunk) -> None:
+        """Fill the chunk's compute copy ahead of its use: on CUDA on the copy stream, else now.
+
+        The block is allocated on the compute stream (so the allocator orders its reuse there) and
+        the copy stream first waits for the compute stream, so it cannot write into memory an
+        evicted chunk's kernels still read. `make_usable` orders the chunk's first use after it.
+        """
+        if self.copy_stream is None:
+            self.fetch(c)
+            self.counts["prefetches"] += 1
+            return
+        self.settle(c)
+        with self.timer.region("h2d"):
+            c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                self._fill(c)
+                c.ready = torch.cuda.Event()
+                c.ready.record(self.copy_stream)
+        self.counts["fetches"] += 1
+        self.counts["prefetches"] += 1
+
+    def _fill(self, c: Chunk) -> None:
+        source = c.upload if c.upload is not None else c.master  # the compute dtype when there is one
         if c.sharded and self.comm.world > 1:
+            shard = source.to(self.device, non_blocking=True).to(self.dtype)
             self.comm.all_gather(c.compute, shard)
         else:
-            c.compute.copy_(shard)
+            c.compute.copy_(source, non_blocking=True)
 
     def free(self, c: Chunk) -> None:
         if c.resident:
+            self.make_usable(c)  # a prefetch still writing must finish before the block is reused
             c.compute.untyped_storage().resize_(0)
             self.counts["evictions"] += 1
 
     def free_all(self) -> None:
         for c in self.chunks:
             if c.resident:
+                self.make_usable(c)
                 c.compute.untyped_storage().resize_(0)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -209,6 +284,7 @@ class ChunkStore:
         self.counts["reduces"] += 1
 
     def _reduce(self, c: Chunk) -> None:
+        self.settle(c)  # its gradient may still be read by last step's update
         full = c.staging if c.staging is not None else torch.zeros(c.size, dtype=torch.float32, device=self.device)
         if self.comm.world > 1 and c.sharded:
             part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
@@ -225,6 +301,9 @@ class ChunkStore:
             # the host adds at once, so this copy (and the earlier one into c.grad) must have landed
             c.grad.add_(part.to(where, non_blocking=where.type != "cpu"))
         c.staging = None
+        if where.type == "cpu" and self.device.type == "cuda":
+            c.grad_ready = torch.cuda.Event()  # the background update waits for this, not the whole device
+            c.grad_ready.record()
 
     # -- whole tensors for state dicts ----------------------------------------------------------
 
@@ -233,6 +312,7 @@ class ChunkStore:
         return self.full_of(c, c.master)
 
     def full_of(self, c: Chunk, shard: Optional[torch.Tensor]) -> torch.Tensor:
+        self.settle(c)
         if shard is None:
             shard = torch.zeros(c.shard_len, dtype=torch.float32)
         if not (c.sharded and self.comm.world > 1):

@@ -32,8 +32,8 @@ class _FetchParamsMode(TorchFunctionMode):
         needed = [slots[id(a)].chunk for a in (*args, *kwargs.values())
                   if isinstance(a, nn.Parameter) and id(a) in slots]
         if needed:
-            missing = [c for c in needed if not self.runtime.store.chunks[c].resident]
-            if missing:
+            store = self.runtime.store
+            if not all(store.usable(store.chunks[c]) for c in needed):
                 self.runtime.pool.access(tuple(needed))
         return func(*args, **kwargs)
 
@@ -46,6 +46,7 @@ class EngineHooks:
         self.phase = "idle"  # "forward" | "backward" | "idle"
         self._recompute_open = False
         self._backward_open = False
+        self.optimizer = None  # the ChunkedAdam, told when a backward starts and when a gradient is final
         self.handles = []
         for mod in module.modules():
             chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
@@ -75,8 +76,7 @@ class EngineHooks:
         chunk = self.store.chunk_of(t)
         if chunk is not None:
             self._recompute_open = False
-            if not chunk.resident:
-                self.pool.access((chunk.index,))
+            self.pool.access((chunk.index,))  # also when resident: keeps the pool's place in the trace for prefetch
         return t
 
     def forward(self, *args, **kwargs):
@@ -92,6 +92,8 @@ class EngineHooks:
 
     def start_backward(self) -> None:
         """Expected gradients per chunk for this backward, and the callback that closes it."""
+        if self.optimizer is not None:
+            self.optimizer.backward_started()  # may refuse a backward the step did not expect
         self._backward_open = True
         for c in self.store.chunks:
             c.pending = sum(1 for s in c.slots if s.param.requires_grad)
@@ -110,20 +112,27 @@ class EngineHooks:
         if chunk.pending == 0 and (chunk.eager_reduce or self.store.comm.world == 1):
             self.store.reduce(chunk)
             chunk.reduced = True
+            if self.optimizer is not None:
+                self.optimizer.gradient_final(chunk)
 
     def _end_backward(self) -> None:
         """Reduce every chunk not reduced yet, in chunk order, so all ranks issue the same collectives."""
         comm = self.store.comm
+        late = []
         for c in self.store.chunks:
             if c.reduced:
                 continue
             if c.staging is not None or (comm.world > 1 and any(s.param.requires_grad for s in c.slots)):
                 self.store.reduce(c)
+                late.append(c)
             c.reduced = True
         if comm.world > 1:  # a parameter used on any rank has a gradient, as in one-process training
             flags = comm.all_reduce_max(torch.tensor([float(s.has_grad) for s in self.slots]))
             for s, f in zip(self.slots, flags.tolist()):
                 s.has_grad = f > 0
+        if self.optimizer is not None:  # only now are these chunks' "has a gradient" flags final
+            for c in late:
+                self.optimizer.gradient_final(c)
         self._backward_open = False
         self.phase = "idle"
         self.pool.release_pins()

@@ -1,17 +1,31 @@
 """ChunkedAdam: the user's Adam/AdamW, run per chunk where that chunk's state lives.
 
-The hyper-parameters are read from the user's optimizer's param groups at every step (so a
-learning-rate schedule that edits them works), and the update is torch's own Adam functional:
-fused on the CPU for host chunks, fused on the GPU for device chunks. With Deep Optimizer States
-(`dos_gap=k`), every k-th host chunk is copied to the compute device, updated there, and copied
-back. A parameter that received no gradient since the last `zero_grad` is not updated and its
-step count does not advance, exactly as torch skips parameters whose `.grad` is None.
+The hyper-parameters are read from the user's optimizer's param groups (so a learning-rate
+schedule that edits them works), and the update is torch's own Adam functional: fused on the
+device for device chunks; fused on the CPU for host chunks, on a background thread
+(host_updates.py) so that it overlaps what the training thread does next. With Deep Optimizer
+States (`dos_gap=k`), every k-th host chunk is instead copied to the compute device, updated there
+by the training thread while the background thread updates the others, and copied back.
+
+When the update of a chunk starts:
+- at `step()`, in chunk order (the order the next forward needs them), for every chunk by default;
+- during the backward, as soon as the chunk's gradient is final, when the engine knows this backward
+  is the last before `step()` (`accumulation_steps=N`: every N-th backward) and nothing global has to
+  be known first (no gradient clipping, which needs the global norm; no fp16, whose overflow check
+  needs every gradient). `step()` then starts only what is left.
+Either way the result is exactly that of one torch AdamW step: what a chunk's update uses (its
+gradient, step counts, hyper-parameters) is fixed when it starts, and nothing reads or writes a
+chunk's state before its update has finished (`ChunkStore.settle`).
+
+A parameter that received no gradient since the last `zero_grad` is not updated and its step count
+does not advance, exactly as torch skips parameters whose `.grad` is None.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,6 +35,7 @@ from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_optimizer(optimizer) -> None:
@@ -48,17 +63,52 @@ class DynamicLossScale:
                 self.scale *= 2
 
 
+@dataclass(frozen=True)
+class AdamCall:
+    """One fused Adam call over some slices of a chunk's shard, with everything it reads fixed."""
+
+    segments: tuple  # (lo, hi) in shard coordinates
+    step: int  # updates applied so far to these parameters
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+
+def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq) -> None:
+    for call in calls:
+        segs = call.segments
+        steps = [torch.tensor(float(call.step), dtype=torch.float32, device=master.device) for _ in segs]
+        adam_functional(
+            [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
+            [exp_avg[lo:hi] for lo, hi in segs], [exp_avg_sq[lo:hi] for lo, hi in segs], [], steps,
+            fused=True, amsgrad=False, beta1=call.beta1, beta2=call.beta2, lr=call.lr,
+            weight_decay=call.weight_decay, eps=call.eps, maximize=False, decoupled_weight_decay=call.decoupled,
+        )
+
+
 class ChunkedAdam:
     def __init__(self, base: torch.optim.Optimizer, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot],
-                 max_grad_norm: Optional[float], dos_gap: int, loss_scale: Optional[DynamicLossScale]):
+                 max_grad_norm: Optional[float], dos_gap: int, loss_scale: Optional[DynamicLossScale],
+                 accumulation_steps: Optional[int] = None):
+        if accumulation_steps is not None and accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be a positive number of backward() calls per step, "
+                             f"got {accumulation_steps}")
         self.base, self.store, self.pool, self.slots = base, store, pool, slots
         self.max_grad_norm, self.dos_gap, self.loss_scale = max_grad_norm, dos_gap, loss_scale
+        self.accumulation_steps = accumulation_steps
         self.decoupled = isinstance(base, torch.optim.AdamW)
         group_of = {id(p): i for i, g in enumerate(base.param_groups) for p in g["params"]}
         for s in slots:
             s.group = group_of.get(id(s.param), -1)  # -1: not in the optimizer, never updated
+        host = [c.index for c in store.chunks if c.placement == "host"]
+        self.dos_chunks = {i for k, i in enumerate(host) if dos_gap > 0 and k % dos_gap == dos_gap - 1}
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0
+        self.backwards = 0  # backward passes since the last step
+        self._started_with: Optional[tuple] = None  # hyper-parameters of updates started during a backward
 
     @property
     def param_groups(self):
@@ -68,11 +118,44 @@ class ChunkedAdam:
     def defaults(self):
         return self.base.defaults
 
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether the last backward of a step starts the updates (see the module docstring)."""
+        return self.accumulation_steps is not None and self.max_grad_norm is None and self.loss_scale is None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.store.chunks:
-            c.grad = None
+            c.grad = None  # a running update holds its own reference to the gradient it reads
         for s in self.slots:
             s.has_grad = False
+
+    # -- called by the engine's hooks -------------------------------------------------------------
+
+    def backward_started(self) -> None:
+        n = self.accumulation_steps
+        if n is not None and self.backwards >= n:
+            raise RuntimeError(
+                f"backward() called {self.backwards + 1} times since the last optimizer.step(), but "
+                f"wrap(..., accumulation_steps={n}) said {n}: this step's updates already started during the "
+                f"last of them, so the model and optimizer state no longer match plain training (restore a "
+                f"checkpoint). Call optimizer.step() after every {n} backward() call(s), or pass the right "
+                f"accumulation_steps (None: updates start at step())")
+        self.backwards += 1
+
+    def gradient_final(self, c: Chunk) -> None:
+        """The chunk's gradient for this backward is complete on this rank: start its update if allowed."""
+        if not (self.updates_in_backward and self.backwards == self.accumulation_steps):
+            return
+        if c.updated or c.grad is None or c.index in self.dos_chunks:  # DOS chunks run on the device at step()
+            return
+        if self._started_with is None:
+            self._started_with = self._hyper_parameters()
+        self._start(c)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def _hyper_parameters(self) -> tuple:
+        return tuple(tuple(tuple(g[k]) if k == "betas" else g[k] for k in HYPER) for g in self.param_groups)
 
     def _grad_norm_sq(self) -> float:
         """Sum of squared gradients over the whole model: sharded parts add up across ranks."""
@@ -93,7 +176,23 @@ class ChunkedAdam:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
+        try:
+            self._step()
+        finally:
+            self.backwards = 0
+            self._started_with = None
+            for c in self.store.chunks:
+                c.updated = False
+            self.pool.reset()  # compute copies are stale now
+
+    def _step(self) -> None:
         self.store.wait_for_copies()  # host gradients were copied asynchronously; read them only once landed
+        if self._started_with is not None and self._started_with != self._hyper_parameters():
+            raise RuntimeError(
+                "the learning rate (or another Adam hyper-parameter) changed between backward() and "
+                "optimizer.step(), but with accumulation_steps set the updates start during the last backward() "
+                "with the values in effect then: set hyper-parameters before the forward pass, or wrap without "
+                "accumulation_steps")
         scale = 1.0
         if self.loss_scale is not None:
             scale = self.loss_scale.scale  # the scale this step's backward ran with
@@ -101,7 +200,6 @@ class ChunkedAdam:
             self.loss_scale.update(overflow)
             if overflow:
                 self.skipped_steps += 1
-                self.pool.reset()
                 return
         if scale != 1.0:
             for c in self.store.chunks:
@@ -115,62 +213,71 @@ class ChunkedAdam:
                 for c in self.store.chunks:
                     if c.grad is not None:
                         c.grad.mul_(coef)
-        host_index = 0
-        for c in self.store.chunks:
-            on_device = c.placement == "device"
-            if not on_device:
-                via_device = self.dos_gap > 0 and host_index % self.dos_gap == self.dos_gap - 1
-                host_index += 1
-            else:
-                via_device = False
-            if c.grad is not None:
-                self._update_chunk(c, via_device)
-        self.pool.reset()  # compute copies are stale now
+        # host chunks first, in chunk order, so that the background thread starts at once; then the
+        # device and DOS chunks on this thread, beside it
+        pending = [c for c in self.store.chunks if c.grad is not None and not c.updated]
+        on_host = [c for c in pending if self._runs_on_host(c)]
+        for c in on_host + [c for c in pending if not self._runs_on_host(c)]:
+            self._start(c)
 
-    def _update_chunk(self, c: Chunk, via_device: bool) -> None:
-        """Timed as "cpu_adam" for a host chunk, "device_adam" for a device or DOS chunk (its copies included).
+    def _runs_on_host(self, c: Chunk) -> bool:
+        return c.placement == "host" and c.index not in self.dos_chunks
 
-        By the plan's placement, not the tensor's device, so a CPU-only run reports the same split.
-        """
-        on_host = c.placement == "host" and not via_device
-        with self.store.timer.region("cpu_adam" if on_host else "device_adam"):
-            self._update_chunk_untimed(c, via_device)
-
-    def _update_chunk_untimed(self, c: Chunk, via_device: bool) -> None:
-        if c.exp_avg is None:
-            c.exp_avg = torch.zeros_like(c.master)
-            c.exp_avg_sq = torch.zeros_like(c.master)
-        if via_device:  # Deep Optimizer States: this host chunk's update runs on the compute device
-            dev = self.store.device
-            master, grad = c.master.to(dev, non_blocking=True), c.grad.to(dev, non_blocking=True)
-            m, v = c.exp_avg.to(dev, non_blocking=True), c.exp_avg_sq.to(dev, non_blocking=True)
-            if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU
-                master, grad, m, v = master.clone(), grad.clone(), m.clone(), v.clone()
-            self._adam(c, master, grad, m, v)
-            c.master.copy_(master)
-            c.exp_avg.copy_(m)
-            c.exp_avg_sq.copy_(v)
-        else:
-            self._adam(c, c.master, c.grad, c.exp_avg, c.exp_avg_sq)
-
-    def _adam(self, c: Chunk, master, grad, exp_avg, exp_avg_sq) -> None:
-        """One fused Adam call per (param group, step count) over the slices of this chunk's shard."""
+    def _calls(self, c: Chunk) -> list[AdamCall]:
+        """What this chunk's update will do, fixed now; counts the update in each parameter's step."""
         batches = defaultdict(list)
         for slot, lo, hi in c.segments():
             if slot.group < 0 or not slot.has_grad or not slot.param.requires_grad:
                 continue
-            batches[(slot.group, slot.step)].append((slot, lo, hi))
+            batches[(slot.group, slot.step)].append((lo, hi))
+        calls = []
         for (gi, step), segs in batches.items():
             group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            steps = [torch.tensor(float(step), dtype=torch.float32, device=master.device) for _ in segs]
-            adam_functional(
-                [master[lo:hi] for _, lo, hi in segs], [grad[lo:hi] for _, lo, hi in segs],
-                [exp_avg[lo:hi] for _, lo, hi in segs], [exp_avg_sq[lo:hi] for _, lo, hi in segs], [], steps,
-                fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled),
-            )
+            calls.append(AdamCall(tuple(segs), step, float(group["lr"]), float(beta1), float(beta2),
+                                  float(group["eps"]), float(group["weight_decay"]),
+                                  bool(group.get("decoupled_weight_decay", self.decoupled))))
         for slot in c.slots:  # every rank counts every parameter's steps, whichever ranks hold its slices
             if slot.group >= 0 and slot.has_grad and slot.param.requires_grad:
                 slot.step += 1
+        return calls
+
+    def _start(self, c: Chunk) -> None:
+        c.updated = True
+        self.store.settle(c)
+        calls = self._calls(c)
+        if c.exp_avg is None:
+            pin = self.store.pin and c.master.device.type == "cpu"
+            c.exp_avg = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device, pin_memory=pin)
+            c.exp_avg_sq = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device, pin_memory=pin)
+        if not calls:
+            return
+        if self._runs_on_host(c):
+            master, grad, m, v, upload = c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.upload
+
+            def job():
+                run_adam(calls, master, grad, m, v)
+                if upload is not None:
+                    upload.copy_(master)
+
+            c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.ready) if e is not None])
+        else:
+            with self.store.timer.region("device_adam"):  # device chunks, and DOS chunks with their copies
+                self._update_on_device(c, calls)
+
+    def _update_on_device(self, c: Chunk, calls: list[AdamCall]) -> None:
+        if c.placement == "device":
+            run_adam(calls, c.master, c.grad, c.exp_avg, c.exp_avg_sq)
+            return
+        # Deep Optimizer States: this host chunk's update runs on the compute device
+        dev = self.store.device
+        master, grad = c.master.to(dev, non_blocking=True), c.grad.to(dev, non_blocking=True)
+        m, v = c.exp_avg.to(dev, non_blocking=True), c.exp_avg_sq.to(dev, non_blocking=True)
+        if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU
+            master, grad, m, v = master.clone(), grad.clone(), m.clone(), v.clone()
+        run_adam(calls, master, grad, m, v)
+        c.master.copy_(master)
+        c.exp_avg.copy_(m)
+        c.exp_avg_sq.copy_(v)
+        if c.upload is not None:
+            c.upload.copy_(master.to(c.upload.dtype))  # cast on the device: half the bytes come back

@@ -5,6 +5,13 @@ recycles, so the engine's device footprint is fixed by n_blocks. Eviction picks 
 chunk whose next use, in the traced access order of a step, is farthest away. Chunks in use by
 the access being served, the most recently used ones, and those recomputed for the checkpointed
 region whose backward is running are never evicted.
+
+Prefetch: after serving an access, the pool looks `prefetch_depth` accesses ahead in the trace
+(never past the end of the step: the next step's weights are not updated yet) and loads what they
+need that is not resident, evicting only a chunk whose next use comes later than the prefetched
+chunk's, so prefetching never costs a load the plain Belady pool would not make. On CUDA the copy
+runs on a side stream and overlaps the compute of the access just served; on a CPU it is done at
+once (same result, no overlap), which is how the bookkeeping is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from elixir_ray.engine.chunks import Chunk, ChunkStore
 
 
 class ChunkPool:
-    def __init__(self, store: ChunkStore, n_blocks: int, events: list[tuple[int, ...]], keep_recent: int):
+    def __init__(self, store: ChunkStore, n_blocks: int, events: list[tuple[int, ...]], keep_recent: int,
+                 prefetch_depth: int = 1):
         self.store, self.n_blocks = store, n_blocks
+        self.prefetch_depth = prefetch_depth
         self.events = events
         self.occurrences: dict[int, list[int]] = {}
         for i, ev in enumerate(events):
@@ -53,7 +62,7 @@ class ChunkPool:
         if not chunk_ids:
             return
         self._advance(chunk_ids)
-        protected = set(chunk_ids) | set(list(self.recent)[-self.keep_recent:]) | self.pinned
+        protected = self._protected(chunk_ids)
         for cid in chunk_ids:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
@@ -62,13 +71,42 @@ class ChunkPool:
                     candidates = [c for c in resident if c.index not in protected] or \
                                  [c for c in resident if c.index not in chunk_ids]
                     victim = max(candidates, key=lambda c: self.next_use(c.index))
-                    self.store.free(victim)
-                    self.recent.pop(victim.index, None)
+                    self._evict(victim)
                 self.store.fetch(chunk)
+            self.store.make_usable(chunk)
             self.recent.pop(cid, None)
             self.recent[cid] = None
             if pin:
                 self.pinned.add(cid)
+        self._prefetch(set(chunk_ids))
+
+    def _protected(self, chunk_ids) -> set[int]:
+        return set(chunk_ids) | set(list(self.recent)[-self.keep_recent:]) | self.pinned
+
+    def _evict(self, victim: Chunk) -> None:
+        self.store.free(victim)
+        self.recent.pop(victim.index, None)
+
+    def _prefetch(self, serving: set[int]) -> None:
+        """Load the chunks of the next traced accesses of this step, where it costs no extra load."""
+        if self.prefetch_depth <= 0 or self.cursor < 0:
+            return
+        protected = self._protected(serving)
+        end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
+        for j in range(self.cursor + 1, end):
+            for cid in self.events[j]:
+                chunk = self.store.chunks[cid]
+                if chunk.resident:
+                    protected.add(cid)
+                    continue
+                resident = self.resident
+                if len(resident) >= self.n_blocks:
+                    later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
+                    if not later:
+                        return  # nothing may go without costing a load: give up, as a plain pool would wait
+                    self._evict(max(later, key=lambda c: self.next_use(c.index)))
+                self.store.prefetch(chunk)
+                protected.add(cid)
 
     def release_pins(self) -> None:
         self.pinned.clear()

@@ -6,12 +6,15 @@ optimizer. To say where a step's time goes, the ChunkStore times its own regions
 - "h2d": `ChunkStore.fetch`, the host-to-device copy and cast of a chunk, plus its all-gather;
 - "d2h": `ChunkStore.reduce`, the reduce-scatter or all-reduce of a chunk's gradient and the copy
   of this rank's gradient shard to where its optimizer state lives (the host, usually);
-- "cpu_adam": AdamW updates of host chunks, run by the CPU;
+- "cpu_adam_wait": the training thread blocked on a host chunk's CPU AdamW (which runs on a
+  background thread, see host_updates.py) because it needed that chunk's state;
 - "device_adam": AdamW updates of device chunks and of Deep Optimizer States chunks, including
   the latter's copies to the device and back.
 
-Everything else in a step (forward and backward kernels, hook overhead, gradient clipping, and
-waiting) is not timed here; a caller that measures the whole step gets it as the remainder.
+These four are measured on the training thread and add up, with the untimed rest (forward and
+backward kernels, hook overhead, gradient clipping), to the step's wall time. Beside them,
+`background()` gives "cpu_adam": the seconds the background thread spent on CPU AdamW. That time
+overlaps the others, so it is not part of the sum; what it failed to hide is "cpu_adam_wait".
 
 Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
 attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
@@ -24,11 +27,13 @@ ones: enable the timer for benchmarks and diagnosis, not for training runs.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
 
-CATEGORIES = ("h2d", "d2h", "cpu_adam", "device_adam")
+CATEGORIES = ("h2d", "d2h", "cpu_adam_wait", "device_adam")  # on the training thread; they add up
+BACKGROUND = ("cpu_adam",)  # on the background thread; overlaps the rest
 
 _UNTIMED = contextlib.nullcontext()  # reusable: entering it does nothing
 
@@ -41,6 +46,9 @@ class StepTimer:
         self.enabled = False
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.calls = dict.fromkeys(CATEGORIES, 0)
+        self.background_seconds = dict.fromkeys(BACKGROUND, 0.0)
+        self.background_calls = dict.fromkeys(BACKGROUND, 0)
+        self._lock = threading.Lock()
         self._open = False  # a region is being timed: nested ones are already inside its time
 
     def region(self, category: str):
@@ -51,14 +59,30 @@ class StepTimer:
             return _UNTIMED
         return _Region(self, category)
 
+    def add_background(self, category: str, seconds: float) -> None:
+        """Time spent by a background thread (thread-safe; recorded only while enabled)."""
+        if self.enabled:
+            with self._lock:
+                self.background_seconds[category] += seconds
+                self.background_calls[category] += 1
+
     def totals(self) -> dict[str, float]:
-        """A copy of the seconds so far, per category."""
+        """A copy of the seconds so far, per training-thread category."""
         return dict(self.seconds)
+
+    def background(self) -> dict[str, float]:
+        """A copy of the background thread's seconds so far (overlapping the training thread's)."""
+        with self._lock:
+            return dict(self.background_seconds)
 
     def reset(self) -> None:
         for k in CATEGORIES:
             self.seconds[k] = 0.0
             self.calls[k] = 0
+        with self._lock:
+            for k in BACKGROUND:
+                self.background_seconds[k] = 0.0
+                self.background_calls[k] = 0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

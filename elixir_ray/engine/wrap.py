@@ -71,6 +71,7 @@ class ChunkedModule(nn.Module):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
+        self.store.settle_all()
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -85,6 +86,8 @@ class ChunkedModule(nn.Module):
                 t.copy_(value)
             else:
                 _write_master(self.store.chunks[slot.chunk], slot, value.detach().float().reshape(-1).cpu())
+        for c in self.store.chunks:
+            self.store.refresh_upload(c)
         self.pool.reset()
 
 
@@ -96,9 +99,20 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
          device_memory: Union[int, str, None] = None, plan: Optional[Plan] = None,
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
          dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
-         init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None):
-    """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`."""
+         init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None,
+         accumulation_steps: Optional[int] = None, prefetch: int = 1):
+    """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`.
+
+    `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
+    host chunks start their CPU update during the N-th backward (see docs/engine.md); `prefetch`
+    is how many traced accesses ahead the pool loads chunks (0: only on demand).
+    """
     check_optimizer(optimizer)
+    if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+        raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
+                         f"or None, got {accumulation_steps!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (traced accesses to load ahead), got {prefetch!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -154,12 +168,17 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     for s in slots:
         chunk_of_param[index[s.name]] = s.chunk
     events, min_blocks = chunk_events(trace.events, trace.phases, chunk_of_param, trace.grad_epochs)
+    for c in chunks:
+        store.refresh_upload(c)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
-                     keep_recent=max(1, min_blocks - 1))
+                     keep_recent=max(1, min_blocks - 1), prefetch_depth=prefetch)
     hooks = EngineHooks(module, store, pool, slots)
     loss_scale = DynamicLossScale() if dtype == torch.float16 else None
     model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale)
-    return model, ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale)
+    chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
+                                    accumulation_steps)
+    hooks.optimizer = chunked_optimizer
+    return model, chunked_optimizer
 
 
 @torch.no_grad()

@@ -1,0 +1,196 @@
+"""What the engine overlaps, checked for exactness on CPU with real threads and real gloo groups.
+
+- Host chunks' CPU AdamW runs on a background thread: `step()` returns before it finishes and the
+  next forward waits chunk by chunk. With `accumulation_steps`, it starts during the last backward.
+- The pool prefetches the next traced accesses (synchronously on a CPU, on a side stream on CUDA).
+- Low-precision compute uploads a host copy already cast to the compute dtype.
+Each must give exactly what plain torch AdamW gives; the misuses that would break that are refused.
+"""
+
+import copy
+import os
+import socket
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.engine.host_updates import HostUpdates
+from elixir_ray.engine.timing import StepTimer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+
+STEPS = 12
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _engine(model, rows, world=1, max_grad_norm=None, accumulation_steps=None, prefetch=1, dtype=None,
+            cycle=("host",), **plan_kwargs):
+    """`cycle`: chunk placements, repeated over the chunks."""
+    sample = (batches(1, rows)[0],)
+    plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3, world_size=world, **plan_kwargs)
+    plan.placements = [cycle[i % len(cycle)] for i in range(plan.n_chunks)]
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    return wrap(model, opt, sample_inputs=sample, plan=plan, max_grad_norm=max_grad_norm, device="cpu",
+                accumulation_steps=accumulation_steps, prefetch=prefetch, dtype=dtype)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("ckpt", ["", "non-reentrant"])
+def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
+    torch.manual_seed(0)
+    base = Toy(ckpt=ckpt)
+    data = batches(STEPS * accum, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, accum, None)
+    model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=accum, cycle=("host", "device"))
+    assert opt.updates_in_backward
+    losses = engine_run(model, opt, data, STEPS, accum)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+    assert torch.equal(model.state_dict()["unused.weight"], base.state_dict()["unused.weight"])
+
+
+def test_updates_really_start_before_step():
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=2)
+    data = batches(2, 8)
+    model(data[0]).backward()
+    assert not any(c.updated for c in model.store.chunks)  # first of two backward passes: nothing final yet
+    model(data[1]).backward()
+    started = [c.index for c in model.store.chunks if c.updated]
+    host_with_grad = [c.index for c in model.store.chunks if c.grad is not None]
+    assert started and set(started) == set(host_with_grad)  # every chunk with a gradient, before step()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_clipping_starts_updates_at_step_and_stays_exact():
+    """The clip coefficient needs every gradient, so nothing may start in backward; still exact."""
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(STEPS, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, 1, 0.5)
+    model, opt = _engine(copy.deepcopy(base), 8, max_grad_norm=0.5, accumulation_steps=1)
+    assert not opt.updates_in_backward
+    losses = engine_run(model, opt, data, STEPS, 1)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
+def test_step_returns_before_the_cpu_update_and_readers_wait_for_it():
+    """A slow background thread: step() must not wait for it, and state_dict() must."""
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(1, 8)
+    _, ref_state = reference_run(base, data, 1, 1, None)
+    model, opt = _engine(copy.deepcopy(base), 8)
+    gate = threading.Event()
+    model.store.updates.submit(gate.wait)  # occupies the one background thread until released
+    model(data[0]).backward()
+    opt.step()  # queues the host updates behind the gate and returns
+    queued = [c for c in model.store.chunks if c.update is not None]
+    assert queued and not any(c.update.done() for c in queued)
+    threading.Timer(0.2, gate.set).start()
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5  # waited for every update
+
+
+def test_an_error_on_the_background_thread_surfaces_where_the_chunk_is_next_used():
+    updates = HostUpdates(StepTimer(torch.device("cpu")))
+
+    def fails():
+        raise ValueError("boom")
+
+    future = updates.submit(fails)
+    with pytest.raises(ValueError, match="boom"):
+        updates.wait(future)
+
+
+def test_a_backward_more_than_declared_is_refused():
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1)
+    data = batches(2, 8)
+    model(data[0]).backward()
+    with pytest.raises(RuntimeError, match=r"accumulation_steps=1"):
+        model(data[1]).backward()
+
+
+def test_a_learning_rate_changed_after_backward_is_refused():
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1)
+    model(batches(1, 8)[0]).backward()
+    opt.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(RuntimeError, match="set hyper-parameters before the forward pass"):
+        opt.step()
+
+
+def test_bad_accumulation_steps_and_prefetch_are_refused_before_anything_changes():
+    model = Toy()
+    sample = (batches(1, 8)[0],)
+    for kwargs, match in (({"accumulation_steps": 0}, "accumulation_steps"), ({"prefetch": -1}, "prefetch")):
+        with pytest.raises(ValueError, match=match):
+            wrap(model, torch.optim.AdamW(model.parameters()), sample_inputs=sample, device="cpu", **kwargs)
+        assert model.l1.weight.untyped_storage().nbytes() > 0
+
+
+@pytest.mark.parametrize("ckpt", ["", "reentrant"])
+def test_prefetch_loads_ahead_without_changing_results_or_adding_loads(ckpt):
+    torch.manual_seed(0)
+    base = Toy(ckpt=ckpt)
+    data = batches(6, 8)
+    plain, popt = _engine(copy.deepcopy(base), 8, prefetch=0)
+    ahead, aopt = _engine(copy.deepcopy(base), 8, prefetch=2)
+    assert engine_run(plain, popt, data, 6, 1) == engine_run(ahead, aopt, data, 6, 1)
+    assert _max_diff(plain.state_dict(), ahead.state_dict()) == 0.0
+    p, a = plain.engine_stats(), ahead.engine_stats()
+    assert p["prefetches"] == 0 and a["prefetches"] > 0
+    assert a["fetches"] <= p["fetches"]  # a prefetch only evicts what is needed later than what it loads
+
+
+def test_low_precision_host_copy_is_the_master_cast():
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, dtype=torch.bfloat16, dos_gap=2)
+    engine_run(model, opt, batches(3, 8), 3, 1)
+    model.store.settle_all()
+    host = [c for c in model.store.chunks if c.placement == "host"]
+    assert host and all(c.upload is not None and c.upload.dtype == torch.bfloat16 for c in host)
+    for c in host:  # refreshed after CPU updates and after Deep Optimizer States updates alike
+        assert torch.equal(c.upload, c.master.to(torch.bfloat16))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8 // world, world=world, accumulation_steps=2, prefetch=2)
+    losses = engine_run(model, opt, batches(STEPS * 2, 8), STEPS, 2, rank=rank, world=world)
+    state = model.state_dict()  # collective: every rank gathers
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_updates_in_backward_and_prefetch_match_one_process(tmp_path):
+    torch.manual_seed(0)
+    base = Toy()
+    ref_losses, ref_state = reference_run(base, batches(STEPS * 2, 8), STEPS, 2, None)
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    result = torch.load(out)
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
+    assert _max_diff(result["state"], ref_state) <= 1e-5
