@@ -69,6 +69,9 @@ class RankTrainer:
             device_memory=plan.device_memory_bytes, process_group=group,
             max_grad_norm=cfg.optim.max_grad_norm, dtype=self.compute_dtype, device=device,
             init_fn=init_fn_for(cfg),
+            # step() follows every grad_accum backward passes and the lr is set before the forward, so
+            # host chunks may start their CPU update during the last backward (when nothing is clipped)
+            accumulation_steps=plan.grad_accum,
         )
         self.seq_len = resolve_model_shape(cfg.model)["seq_len"]
         dataset = TokenDataset(resolve_data_uri(cfg.data.path, cfg.data.cache_dir))

@@ -189,7 +189,8 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
         wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes, plan=plan,
-                             dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers))
+                             dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers),
+                             accumulation_steps=1)  # one backward per step: CPU updates start during it
 
         def step(batch):
             loss = wrapped(batch)

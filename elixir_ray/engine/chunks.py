@@ -143,7 +143,9 @@ class ChunkStore:
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
         self.timer = StepTimer(device)
         self.updates = HostUpdates(self.timer)
+        # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
@@ -286,6 +288,20 @@ class ChunkStore:
     def _reduce(self, c: Chunk) -> None:
         self.settle(c)  # its gradient may still be read by last step's update
         full = c.staging if c.staging is not None else torch.zeros(c.size, dtype=torch.float32, device=self.device)
+        c.staging = None
+        where = self.state_device(c)
+        if where.type == "cpu" and self.reduce_stream is not None:
+            # off the compute stream, so backward goes on while the gradient crosses to the host
+            self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are written
+            full.record_stream(self.reduce_stream)  # not reused by the allocator before this stream is done
+            with torch.cuda.stream(self.reduce_stream):
+                self._reduce_into(c, full, where)
+                c.grad_ready = torch.cuda.Event()  # the background update waits for this, not the whole device
+                c.grad_ready.record(self.reduce_stream)
+        else:
+            self._reduce_into(c, full, where)
+
+    def _reduce_into(self, c: Chunk, full: torch.Tensor, where: torch.device) -> None:
         if self.comm.world > 1 and c.sharded:
             part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
             self.comm.reduce_scatter_mean(part, full)
@@ -293,17 +309,12 @@ class ChunkStore:
             if self.comm.world > 1:
                 self.comm.all_reduce_mean(full)
             part = full
-        where = self.state_device(c)
         if c.grad is None:
             # asynchronous to the host: ChunkedAdam.step waits for it (wait_for_copies) before reading
             c.grad = part.to(where, non_blocking=True)  # takes over the staging buffer when nothing moves
         else:
             # the host adds at once, so this copy (and the earlier one into c.grad) must have landed
             c.grad.add_(part.to(where, non_blocking=where.type != "cpu"))
-        c.staging = None
-        if where.type == "cpu" and self.device.type == "cuda":
-            c.grad_ready = torch.cuda.Event()  # the background update waits for this, not the whole device
-            c.grad_ready.record()
 
     # -- whole tensors for state dicts ----------------------------------------------------------
 
