@@ -44,6 +44,12 @@ class RunPlan:
         return cls(**data)
 
 
+def updates_in_backward(cfg: RunConfig, dtype: str) -> bool:
+    """Whether the trainer's CPU updates start in the last backward: it declares its accumulation
+    steps, so only gradient clipping or fp16 (both need every gradient first) prevent it."""
+    return cfg.optim.max_grad_norm is None and dtype != "float16"
+
+
 def resolve_dtype(requested: str, device_type: str) -> str:
     if requested != "auto":
         return requested
@@ -90,7 +96,8 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
     engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world, rates,
-                                   getattr(torch, dtype), None, accum, host_budget, cfg.engine.search_checkpointing)
+                                   getattr(torch, dtype), None, accum, host_budget, cfg.engine.search_checkpointing,
+                                   updates_in_backward=updates_in_backward(cfg, dtype))
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

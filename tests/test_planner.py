@@ -86,7 +86,8 @@ def test_plan_properties(widths, rows, world, factor, more):
     # the prediction fits and adds up
     assert plan.predicted_peak_bytes <= budget
     assert plan.predicted_peak_bytes == sum(plan.memory.values())
-    assert plan.predicted_step_seconds == pytest.approx(sum(plan.time.values()), rel=1e-9)
+    # the parts overlap: the step is at least the compute and at most every part one after another
+    assert plan.time["compute"] * (1 - 1e-9) <= plan.predicted_step_seconds <= sum(plan.time.values()) * (1 + 1e-9)
     # JSON round trip
     assert elixir_ray.Plan.from_json(plan.to_json()) == plan
     # more budget never predicts a slower step

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,3 +39,15 @@ def test_profile_hardware_measures_positive_rates():
     assert HardwareProfile.from_json(hw.to_json()) == hw
     slow = HardwareProfile.slowest([hw, HardwareProfile(**{**json.loads(hw.to_json()), "h2d_gbps": 0.5})])
     assert slow.h2d_gbps == min(0.5, hw.h2d_gbps)
+
+
+def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():
+    from elixir_ray.planner.cost import overlapped_step
+
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_first=0.01, dos=0.0)
+    in_backward = overlapped_step(**parts, updates_in_backward=True)
+    at_step = overlapped_step(**parts, updates_in_backward=False)
+    assert in_backward == pytest.approx(0.6 + 0.01)  # 0.45 s of backward and 0.15 s of forward hide it
+    assert at_step == pytest.approx(0.6 + (0.5 - 0.15))  # only the next forward hides it
+    assert overlapped_step(**{**parts, "h2d": 0.9}, updates_in_backward=True) == pytest.approx(0.9 + 0.01)
+    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=False) == pytest.approx(0.6)

@@ -32,6 +32,7 @@ class AccessTrace:
     saved_before: list[int] = field(default_factory=list)  # per event: activation bytes saved so far
     largest_saved_bytes: int = 0  # the largest single saved activation
     flops: int = 0  # matmul-class FLOPs of the step (forward, recompute and backward)
+    forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
 
 
@@ -144,6 +145,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                 out = module(*tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs)))
                 loss = loss_fn(out) if loss_fn else out
                 state["phase"] = "backward"
+                state["forward_flops"] = int(counter.get_total_flops())
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
         finally:
@@ -153,4 +155,5 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
                        saved_activation_bytes=state["saved"], saved_before=saved_before,
                        largest_saved_bytes=state["largest"], flops=int(counter.get_total_flops()),
+                       forward_flops=state.get("forward_flops", int(counter.get_total_flops())),
                        grad_epochs=grad_epochs)

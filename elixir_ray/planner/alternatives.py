@@ -23,7 +23,7 @@ OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
 
 def _fits(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, budget: int,
           host_budget: Optional[int]) -> bool:
-    memory, _, host_bytes = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    memory, _, host_bytes, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
     return sum(memory.values()) <= budget * (1 - SAFETY) and (host_budget is None or host_bytes <= host_budget)
 
 
@@ -36,7 +36,8 @@ def _largest_pool(lay: Layout, device: np.ndarray, *args) -> Optional[Choice]:
 
 
 def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, dtype_name: str, elem_bytes: int,
-                    grad_accum: int = 1, host_budget: Optional[int] = None) -> dict[str, Optional[Plan]]:
+                    grad_accum: int = 1, host_budget: Optional[int] = None,
+                    updates_in_backward: bool = False) -> dict[str, Optional[Plan]]:
     """name -> Plan, or None where that recipe does not fit the budget."""
     args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
     n_chunks = len(lay.sizes)
@@ -53,5 +54,6 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
         on_device = n_chunks - int(round(fraction * n_chunks))
         choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, *args)
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
-                                                         note=f"hand-made: {name}")
+                                                         note=f"hand-made: {name}",
+                                                         updates_in_backward=updates_in_backward)
             for name, c in choices.items()}

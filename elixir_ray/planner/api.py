@@ -40,13 +40,13 @@ def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) ->
 
 def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_size: int, hardware: HardwareProfile,
                   dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
-                  search_checkpointing: bool) -> tuple[Plan, ModelProfile]:
+                  search_checkpointing: bool, updates_in_backward: bool = False) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
     elem = torch.empty(0, dtype=dtype).element_size()
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
-                        host_budget=host_budget)
+                        host_budget=host_budget, updates_in_backward=updates_in_backward)
     chosen = next(p for p in profiles if p.checkpointing == found.activation_checkpointing)
     return found, chosen
 
@@ -54,13 +54,15 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
 def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str, None] = None, world_size: int = 1,
          hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
-         search_checkpointing: bool = True) -> Plan:
+         search_checkpointing: bool = True, updates_in_backward: bool = False) -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
     defaults to a measurement of this machine's device. `host_memory` bounds the optimizer state
     kept on the host per rank (default: the free RAM shared by `world_size` ranks).
     `search_checkpointing=False` keeps the module's own activation-checkpointing setting.
+    `updates_in_backward=True` plans for a loop whose CPU updates start during the last backward
+    (wrap with accumulation_steps, no max_grad_norm, not fp16), which hides more of them.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -71,7 +73,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
     host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
-                         search_checkpointing)[0]
+                         search_checkpointing, updates_in_backward)[0]
 
 
 def quick_hardware(device: torch.device) -> HardwareProfile:

@@ -1,15 +1,19 @@
 """The cost model: predicted peak device memory and step time of a placement, from measured rates.
 
-It models what the engine does today, step by step, and nothing it does not:
+It models what the engine does, and nothing it does not:
 - every micro-step loads each chunk it needs into a pool block (Belady eviction, cold after each
-  optimizer step): a host chunk copies its fp32 shard over PCIe and casts it, a device chunk only
-  casts; a sharded chunk is then all-gathered;
+  optimizer step): a host chunk copies its shard over PCIe already cast to the compute dtype (fp32
+  when computing in fp32), a device chunk only casts on the device; a sharded chunk is then
+  all-gathered;
 - each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
   for a host chunk, copied to the host, once per micro-step;
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
-  Optimizer States chunks a copy to the device, a device update and a copy back);
-- these run one after another: the engine does not yet overlap copies or the CPU update with
-  compute, so the predicted time is the sum of the parts.
+  Optimizer States chunks a copy to the device, a device update and a copy back).
+What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
+and gradient copies to the host on another, both beside the compute stream; the CPU AdamW runs on
+a background thread from the end of backward (or from the last backward's first final gradient,
+when updates may start in backward) until the next forward needs each chunk, beside the training
+thread's Deep Optimizer States updates. The predicted step is the critical path, not the sum.
 Rates come from `HardwareProfile`; the compute rate is the measured matmul rate applied to the
 traced FLOPs. Collectives are assumed to run at the host-to-device rate unless the profile says
 otherwise (`collective_gbps`).
@@ -24,6 +28,16 @@ import numpy as np
 from elixir_ray.planner.hardware import HardwareProfile
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
+
+
+def host_state_bytes(elem_bytes: int) -> int:
+    """Host bytes per element of a host chunk: its state, plus the upload copy in a lower compute dtype."""
+    return STATE_BYTES + (elem_bytes if elem_bytes < 4 else 0)
+
+
+def upload_bytes(elem_bytes: int) -> int:
+    """Bytes per element a host chunk's load moves over PCIe (its upload copy, or the fp32 master)."""
+    return min(elem_bytes, 4)
 DOS_COPY_IN = 16  # master, gradient and both moments go to the device
 DOS_COPY_OUT = 12  # master and both moments come back
 
@@ -49,7 +63,7 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
     gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
     reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
     return ChunkCosts(
-        load_host=shards * 4 / h2d + gather,
+        load_host=shards * upload_bytes(elem_bytes) / h2d + gather,
         load_device=gather,
         reduce_host=reduce_comm + shards * 4 / d2h,
         reduce_device=reduce_comm,
@@ -61,6 +75,23 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
 
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:
     return flops / (hw.matmul_tflops * 1e12)
+
+
+def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, dos, updates_in_backward: bool):
+    """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
+
+    compute: forward, recompute and backward of every micro-step; forward: one micro-step's forward;
+    on_stream: other work on the compute stream (collectives, device AdamW); h2d, d2h: side-stream
+    copies; cpu_adam: the background thread's CPU AdamW; cpu_first: the CPU update of the first host
+    chunk the next forward needs, which nothing can hide; dos: Deep Optimizer States updates on the
+    training thread at step().
+    """
+    streams = np.maximum(compute + on_stream, np.maximum(h2d, d2h))
+    last_backward = np.maximum(compute - forward, 0.0) if updates_in_backward else 0.0
+    left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
+    left = np.maximum(left - dos, 0.0)  # the training thread's DOS updates run beside it
+    exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
+    return streams + dos + exposed
 
 
 def dos_mask(host: np.ndarray, gap: int) -> np.ndarray:

@@ -28,20 +28,22 @@ class ConfigPlan:
 def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Optional[str] = None,
                 world_size: int = 1, host_memory: Optional[str] = None) -> ConfigPlan:
     from elixir_ray.model.factory import build_model, sample_batch
-    from elixir_ray.run_plan import resolve_dtype
+    from elixir_ray.run_plan import resolve_dtype, updates_in_backward
 
     device = torch.device(hardware.device)
     dtype_name = resolve_dtype(cfg.train.dtype, device.type)
     dtype = getattr(torch, dtype_name)
     elem = torch.empty(0, dtype=dtype).element_size()
+    in_backward = updates_in_backward(cfg, dtype_name)
     memory = device_memory or cfg.engine.device_memory
     budget = parse_bytes(memory) if memory is not None else device_budget(device)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
     plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
                                  budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
-                                 cfg.engine.search_checkpointing)
+                                 cfg.engine.search_checkpointing, in_backward)
     layout = make_layout(chosen, plan.chunk_size, world_size)
-    alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host)
+    alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
+                                   in_backward)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)
 
 

@@ -20,7 +20,8 @@ from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
-from elixir_ray.planner.cost import STATE_BYTES, ChunkCosts, chunk_costs, compute_seconds, dos_mask
+from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, compute_seconds, dos_mask,
+                                     host_state_bytes, overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.units import format_bytes
@@ -88,9 +89,18 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 # -- one configuration, part by part ---------------------------------------------------------------
 
-def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int
-             ) -> tuple[dict, dict, int]:
-    """(device memory parts in bytes, step time parts in seconds, host bytes) of one configuration."""
+def _first_cost(cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per row of `mask`: `cost` of its first True chunk (0 where none): the first host chunk the
+    next forward needs, whose CPU update nothing can hide."""
+    first = np.argmax(mask, axis=-1)
+    return np.where(mask.any(axis=-1), cost[first], 0.0)
+
+
+def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
+             updates_in_backward: bool = False) -> tuple[dict, dict, int, float]:
+    """(device memory parts in bytes, step time parts in seconds, host bytes, predicted step seconds).
+
+    The time parts overlap (`overlapped_step`), so the step is not their sum."""
     lay = choice.layout
     costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
     loads = loads_at(lay, choice.n_blocks)
@@ -111,10 +121,15 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "device AdamW": float(costs.adam_device[dev].sum()),
         "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
     }
+    seconds = overlapped_step(
+        time["compute"], compute_seconds(lay.profile.trace.forward_flops, hw),
+        time["all-gather"] + time["gradient reduce"] + time["device AdamW"],
+        time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
+        float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward)
     memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
                            choice.dos_gap > 0 and bool(host.any()), elem_bytes, world)
-    host_bytes = int((STATE_BYTES * lay.shards)[host].sum())
-    return memory, time, host_bytes
+    host_bytes = int((host_state_bytes(elem_bytes) * lay.shards)[host].sum())
+    return memory, time, host_bytes, float(seconds)
 
 
 def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int) -> dict:
@@ -143,25 +158,43 @@ class _Best:
 
 
 def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
-                   host_budget: Optional[int], best: _Best, smallest: dict) -> None:
+                   host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool) -> None:
     """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
     costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
+    host_bytes = (host_state_bytes(elem_bytes) * lay.shards).astype(np.float64)
     compute = grad_accum * compute_seconds(lay.profile.trace.flops, hw)
+    forward = compute_seconds(lay.profile.trace.forward_flops, hw)
     for n in pool_candidates(lay):
         loads = loads_at(lay, n)
         host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host) + costs.adam_host
         dev_cost = grad_accum * (loads * costs.load_device + costs.reduce_device) + costs.adam_device
         benefit = host_cost - dev_cost
         by_benefit = np.argsort(-(benefit / state_bytes), kind="stable")
+        parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
+                             grad_accum * (costs.reduce_host - costs.reduce_device),
+                             grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
+                             updates_in_backward)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
-            _search_prefixes(lay, n, ranking, benefit, host_cost, state_bytes, costs, compute, elem_bytes, world,
+            _search_prefixes(lay, n, ranking, state_bytes, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
 
 
-def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, benefit: np.ndarray, host_cost: np.ndarray,
-                     state_bytes: np.ndarray, costs: ChunkCosts, compute: float, elem_bytes: int, world: int,
+@dataclass
+class _PrefixParts:
+    """What a pool size fixes for every prefix: per-chunk copy seconds and the step's fixed parts."""
+
+    compute: float
+    forward: float
+    h2d: np.ndarray  # per chunk, per step, when its state is on the host
+    d2h: np.ndarray
+    collectives: float
+    updates_in_backward: bool
+
+
+def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.ndarray, host_state: np.ndarray,
+                     costs: ChunkCosts, parts: _PrefixParts, elem_bytes: int, world: int,
                      limit: float, host_budget: Optional[int], best: _Best, smallest: dict) -> None:
     """Every prefix of `ranking` on the device, with each DOS gap, at pool size n."""
     n_chunks = len(lay.sizes)
@@ -169,19 +202,24 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, benefit: np.ndarr
     rank_of[ranking] = np.arange(n_chunks)
     ks = np.arange(n_chunks + 1)
     device = rank_of[None, :] < ks[:, None]  # row k: the first k chunks of the ranking on the device
-    base = compute + host_cost.sum() - np.concatenate([[0.0], np.cumsum(benefit[ranking])])
     device_state = np.concatenate([[0.0], np.cumsum(state_bytes[ranking])])
-    host_bytes = state_bytes.sum() - device_state
+    host_bytes = host_state.sum() - np.concatenate([[0.0], np.cumsum(host_state[ranking])])
     host_ok = np.ones(len(ks), dtype=bool) if host_budget is None else host_bytes <= host_budget
     host = ~device
     has_host = host.any(axis=1)
+    hostf = host.astype(np.float64)
+    h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
+    on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
     # the peak is the device state plus parts that depend only on n and on whether a DOS buffer exists
     fixed = {dos: sum(_memory_parts(lay, n, 0, dos, elem_bytes, world).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
         dos = dos_mask(host, gap)
-        seconds = base + dos @ (costs.adam_dos - costs.adam_host)
+        plain = host & ~dos
+        seconds = overlapped_step(parts.compute, parts.forward, on_stream, h2d, d2h,
+                                  plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
+                                  dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward)
         peaks = device_state + np.where(has_host & (gap > 0), fixed[True], fixed[False])
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
@@ -198,9 +236,12 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, benefit: np.ndarr
 
 def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
                 dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
-                host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None) -> Plan:
+                host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
+                updates_in_backward: bool = False) -> Plan:
     """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes.
 
+    `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
+    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden.
     Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
     """
     limit = budget * (1 - SAFETY)
@@ -209,19 +250,23 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
             lay = make_layout(profile, cs, world_size)
-            _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest)
+            _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
+                           updates_in_backward)
     if best.choice is None:
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
     return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
-                          note="searched: fastest predicted step within the budget")
+                          note="searched: fastest predicted step within the budget",
+                          updates_in_backward=updates_in_backward)
 
 
 def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
-                   grad_accum: int, budget: int, note: str) -> Plan:
-    memory, time, host_bytes = evaluate(choice, hw, world, elem_bytes, grad_accum)
+                   grad_accum: int, budget: int, note: str, updates_in_backward: bool = False) -> Plan:
+    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
     lay = choice.layout
+    start = "from the last backward" if updates_in_backward else "from step()"
     notes = [note, f"optimizer state on the host: {format_bytes(host_bytes)} per rank",
-             "the engine runs copies, reductions and the optimizer one after another; the time is their sum"]
+             f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
+             f"{start} until the next forward needs each chunk; the step is the critical path, not the sum"]
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
     return Plan(
@@ -230,7 +275,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
-        predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=float(sum(time.values())),
+        predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
         memory=memory, time=time, notes=notes,
     )
 
@@ -241,7 +286,7 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
         return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
                 f"state): give the device more memory, add ranks, or free host memory")
     choice: Choice = smallest["choice"]
-    memory, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    memory, _, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
     part, value = max(memory.items(), key=lambda kv: kv[1])
     prof = choice.layout.profile
     if part == "activations":
