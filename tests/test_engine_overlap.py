@@ -157,7 +157,9 @@ def test_prefetch_loads_ahead_without_changing_results_or_adding_loads(ckpt):
 
 def test_low_precision_host_copy_is_the_master_cast():
     torch.manual_seed(0)
-    model, opt = _engine(Toy(), 8, dtype=torch.bfloat16, dos_gap=2)
+    plain, _ = _engine(Toy(), 8, dtype=torch.bfloat16)
+    assert all(c.upload is None for c in plain.store.chunks)  # only when the plan asks for it
+    model, opt = _engine(Toy(), 8, dtype=torch.bfloat16, dos_gap=2, upload_copies=True)
     engine_run(model, opt, batches(3, 8), 3, 1)
     model.store.settle_all()
     host = [c for c in model.store.chunks if c.placement == "host"]

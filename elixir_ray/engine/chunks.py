@@ -7,9 +7,9 @@ parameter in the chunk is a view of it. Freeing the copy shrinks its storage to 
 fetching regrows and refills the same storage, so tensors autograd saved from the parameters
 see the weights again after a refetch (weights do not change within a step).
 
-A host chunk computed in a lower precision also keeps `upload`, its master already cast to the
-compute dtype (pinned), refreshed after every update: a fetch then copies half the bytes of the
-fp32 master and needs no fp32 buffer on the device.
+When the plan asks for upload copies, a host chunk computed in a lower precision also keeps
+`upload`, its master already cast to the compute dtype (pinned), refreshed after every update: a
+fetch then copies half the bytes of the fp32 master and needs no fp32 buffer on the device.
 
 Two things may be in flight for a chunk, and everything that reads or writes its state waits for
 them first (`settle`, `make_usable`): its CPU AdamW update on the background thread (`update`),
@@ -137,7 +137,8 @@ class ChunkStore:
     when a benchmark sets `store.timer.enabled = True`; see elixir_ray/engine/timing.py.
     """
 
-    def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype):
+    def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype,
+                 upload_copies: bool = False):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.pin = device.type == "cuda"
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
@@ -151,7 +152,7 @@ class ChunkStore:
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
             where = self.state_device(c)
             c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=where, pin_memory=self._pin(where))
-            if where.type == "cpu" and dtype != torch.float32:
+            if upload_copies and where.type == "cpu" and dtype != torch.float32:
                 c.upload = torch.zeros(c.shard_len, dtype=dtype, pin_memory=self._pin(where))
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage

@@ -23,6 +23,9 @@ class Plan:
     placements: list  # per chunk: "host" or "device" (fp32 master, gradient shard and AdamW states)
     sharded: list  # per chunk: True to shard across ranks (all-gathered on fetch), False to replicate
     dos_gap: int = 0  # Deep Optimizer States: update every dos_gap-th host chunk on the device (0: off)
+    # host chunks keep their master cast to the compute dtype too (pinned, 2 bytes per parameter with
+    # bf16): uploads move half the bytes; off when host RAM is what limits the plan
+    upload_copies: bool = False
     activation_checkpointing: Optional[list] = None  # per checkpointable block, when the module has them
     world_size: int = 1
     dtype: str = ""  # compute dtype the plan was made for, e.g. "bfloat16"
@@ -75,7 +78,8 @@ class Plan:
                      + (" (the whole model)" if self.n_blocks >= n else ""))
         lines.append(f"  optimizer state: {on_device} chunk(s) on the device, {n - on_device} on the host"
                      + (f"; Deep Optimizer States updates every {self.dos_gap}th host chunk on the device"
-                        if self.dos_gap else ""))
+                        if self.dos_gap else "")
+                     + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else ""))
         if self.world_size > 1:
             lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
         if self.activation_checkpointing is not None:

@@ -2,9 +2,9 @@
 
 It models what the engine does, and nothing it does not:
 - every micro-step loads each chunk it needs into a pool block (Belady eviction, cold after each
-  optimizer step): a host chunk copies its shard over PCIe already cast to the compute dtype (fp32
-  when computing in fp32), a device chunk only casts on the device; a sharded chunk is then
-  all-gathered;
+  optimizer step): a host chunk copies its fp32 shard over PCIe, or with upload copies (a plan
+  choice: 2 more host bytes per parameter) its shard already cast to the compute dtype; a device
+  chunk only casts on the device; a sharded chunk is then all-gathered;
 - each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
   for a host chunk, copied to the host, once per micro-step;
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
@@ -30,14 +30,14 @@ from elixir_ray.planner.hardware import HardwareProfile
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
 
 
-def host_state_bytes(elem_bytes: int) -> int:
+def host_state_bytes(elem_bytes: int, upload: bool) -> int:
     """Host bytes per element of a host chunk: its state, plus the upload copy in a lower compute dtype."""
-    return STATE_BYTES + (elem_bytes if elem_bytes < 4 else 0)
+    return STATE_BYTES + (elem_bytes if upload and elem_bytes < 4 else 0)
 
 
-def upload_bytes(elem_bytes: int) -> int:
-    """Bytes per element a host chunk's load moves over PCIe (its upload copy, or the fp32 master)."""
-    return min(elem_bytes, 4)
+def load_bytes(elem_bytes: int, upload: bool) -> int:
+    """Bytes per element a host chunk's load moves over PCIe: its upload copy, or the fp32 master."""
+    return min(elem_bytes, 4) if upload else 4
 DOS_COPY_IN = 16  # master, gradient and both moments go to the device
 DOS_COPY_OUT = 12  # master and both moments come back
 
@@ -56,14 +56,14 @@ class ChunkCosts:
 
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
-                hw: HardwareProfile) -> ChunkCosts:
+                hw: HardwareProfile, upload: bool = False) -> ChunkCosts:
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
     spread = (world - 1) / world if world > 1 else 0.0
     gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
     reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
     return ChunkCosts(
-        load_host=shards * upload_bytes(elem_bytes) / h2d + gather,
+        load_host=shards * load_bytes(elem_bytes, upload) / h2d + gather,
         load_device=gather,
         reduce_host=reduce_comm + shards * 4 / d2h,
         reduce_device=reduce_comm,

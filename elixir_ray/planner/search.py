@@ -51,6 +51,7 @@ class Choice:
     n_blocks: int
     device: np.ndarray  # bool per chunk: optimizer state on the device
     dos_gap: int
+    upload: bool = False  # host chunks keep a copy in the compute dtype to upload
 
 
 def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
@@ -102,7 +103,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
 
     The time parts overlap (`overlapped_step`), so the step is not their sum."""
     lay = choice.layout
-    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
+    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload)
     loads = loads_at(lay, choice.n_blocks)
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
@@ -128,7 +129,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward)
     memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
                            choice.dos_gap > 0 and bool(host.any()), elem_bytes, world)
-    host_bytes = int((host_state_bytes(elem_bytes) * lay.shards)[host].sum())
+    host_bytes = int((host_state_bytes(elem_bytes, choice.upload) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
 
 
@@ -158,12 +159,13 @@ class _Best:
 
 
 def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
-                   host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool) -> None:
+                   host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
+                   upload: bool) -> None:
     """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
-    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw)
+    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
-    host_bytes = (host_state_bytes(elem_bytes) * lay.shards).astype(np.float64)
+    host_bytes = (host_state_bytes(elem_bytes, upload) * lay.shards).astype(np.float64)
     compute = grad_accum * compute_seconds(lay.profile.trace.flops, hw)
     forward = compute_seconds(lay.profile.trace.forward_flops, hw)
     for n in pool_candidates(lay):
@@ -175,7 +177,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
                              grad_accum * (costs.reduce_host - costs.reduce_device),
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
-                             updates_in_backward)
+                             updates_in_backward, upload)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, state_bytes, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
@@ -191,6 +193,7 @@ class _PrefixParts:
     d2h: np.ndarray
     collectives: float
     updates_in_backward: bool
+    upload: bool
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.ndarray, host_state: np.ndarray,
@@ -224,7 +227,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
             if need < smallest.get("need", float("inf")):
-                smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap))
+                smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap, parts.upload))
         ok = host_ok & (peaks <= limit)
         if not ok.any():
             continue
@@ -250,8 +253,9 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
             lay = make_layout(profile, cs, world_size)
-            _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                           updates_in_backward)
+            for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
+                _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
+                               updates_in_backward, upload)
     if best.choice is None:
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
     return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
@@ -272,7 +276,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
     return Plan(
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
-        sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap,
+        sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
