@@ -41,9 +41,11 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     assert killer.killed_at is not None, "the worker was never killed"
     assert len(result.restarts) == 1, result.restarts
     record = result.restarts[0]
-    # before the first checkpoint there is nothing to restore: the run starts over, as it should
+    # before the first checkpoint there is nothing to restore: the run starts over, as it should. The
+    # killer fires once step `every` has completed, which can be before the driver has collected that
+    # step's snapshot, so a kill at step `every` itself may also start over.
     assert record.restored_from in ("object_store", "durable") or (record.restored_step == 0 and
-                                                                    killer.killed_step < every)
+                                                                    killer.killed_step <= every)
     assert killer.killed_step - record.restored_step <= every, (killer.killed_step, record)
     assert result.metrics.column("step").to_pylist() == list(range(1, 13))
     _assert_same_model(_final_model(result), _final_model(clean), atol=1e-6)
