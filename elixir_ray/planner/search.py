@@ -234,7 +234,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
         k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
         if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
             best.seconds, best.peak = float(seconds[k]), int(peaks[k])
-            best.choice = Choice(lay, n, device[k].copy(), gap)
+            best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload)
 
 
 def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
