@@ -1,6 +1,7 @@
 """Models and a plain-torch reference loop shared by the engine tests (and their spawned ranks)."""
 
 import copy
+import socket
 
 import torch
 import torch.nn as nn
@@ -91,3 +92,10 @@ def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, ran
         opt.zero_grad()
         losses.append(float(total))
     return losses
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

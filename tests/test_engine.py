@@ -2,7 +2,6 @@
 
 import copy
 import os
-import socket
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn as nn
 from elixir_ray.engine import PlanError, engine_state, load_engine_state, manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+from engine_models import Toy, batches, engine_run, free_port, param_groups, reference_run  # noqa: E402
 
 STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
 
@@ -118,12 +117,6 @@ def test_unsupported_optimizer_is_refused():
     assert model.l1.weight.untyped_storage().nbytes() > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -145,7 +138,7 @@ def test_sharded_ranks_match_one_process(world, tmp_path):
     base = Toy()
     ref_losses, ref_state = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(world, _free_port(), out), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), out), nprocs=world, join=True)
     result = torch.load(out)
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5

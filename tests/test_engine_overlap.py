@@ -9,7 +9,6 @@ Each must give exactly what plain torch AdamW gives; the misuses that would brea
 
 import copy
 import os
-import socket
 import sys
 import threading
 
@@ -23,7 +22,7 @@ from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+from engine_models import Toy, batches, engine_run, free_port, param_groups, reference_run  # noqa: E402
 
 STEPS = 12
 
@@ -168,12 +167,6 @@ def test_low_precision_host_copy_is_the_master_cast():
         assert torch.equal(c.upload, c.master.to(torch.bfloat16))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -192,7 +185,19 @@ def test_two_ranks_with_updates_in_backward_and_prefetch_match_one_process(tmp_p
     base = Toy()
     ref_losses, ref_state = reference_run(base, batches(STEPS * 2, 8), STEPS, 2, None)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5
+
+
+def test_queued_updates_run_lowest_chunk_first():
+    """Backward finishes chunks last to first; the next forward needs chunk 0 first, so it goes first."""
+    updates = HostUpdates(StepTimer(torch.device("cpu")))
+    gate, order = threading.Event(), []
+    updates.submit(gate.wait)  # holds the thread while the others queue up, in backward's order
+    futures = [updates.submit(lambda i=i: order.append(i), priority=i) for i in (5, 3, 4, 0, 1)]
+    gate.set()
+    for f in futures:
+        updates.wait(f)
+    assert order == [0, 1, 3, 4, 5]

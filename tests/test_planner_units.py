@@ -51,3 +51,6 @@ def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_th
     assert at_step == pytest.approx(0.6 + (0.5 - 0.15))  # only the next forward hides it
     assert overlapped_step(**{**parts, "h2d": 0.9}, updates_in_backward=True) == pytest.approx(0.9 + 0.01)
     assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=False) == pytest.approx(0.6)
+    # with 3 micro-steps only the last one's backward (0.2 - 0.15 = 0.05 s) hides updates started in it
+    three = dict(parts, compute=0.6, forward=0.15)
+    assert overlapped_step(**three, updates_in_backward=True, micro_steps=3) == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))

@@ -18,6 +18,7 @@ and, on CUDA, a prefetch of its compute copy on the copy stream (`ready`).
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,8 @@ import torch.nn as nn
 
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
+
+MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -147,6 +150,7 @@ class ChunkStore:
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
@@ -299,6 +303,11 @@ class ChunkStore:
                 self._reduce_into(c, full, where)
                 c.grad_ready = torch.cuda.Event()  # the background update waits for this, not the whole device
                 c.grad_ready.record(self.reduce_stream)
+            # each reduction in flight holds a whole fp32 chunk on the device: at most MAX_REDUCTIONS_IN_FLIGHT,
+            # as the planner budgets ("gradient staging"), so wait for the oldest when there are more
+            self.reductions_in_flight.append(c.grad_ready)
+            while len(self.reductions_in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+                self.reductions_in_flight.popleft().synchronize()
         else:
             self._reduce_into(c, full, where)
 

@@ -8,14 +8,21 @@ otherwise at `step()`), and whoever next touches that chunk's state (the next fo
 a gradient reduction, a checkpoint) waits for that chunk alone. torch's fused CPU Adam releases
 the GIL and uses the intra-op thread pool, so the update really runs beside the training thread.
 
+Jobs run lowest chunk index first, not first come first served: backward finishes chunks in
+reverse order, and the next forward needs chunk 0 first, so a queue in arrival order would make
+that forward wait for every update.
+
 An exception raised by a job is re-raised where its chunk is next settled.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -26,15 +33,24 @@ class HostUpdates:
 
     def __init__(self, timer):
         self.timer = timer
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._queue: list = []  # heap of (priority, sequence, job, ready events, future)
+        self._sequence = itertools.count()
+        self._wakeup = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
 
-    def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = ()) -> Future:
+    def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = (), priority: int = 0) -> Future:
         """Run `job` on the background thread once the `ready` events have passed (on CUDA: the
-        gradient's copy to the host, and any prefetch still reading the chunk's host copy)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elixir-cpu-adam")
-            weakref.finalize(self, self._executor.shutdown, wait=False)
-        return self._executor.submit(self._run, job, tuple(ready))
+        gradient's copy to the host, and any prefetch still reading the chunk's host copy).
+        Queued jobs run lowest `priority` first (the engine passes the chunk index)."""
+        future: Future = Future()
+        with self._wakeup:
+            if self._thread is None:
+                self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._wakeup, self._queue),
+                                                name="elixir-cpu-adam", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future))
+            self._wakeup.notify()
+        return future
 
     def _run(self, job: Callable[[], None], ready: tuple) -> None:
         for event in ready:
@@ -50,4 +66,27 @@ class HostUpdates:
         if not future.done():
             with self.timer.region("cpu_adam_wait"):
                 future.result()
-        future.result()
+        else:
+            future.result()
+
+
+def _serve(owner_ref, wakeup: threading.Condition, queue: list) -> None:
+    """The background thread: run queued jobs until the HostUpdates is garbage-collected."""
+    while True:
+        with wakeup:
+            while not queue:
+                if owner_ref() is None:
+                    return
+                wakeup.wait(timeout=1.0)  # wakes to notice a collected owner; a submit notifies at once
+            _, _, job, ready, future = heapq.heappop(queue)
+        owner = owner_ref()
+        if owner is None:
+            return
+        if future.set_running_or_notify_cancel():
+            try:
+                owner._run(job, ready)
+            except BaseException as exc:  # handed to whoever settles this chunk
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        del owner

@@ -204,6 +204,7 @@ class ChunkedAdam:
         if scale != 1.0:
             for c in self.store.chunks:
                 if c.grad is not None:
+                    self.store.settle(c)  # a gradient kept from an earlier step may still be read by its update
                     c.grad.div_(scale)
         if self.max_grad_norm is not None:
             norm = math.sqrt(self._grad_norm_sq())
@@ -212,6 +213,7 @@ class ChunkedAdam:
             if coef < 1.0:
                 for c in self.store.chunks:
                     if c.grad is not None:
+                        self.store.settle(c)
                         c.grad.mul_(coef)
         # host chunks first, in chunk order, so that the background thread starts at once; then the
         # device and DOS chunks on this thread, beside it
@@ -260,8 +262,10 @@ class ChunkedAdam:
                 if upload is not None:
                     upload.copy_(master)
 
-            c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.ready) if e is not None])
+            c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.ready) if e is not None],
+                                                 priority=c.index)  # the next forward needs low indices first
         else:
+            self.store.make_usable(c)  # a prefetch may still be reading the master this update writes
             with self.store.timer.region("device_adam"):  # device chunks, and DOS chunks with their copies
                 self._update_on_device(c, calls)
 

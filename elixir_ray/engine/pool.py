@@ -91,7 +91,8 @@ class ChunkPool:
         """Load the chunks of the next traced accesses of this step, where it costs no extra load."""
         if self.prefetch_depth <= 0 or self.cursor < 0:
             return
-        protected = self._protected(serving)
+        # the last two accessed chunks too: one autograd node may have unpacked parameters from both
+        protected = self._protected(serving) | set(list(self.recent)[-2:])
         end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
         for j in range(self.cursor + 1, end):
             for cid in self.events[j]:

@@ -134,7 +134,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
 
         plan = search_plan(module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype,
-                           loss_fn, updates_in_backward=accumulation_steps is not None and max_grad_norm is None
+                           loss_fn, grad_accum=accumulation_steps or 1,
+                           updates_in_backward=accumulation_steps is not None and max_grad_norm is None
                            and dtype != torch.float16)
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")

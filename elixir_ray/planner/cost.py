@@ -77,17 +77,19 @@ def compute_seconds(flops: int, hw: HardwareProfile) -> float:
     return flops / (hw.matmul_tflops * 1e12)
 
 
-def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, dos, updates_in_backward: bool):
+def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, dos, updates_in_backward: bool,
+                    micro_steps: int = 1):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
-    compute: forward, recompute and backward of every micro-step; forward: one micro-step's forward;
+    compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
+    micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW); h2d, d2h: side-stream
     copies; cpu_adam: the background thread's CPU AdamW; cpu_first: the CPU update of the first host
     chunk the next forward needs, which nothing can hide; dos: Deep Optimizer States updates on the
     training thread at step().
     """
     streams = np.maximum(compute + on_stream, np.maximum(h2d, d2h))
-    last_backward = np.maximum(compute - forward, 0.0) if updates_in_backward else 0.0
+    last_backward = np.maximum(compute / micro_steps - forward, 0.0) if updates_in_backward else 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
     left = np.maximum(left - dos, 0.0)  # the training thread's DOS updates run beside it
     exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))

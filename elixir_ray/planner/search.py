@@ -126,7 +126,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["compute"], compute_seconds(lay.profile.trace.forward_flops, hw),
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"],
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
-        float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward)
+        float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
+        grad_accum)
     memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
                            choice.dos_gap > 0 and bool(host.any()), elem_bytes, world)
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload) * lay.shards)[host].sum())
@@ -177,7 +178,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
                              grad_accum * (costs.reduce_host - costs.reduce_device),
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
-                             updates_in_backward, upload)
+                             updates_in_backward, upload, grad_accum)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, state_bytes, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
@@ -194,6 +195,7 @@ class _PrefixParts:
     collectives: float
     updates_in_backward: bool
     upload: bool
+    micro_steps: int
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.ndarray, host_state: np.ndarray,
@@ -222,7 +224,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
         plain = host & ~dos
         seconds = overlapped_step(parts.compute, parts.forward, on_stream, h2d, d2h,
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
-                                  dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward)
+                                  dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward,
+                                  parts.micro_steps)
         peaks = device_state + np.where(has_host & (gap > 0), fixed[True], fixed[False])
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
