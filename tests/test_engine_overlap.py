@@ -201,3 +201,16 @@ def test_queued_updates_run_lowest_chunk_first():
     for f in futures:
         updates.wait(f)
     assert order == [0, 1, 3, 4, 5]
+
+
+def test_the_background_thread_stops_when_its_engine_is_collected():
+    """No thread that ran torch code may outlive its engine: one alive at process exit can abort it."""
+    import gc
+
+    updates = HostUpdates(StepTimer(torch.device("cpu")))
+    updates.wait(updates.submit(lambda: torch.ones(8).add_(1)))
+    thread = updates._thread
+    del updates
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -12,7 +12,9 @@ Jobs run lowest chunk index first, not first come first served: backward finishe
 reverse order, and the next forward needs chunk 0 first, so a queue in arrival order would make
 that forward wait for every update.
 
-An exception raised by a job is re-raised where its chunk is next settled.
+An exception raised by a job is re-raised where its chunk is next settled. The thread is stopped
+and joined when the HostUpdates is collected or the interpreter exits, so no thread that ran torch
+code is still alive while the process tears down (a live one can abort the exit).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class HostUpdates:
         self._sequence = itertools.count()
         self._wakeup = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
 
     def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = (), priority: int = 0) -> Future:
         """Run `job` on the background thread once the `ready` events have passed (on CUDA: the
@@ -45,9 +48,11 @@ class HostUpdates:
         future: Future = Future()
         with self._wakeup:
             if self._thread is None:
-                self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._wakeup, self._queue),
-                                                name="elixir-cpu-adam", daemon=True)
+                self._thread = threading.Thread(
+                    target=_serve, args=(weakref.ref(self), self._wakeup, self._queue, self._stopping),
+                    name="elixir-cpu-adam", daemon=True)
                 self._thread.start()
+                weakref.finalize(self, _stop, self._wakeup, self._stopping, self._thread)
             heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future))
             self._wakeup.notify()
         return future
@@ -70,14 +75,23 @@ class HostUpdates:
             future.result()
 
 
-def _serve(owner_ref, wakeup: threading.Condition, queue: list) -> None:
-    """The background thread: run queued jobs until the HostUpdates is garbage-collected."""
+def _stop(wakeup: threading.Condition, stopping: threading.Event, thread: threading.Thread) -> None:
+    """Stop the background thread and wait for it (at collection of its HostUpdates, or at exit)."""
+    with wakeup:
+        stopping.set()
+        wakeup.notify()
+    if thread is not threading.current_thread():
+        thread.join(timeout=30)
+
+
+def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: threading.Event) -> None:
+    """The background thread: run queued jobs until told to stop."""
     while True:
         with wakeup:
-            while not queue:
-                if owner_ref() is None:
-                    return
-                wakeup.wait(timeout=1.0)  # wakes to notice a collected owner; a submit notifies at once
+            while not queue and not stopping.is_set():
+                wakeup.wait()
+            if stopping.is_set():  # nobody can settle what is still queued any more
+                return
             _, _, job, ready, future = heapq.heappop(queue)
         owner = owner_ref()
         if owner is None:
