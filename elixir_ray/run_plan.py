@@ -45,9 +45,11 @@ class RunPlan:
 
 
 def updates_in_backward(cfg: RunConfig, dtype: str) -> bool:
-    """Whether the trainer's CPU updates start in the last backward: it declares its accumulation
-    steps, so only gradient clipping or fp16 (both need every gradient first) prevent it."""
-    return cfg.optim.max_grad_norm is None and dtype != "float16"
+    """Whether the trainer's CPU updates start in the last backward (it always declares its
+    accumulation steps to the engine, see trainer.py)."""
+    from elixir_ray.engine.optimizer import updates_start_in_backward
+
+    return updates_start_in_backward(cfg.train.grad_accum, cfg.optim.max_grad_norm, dtype == "float16")
 
 
 def resolve_dtype(requested: str, device_type: str) -> str:

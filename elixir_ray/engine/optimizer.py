@@ -48,6 +48,14 @@ def check_optimizer(optimizer) -> None:
                 raise TypeError(f"elixir_ray.wrap does not support {type(optimizer).__name__}({key}=True)")
 
 
+def updates_start_in_backward(accumulation_steps: Optional[int], max_grad_norm: Optional[float],
+                               fp16: bool) -> bool:
+    """The one rule for when host updates may start in the last backward: the loop declared its
+    accumulation, and nothing needs every gradient first (clipping's norm, fp16's overflow check).
+    The engine, wrap's own plan search and the Ray driver's planning all ask it."""
+    return accumulation_steps is not None and max_grad_norm is None and not fp16
+
+
 class DynamicLossScale:
     """fp16 loss scaling: halve on overflow (and skip the step), double after `interval` clean steps."""
 
@@ -93,9 +101,6 @@ class ChunkedAdam:
     def __init__(self, base: torch.optim.Optimizer, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot],
                  max_grad_norm: Optional[float], dos_gap: int, loss_scale: Optional[DynamicLossScale],
                  accumulation_steps: Optional[int] = None):
-        if accumulation_steps is not None and accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be a positive number of backward() calls per step, "
-                             f"got {accumulation_steps}")
         self.base, self.store, self.pool, self.slots = base, store, pool, slots
         self.max_grad_norm, self.dos_gap, self.loss_scale = max_grad_norm, dos_gap, loss_scale
         self.accumulation_steps = accumulation_steps
@@ -121,7 +126,7 @@ class ChunkedAdam:
     @property
     def updates_in_backward(self) -> bool:
         """Whether the last backward of a step starts the updates (see the module docstring)."""
-        return self.accumulation_steps is not None and self.max_grad_norm is None and self.loss_scale is None
+        return updates_start_in_backward(self.accumulation_steps, self.max_grad_norm, self.loss_scale is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.store.chunks:

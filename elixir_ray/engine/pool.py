@@ -94,19 +94,24 @@ class ChunkPool:
         # the last two accessed chunks too: one autograd node may have unpacked parameters from both
         protected = self._protected(serving) | set(list(self.recent)[-2:])
         end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
+        resident = None  # listed once, on the first chunk that is not resident, then kept up to date
         for j in range(self.cursor + 1, end):
             for cid in self.events[j]:
                 chunk = self.store.chunks[cid]
                 if chunk.resident:
                     protected.add(cid)
                     continue
-                resident = self.resident
+                if resident is None:
+                    resident = self.resident
                 if len(resident) >= self.n_blocks:
                     later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
                     if not later:
                         return  # nothing may go without costing a load: give up, as a plain pool would wait
-                    self._evict(max(later, key=lambda c: self.next_use(c.index)))
+                    victim = max(later, key=lambda c: self.next_use(c.index))
+                    self._evict(victim)
+                    resident.remove(victim)
                 self.store.prefetch(chunk)
+                resident.append(chunk)
                 protected.add(cid)
 
     def release_pins(self) -> None:

@@ -18,7 +18,7 @@ import torch.nn as nn
 from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, write_slot
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
-from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer
+from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.trace import trace_step, unique_parameters
@@ -135,8 +135,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
 
         plan = search_plan(module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype,
                            loss_fn, grad_accum=accumulation_steps or 1,
-                           updates_in_backward=accumulation_steps is not None and max_grad_norm is None
-                           and dtype != torch.float16)
+                           updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
+                                                                         dtype == torch.float16))
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
     if sorted(plan.param_order) != sorted(names):
