@@ -224,3 +224,49 @@ def test_searched_plan_is_what_its_choice_costs():
             assert seconds == pytest.approx(plan.predicted_step_seconds, rel=1e-9), (budget, in_backward)
             assert sum(memory.values()) == plan.predicted_peak_bytes
     assert True in uploads  # the case that matters was exercised
+
+
+@pytest.mark.parametrize("model_name", ["toy", "gpt"])
+def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(model_name):
+    """The planner counts, from the traced gradient order, how many chunks collect gradients at once
+    (each an fp32 buffer on the device); the engine's real backward holds exactly that many. In the
+    toy model a chunk boundary splits a layer, so two are open at once; in our GPT one at a time."""
+    import os
+
+    from elixir_ray.engine import manual_plan
+    from elixir_ray.engine.layout import open_gradient_chunks
+    from elixir_ray.engine.trace import trace_step, unique_parameters
+    from elixir_ray.model.gpt import build_gpt
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from engine_models import Toy, batches
+
+    torch.manual_seed(0)
+    if model_name == "toy":
+        model, sample, expected = Toy(), (batches(1, 4)[0],), 2
+    else:
+        shape = dict(d_model=32, n_layers=4, n_heads=4, vocab_size=97, seq_len=16)
+        model, sample, expected = build_gpt(shape, True), (torch.randint(0, 97, (2, 17)),), 1
+    names = [n for n, _ in unique_parameters(model)]
+    trace = trace_step(model, sample)
+    plan = manual_plan(model, sample, chunk_size=4096, n_blocks=3)  # chunks span layers
+    wrapped, opt = elixir_ray.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_inputs=sample,
+                                   plan=plan, device="cpu")
+    chunk_of = {s.name: s.chunk for s in wrapped.slots}
+    predicted = open_gradient_chunks(trace.grad_order, [chunk_of[n] for n in names])
+    store, held = wrapped.store, []
+    add_grad = store.add_grad
+
+    def counting_add_grad(slot, grad):  # what the hooks call for every gradient
+        chunk = add_grad(slot, grad)
+        held.append(sum(c.staging is not None for c in store.chunks))
+        return chunk
+
+    store.add_grad = counting_add_grad
+    for _ in range(2):
+        wrapped(sample[0]).backward()
+        opt.step()
+        opt.zero_grad()
+    n_chunks = len(store.chunks)
+    assert n_chunks >= 3 and held, n_chunks
+    assert max(held) == predicted == expected

@@ -82,5 +82,29 @@ def chunk_events(events: list[tuple[int, ...]], phases: list[str], chunk_of_para
     return out, widest + 1
 
 
+def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int]) -> int:
+    """The most chunks collecting gradients at once in one backward, as the engine's hooks do.
+
+    A chunk's fp32 staging buffer is allocated at its first gradient and handed to its reduction
+    when every parameter in it has one; a chunk holding a parameter that gets no gradient (unused,
+    or frozen: the trace cannot tell) keeps its buffer until backward ends. Counted from the
+    traced gradient order, since the planner must budget these buffers on the device.
+    """
+    expected: dict[int, int] = {}
+    for c in chunk_of_param:
+        expected[c] = expected.get(c, 0) + 1
+    seen: dict[int, int] = {}
+    open_now: set[int] = set()
+    widest = 0
+    for i in grad_order:
+        c = chunk_of_param[i]
+        open_now.add(c)
+        seen[c] = seen.get(c, 0) + 1
+        widest = max(widest, len(open_now))
+        if seen[c] == expected[c]:
+            open_now.discard(c)
+    return widest
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

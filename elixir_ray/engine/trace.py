@@ -4,7 +4,7 @@ One forward and backward of the sample inputs runs on the meta device (parameter
 inputs are swapped for meta tensors, then restored), recording:
 - every module forward (recomputation under activation checkpointing included) with its direct
   parameters, and every parameter read back from autograd's saved tensors in backward;
-- which parameters received a gradient;
+- which parameters received a gradient, and in what order (how many chunks collect gradients at once);
 - the bytes of activations autograd saved (an estimate of the activation memory), and the
   matmul-class FLOPs of the step, counted by torch's FlopCounterMode.
 Parameters are identified by their storage, so views (a transposed weight) count as the weight.
@@ -34,6 +34,7 @@ class AccessTrace:
     flops: int = 0  # matmul-class FLOPs of the step (forward, recompute and backward)
     forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
+    grad_order: list[int] = field(default_factory=list)  # parameter indices in the order their gradients were final
 
 
 def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -98,8 +99,11 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     grad_epochs: list[int] = []
     state = {"phase": "forward", "saved": 0, "largest": 0, "grads": 0}
 
+    grad_order: list[int] = []
+
     def on_grad(i):
         got_grad[i] = True
+        grad_order.append(i)
         state["grads"] += 1
 
     def record(indices, phase):
@@ -156,4 +160,4 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                        saved_activation_bytes=state["saved"], saved_before=saved_before,
                        largest_saved_bytes=state["largest"], flops=int(counter.get_total_flops()),
                        forward_flops=state.get("forward_flops", int(counter.get_total_flops())),
-                       grad_epochs=grad_epochs)
+                       grad_epochs=grad_epochs, grad_order=grad_order)

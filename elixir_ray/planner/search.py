@@ -17,7 +17,8 @@ from typing import Optional
 import numpy as np
 
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, pack
+from elixir_ray.engine.chunks import MAX_REDUCTIONS_IN_FLIGHT
+from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, open_gradient_chunks, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, compute_seconds, dos_mask,
@@ -43,6 +44,7 @@ class Layout:
     events: list  # chunk ids per traced access
     min_blocks: int
     param_order: list
+    open_grads: int = 1  # most chunks collecting gradients at once in backward (each an fp32 staging buffer)
 
 
 @dataclass
@@ -69,7 +71,8 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
-                  param_order=[profile.names[i] for i in order])
+                  param_order=[profile.names[i] for i in order],
+                  open_grads=max(1, open_gradient_chunks(profile.trace.grad_order, chunk_of_param)))
 
 
 def pool_candidates(layout: Layout) -> list[int]:
@@ -129,25 +132,49 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
         grad_accum)
     memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
-                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world)
+                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world, bool(host.any()), choice.upload)
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
 
 
-def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int) -> dict:
-    block = int(lay.sizes.max()) * elem_bytes
-    staging = 2 * int(lay.sizes.max()) * 4 + (int(lay.shards.max()) * 4 if world > 1 else 0)
+def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int,
+                  has_host: bool, upload: bool) -> dict:
+    """Peak device bytes by part. Backward (activations, gradient buffers, a fetch's conversion
+    buffer) and the optimizer step (the Deep Optimizer States buffer) peak at different times, so
+    only the larger of the two counts."""
+    size, shard = int(lay.sizes.max()), int(lay.shards.max())
+    block = size * elem_bytes
+    in_flight = MAX_REDUCTIONS_IN_FLIGHT if has_host else 0  # host chunks' gradients on their way out
+    staging = (lay.open_grads + in_flight) * size * 4 + (shard * 4 if world > 1 else 0)
+    fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
     trace = lay.profile.trace
-    backward = staging + trace.saved_activation_bytes + trace.largest_saved_bytes
-    step = STATE_BYTES * int(lay.shards.max()) if dos else 0
+    activations = trace.saved_activation_bytes + trace.largest_saved_bytes
+    backward = staging + fetch + activations
+    step = STATE_BYTES * shard if dos else 0
     return {
         "pool blocks": n_blocks * block,
         "optimizer state on device": device_state,
-        "activations": trace.saved_activation_bytes + trace.largest_saved_bytes if backward >= step else 0,
+        "activations": activations if backward >= step else 0,
         "gradient staging": staging if backward >= step else 0,
+        "fetch conversion": fetch if backward >= step else 0,
         "Deep Optimizer States buffer": step if step > backward else 0,
         "buffers": lay.profile.buffer_bytes,
     }
+
+
+def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
+    """Device bytes a fetch allocates beside the pool block while it fills it.
+
+    torch copies a host tensor into a device tensor of another dtype through a device buffer of
+    the source dtype: an fp32 master uploaded into a bf16 block needs a whole fp32 chunk for a
+    moment (upload copies avoid it). A sharded chunk moves and casts its shard before the gather.
+    """
+    low = elem_bytes < 4
+    if world > 1:
+        source = elem_bytes if upload and low else 4
+        host_part = shard * source + (shard * elem_bytes if source != elem_bytes else 0) if has_host else 0
+        return max(host_part, shard * elem_bytes if low else 0)
+    return size * 4 if has_host and low and not upload else 0
 
 
 # -- the search -------------------------------------------------------------------------------------
@@ -215,8 +242,10 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
     on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
-    # the peak is the device state plus parts that depend only on n and on whether a DOS buffer exists
-    fixed = {dos: sum(_memory_parts(lay, n, 0, dos, elem_bytes, world).values()) for dos in (False, True)}
+    # the peak is the device state plus parts that depend only on n, on whether any chunk is on the
+    # host and on whether a DOS buffer exists
+    fixed = {(dos, h): sum(_memory_parts(lay, n, 0, dos, elem_bytes, world, h, parts.upload).values())
+             for dos in (False, True) for h in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -226,7 +255,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
                                   dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward,
                                   parts.micro_steps)
-        peaks = device_state + np.where(has_host & (gap > 0), fixed[True], fixed[False])
+        peaks = device_state + np.where(has_host, fixed[(gap > 0, True)], fixed[(False, False)])
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
             if need < smallest.get("need", float("inf")):
