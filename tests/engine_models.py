@@ -52,15 +52,15 @@ def batches(n: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum: int, max_norm: float | None,
-                  lr: float = 1e-2) -> tuple[list[float], dict]:
-    """Plain torch AdamW: the losses and final state the engine must reproduce."""
-    model = copy.deepcopy(model)
+                  lr: float = 1e-2, device: str = "cpu") -> tuple[list[float], dict]:
+    """Plain torch AdamW: the losses and final state (on the host) the engine must reproduce."""
+    model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(param_groups(model), lr=lr)
     losses = []
     for step in range(steps):
         total = 0.0
         for a in range(accum):
-            loss = model(data[step * accum + a]) / accum
+            loss = model(data[step * accum + a].to(device)) / accum
             loss.backward()
             total += loss.item()
         if max_norm is not None:
@@ -68,11 +68,11 @@ def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, rank: int = 0,
-               world: int = 1) -> list[float]:
+               world: int = 1, device: str = "cpu") -> list[float]:
     """The same loop through the engine; each rank takes its slice of every global batch."""
     import torch.distributed as dist
 
@@ -82,9 +82,9 @@ def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, ran
         for a in range(accum):
             batch = data[step * accum + a]
             rows = batch.shape[0] // world
-            loss = model(batch[rank * rows: (rank + 1) * rows]) / accum
+            loss = model(batch[rank * rows: (rank + 1) * rows].to(device)) / accum
             loss.backward()
-            total += loss.detach()
+            total += loss.detach().cpu()
         if world > 1:
             dist.all_reduce(total)
             total /= world

@@ -180,3 +180,75 @@ def test_fp16_needs_the_module_to_return_the_loss():
                     device_memory="64MiB", loss_fn=lambda out: out[0])
     with pytest.raises(TypeError, match="must return the scalar loss"):
         model(sample[0])
+
+
+class _UsesWeightsInLists(nn.Module):
+    """The parent reads its children's weights itself, inside lists (torch.cat), never calling them."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.a = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(2 * d, 50)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        w = torch.cat([self.a.weight, self.b.weight], dim=0)  # (2d, d): both chunks needed at once
+        logits = self.head(torch.relu(h @ w.t()))
+        return nn.functional.cross_entropy(logits.reshape(-1, 50), x[:, 1:].reshape(-1))
+
+
+def test_parameters_passed_inside_lists_are_fetched():
+    torch.manual_seed(0)
+    base = _UsesWeightsInLists()
+    data = batches(6, 4)
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for batch in data:
+        loss = ref(batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    m = copy.deepcopy(base)
+    plan = manual_plan(m, (data[0],), chunk_size=256, n_blocks=3)
+    model, opt = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sample_inputs=(data[0],), plan=plan,
+                      device="cpu")
+    assert plan.n_chunks >= 4  # a, b, emb and head in separate chunks, so a and b get evicted
+    losses = []
+    for batch in data:
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+
+
+def test_host_state_lives_in_one_arena_of_exactly_its_size():
+    """Host chunks' master, gradient buffer and moments (and upload copies) are disjoint slices of one
+    allocation per dtype, so pinning it on a GPU locks exactly the state's bytes."""
+    torch.manual_seed(0)
+    m = Toy()
+    sample = (batches(1, 8)[0],)
+    plan = manual_plan(m, sample, chunk_size=1024, n_blocks=3, upload_copies=True)
+    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    model, _ = wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=sample, plan=plan, device="cpu",
+                    dtype=torch.bfloat16)
+    store = model.store
+    host = [c for c in store.chunks if c.placement == "host"]
+    n = sum(c.shard_len for c in host)
+    assert {dt: b.numel() for dt, b in store.arena.buffers.items()} == {torch.float32: 4 * n, torch.bfloat16: n}
+    spans = []
+    for c in host:
+        for t in (c.master, c.grad_buffer, c.exp_avg, c.exp_avg_sq, c.upload):
+            assert t.untyped_storage().data_ptr() == store.arena.buffers[t.dtype].untyped_storage().data_ptr()
+            spans.append((t.dtype, t.storage_offset(), t.storage_offset() + t.numel()))
+    for dtype in (torch.float32, torch.bfloat16):
+        ranges = sorted((lo, hi) for dt, lo, hi in spans if dt == dtype)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # disjoint
+        assert sum(hi - lo for lo, hi in ranges) == store.arena.buffers[dtype].numel()  # and exactly filling it
+    assert all(c.master.device.type == "cpu" and c.grad_buffer is None for c in store.chunks if c.placement == "device")

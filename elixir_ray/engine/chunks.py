@@ -1,8 +1,8 @@
 """Chunks: flat fp32 master state per chunk, and the compute copy the parameters are views of.
 
 Each chunk holds, for this rank, a shard (or, when replicated, all) of: the fp32 master weights,
-the fp32 gradient and the AdamW moments, on the host (pinned when a GPU computes) or on the
-device. Its compute copy is one flat tensor in the compute dtype on the compute device; every
+the fp32 gradient and the AdamW moments, on the device, or on the host as slices of one arena
+(page-locked when a GPU computes; host_memory.py). Its compute copy is one flat tensor in the compute dtype on the compute device; every
 parameter in the chunk is a view of it. Freeing the copy shrinks its storage to zero and
 fetching regrows and refills the same storage, so tensors autograd saved from the parameters
 see the weights again after a refetch (weights do not change within a step).
@@ -11,9 +11,10 @@ When the plan asks for upload copies, a host chunk computed in a lower precision
 `upload`, its master already cast to the compute dtype (pinned), refreshed after every update: a
 fetch then copies half the bytes of the fp32 master and needs no fp32 buffer on the device.
 
-Two things may be in flight for a chunk, and everything that reads or writes its state waits for
-them first (`settle`, `make_usable`): its CPU AdamW update on the background thread (`update`),
-and, on CUDA, a prefetch of its compute copy on the copy stream (`ready`).
+What may be in flight for a chunk, and everything that reads or writes its state waits for it
+first (`settle`, `make_usable`): its CPU AdamW update on the background thread (`update`), and,
+on CUDA, a prefetch of its compute copy on the copy stream (`ready`) and the copies of its state
+back to the host after a Deep Optimizer States update (`landed`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
@@ -83,10 +85,12 @@ class Comm:
         return moved.to(t.device)
 
 
+# Tensors are left out of these reprs: a parameter or compute copy whose chunk is evicted has no
+# storage, and printing it would read freed memory.
 @dataclass
 class ParamSlot:
     name: str
-    param: nn.Parameter
+    param: nn.Parameter = field(repr=False)
     chunk: int
     offset: int  # within the chunk, in elements
     numel: int
@@ -102,23 +106,32 @@ class Chunk:
     size: int  # padded elements, a multiple of the world size
     sharded: bool
     placement: str  # "host" or "device"
-    slots: list[ParamSlot] = field(default_factory=list)
+    slots: list[ParamSlot] = field(default_factory=list, repr=False)
     shard_start: int = 0  # this rank's first element
     shard_len: int = 0
-    master: Optional[torch.Tensor] = None  # fp32 [shard_len]
-    grad: Optional[torch.Tensor] = None  # fp32 [shard_len]; None until a gradient arrives
-    exp_avg: Optional[torch.Tensor] = None
-    exp_avg_sq: Optional[torch.Tensor] = None
-    compute: Optional[torch.Tensor] = None  # compute dtype [size] on the compute device
-    upload: Optional[torch.Tensor] = None  # host chunks in low precision: master cast to the compute dtype
-    staging: Optional[torch.Tensor] = None  # fp32 [size]: gradients collected during backward
+    # fp32 [shard_len] each; grad is None until a gradient arrives
+    master: Optional[torch.Tensor] = field(default=None, repr=False)
+    grad: Optional[torch.Tensor] = field(default=None, repr=False)
+    grad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)  # host chunks: where grad lands
+    exp_avg: Optional[torch.Tensor] = field(default=None, repr=False)
+    exp_avg_sq: Optional[torch.Tensor] = field(default=None, repr=False)
+    # compute dtype [size] on the compute device; the parameters are views of it
+    compute: Optional[torch.Tensor] = field(default=None, repr=False)
+    # host chunks in low precision (plan.upload_copies): the master cast to the compute dtype, pinned
+    upload: Optional[torch.Tensor] = field(default=None, repr=False)
+    # fp32 [size] on the compute device: gradients collected during backward
+    staging: Optional[torch.Tensor] = field(default=None, repr=False)
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
     eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete
-    update: Optional[Future] = None  # its CPU AdamW update, queued or running on the background thread
+    # its CPU AdamW update, queued or running on the background thread
+    update: Optional[Future] = field(default=None, repr=False)
     updated: bool = False  # its update for the step under way has been started
-    ready: Optional[torch.cuda.Event] = None  # CUDA: its prefetch on the copy stream has finished
-    grad_ready: Optional[torch.cuda.Event] = None  # CUDA: its gradient's copy to the host has landed
+    # CUDA: its prefetch on the copy stream has finished; its gradient's copy to the host has landed
+    ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    grad_ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have landed
+    landed: Optional[torch.cuda.Event] = field(default=None, repr=False)
 
     @property
     def resident(self) -> bool:
@@ -154,10 +167,22 @@ class ChunkStore:
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
-            where = self.state_device(c)
-            c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=where, pin_memory=self._pin(where))
-            if upload_copies and where.type == "cpu" and dtype != torch.float32:
-                c.upload = torch.zeros(c.shard_len, dtype=dtype, pin_memory=self._pin(where))
+        # host chunks' state (master, gradient, two moments, upload copy) in one page-locked arena
+        host = [c for c in chunks if c.placement != "device"]
+        low = upload_copies and dtype != torch.float32
+        host_numel = sum(c.shard_len for c in host)
+        sizes = {torch.float32: 4 * host_numel}
+        if low:
+            sizes[dtype] = host_numel
+        self.arena = HostArena(sizes, pin=self.pin)
+        for c in chunks:
+            if c.placement == "device":
+                c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=device)
+            else:
+                c.master, c.exp_avg, c.exp_avg_sq, c.grad_buffer = (
+                    self.arena.take(c.shard_len, torch.float32) for _ in range(4))
+                if low:
+                    c.upload = self.arena.take(c.shard_len, dtype)
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage
                 _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
@@ -188,10 +213,14 @@ class ChunkStore:
     # -- work in flight ---------------------------------------------------------------------------
 
     def settle(self, c: Chunk) -> None:
-        """Wait for the chunk's CPU update, if one is queued or running (re-raising its error)."""
+        """Wait for the chunk's CPU update, if one is queued or running (re-raising its error), and for
+        the copies back of a device update of its host state."""
         if c.update is not None:
             future, c.update = c.update, None
             self.updates.wait(future)
+        if c.landed is not None:
+            event, c.landed = c.landed, None
+            event.synchronize()
 
     def settle_all(self) -> None:
         """Every chunk's state final and every device copy landed: before reading or writing state wholesale."""
@@ -216,9 +245,6 @@ class ChunkStore:
 
     def state_device(self, chunk: Chunk) -> torch.device:
         return self.device if chunk.placement == "device" else torch.device("cpu")
-
-    def _pin(self, where: torch.device) -> bool:
-        return self.pin and where.type == "cpu"
 
     def chunk_of(self, t: torch.Tensor) -> Optional[Chunk]:
         return self.by_storage.get(t.untyped_storage()._cdata)
@@ -250,7 +276,7 @@ class ChunkStore:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self._fill(c)
-                c.ready = torch.cuda.Event()
+                c.ready = torch.cuda.Event(blocking=True)  # a blocking wait sleeps instead of spinning a core
                 c.ready.record(self.copy_stream)
         self.counts["fetches"] += 1
         self.counts["prefetches"] += 1
@@ -301,7 +327,7 @@ class ChunkStore:
             full.record_stream(self.reduce_stream)  # not reused by the allocator before this stream is done
             with torch.cuda.stream(self.reduce_stream):
                 self._reduce_into(c, full, where)
-                c.grad_ready = torch.cuda.Event()  # the background update waits for this, not the whole device
+                c.grad_ready = torch.cuda.Event(blocking=True)  # the background update waits for this alone
                 c.grad_ready.record(self.reduce_stream)
             # each reduction in flight holds a whole fp32 chunk on the device: at most MAX_REDUCTIONS_IN_FLIGHT,
             # as the planner budgets ("gradient staging"), so wait for the oldest when there are more
@@ -319,9 +345,13 @@ class ChunkStore:
             if self.comm.world > 1:
                 self.comm.all_reduce_mean(full)
             part = full
-        if c.grad is None:
-            # asynchronous to the host: ChunkedAdam.step waits for it (wait_for_copies) before reading
-            c.grad = part.to(where, non_blocking=True)  # takes over the staging buffer when nothing moves
+        if c.grad is None and c.grad_buffer is not None:
+            # asynchronous to the host: readers wait for it (grad_ready, or wait_for_copies) first; a
+            # previous step's update reading this buffer has finished (settled above)
+            c.grad_buffer.copy_(part, non_blocking=True)
+            c.grad = c.grad_buffer
+        elif c.grad is None:
+            c.grad = part  # a device chunk's gradient takes over the staging buffer
         else:
             # the host adds at once, so this copy (and the earlier one into c.grad) must have landed
             c.grad.add_(part.to(where, non_blocking=where.type != "cpu"))

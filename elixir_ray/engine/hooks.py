@@ -19,6 +19,16 @@ from elixir_ray.engine.chunks import ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
 
+def _parameters_in(args: tuple, kwargs: dict):
+    """Parameters among an op's arguments, and inside list or tuple arguments (torch.cat([w, v]),
+    foreach ops). One level deep: this runs for every op in forward, so it stays cheap."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, nn.Parameter))
+
+
 class _FetchParamsMode(TorchFunctionMode):
     """Safety net in forward: any op that receives an evicted parameter gets it fetched first."""
 
@@ -29,8 +39,7 @@ class _FetchParamsMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         slots = self.runtime.slot_by_param
-        needed = [slots[id(a)].chunk for a in (*args, *kwargs.values())
-                  if isinstance(a, nn.Parameter) and id(a) in slots]
+        needed = [slots[id(p)].chunk for p in _parameters_in(args, kwargs) if id(p) in slots]
         if needed:
             store = self.runtime.store
             if not all(store.usable(store.chunks[c]) for c in needed):

@@ -103,4 +103,4 @@ def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: thread
                 future.set_exception(exc)
             else:
                 future.set_result(None)
-        del owner
+        del owner, job, ready, future  # the job's closure holds its chunk's buffers: not until the next job

@@ -88,7 +88,9 @@ class AdamCall:
 def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq) -> None:
     for call in calls:
         segs = call.segments
-        steps = [torch.tensor(float(call.step), dtype=torch.float32, device=master.device) for _ in segs]
+        # one step tensor per segment (fused Adam increments each in place); torch.full, not torch.tensor,
+        # so that on a GPU no blocking host-to-device copy stalls the training thread
+        steps = [torch.full((), float(call.step), dtype=torch.float32, device=master.device) for _ in segs]
         adam_functional(
             [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
             [exp_avg[lo:hi] for lo, hi in segs], [exp_avg_sq[lo:hi] for lo, hi in segs], [], steps,
@@ -163,18 +165,33 @@ class ChunkedAdam:
         return tuple(tuple(tuple(g[k]) if k == "betas" else g[k] for k in HYPER) for g in self.param_groups)
 
     def _grad_norm_sq(self) -> float:
-        """Sum of squared gradients over the whole model: sharded parts add up across ranks."""
-        local = torch.zeros(2, dtype=torch.float64)
+        """Sum of squared gradients over the whole model: sharded parts add up across ranks.
+
+        Host gradients are summed in fp64 on the host. Device gradients get one fp32 norm each,
+        squared in fp64 and summed on the device, so that a GPU needs no fp64 copy of a chunk and
+        the host waits for it once, not once per chunk."""
+        local = [0.0, 0.0]  # sharded, replicated
+        on_device: dict[int, list] = {0: [], 1: []}
         for c in self.store.chunks:
             if c.grad is None:
                 continue
-            sq = float(c.grad.double().pow(2).sum())
-            local[0 if c.sharded else 1] += sq
-        total = self.store.comm.all_reduce_sum(local[:1].clone())
+            k = 0 if c.sharded else 1
+            if c.grad.device.type == "cpu":
+                local[k] += float(c.grad.double().pow(2).sum())
+            else:
+                on_device[k].append(torch.linalg.vector_norm(c.grad).double().square())
+        for k, norms in on_device.items():
+            if norms:
+                local[k] += float(torch.stack(norms).sum())
+        total = self.store.comm.all_reduce_sum(torch.tensor([local[0]], dtype=torch.float64))
         return float(total[0] + local[1])  # replicated chunks: every rank holds the same full gradient
 
     def _overflow(self) -> bool:
-        bad = any(c.grad is not None and not torch.isfinite(c.grad).all() for c in self.store.chunks)
+        """Any inf or NaN in any gradient, on any rank (one wait for the device's gradients)."""
+        finite = [torch.isfinite(c.grad).all() for c in self.store.chunks if c.grad is not None]
+        on_host = [f for f in finite if f.device.type == "cpu"]
+        on_device = [f for f in finite if f.device.type != "cpu"]
+        bad = not all(bool(f) for f in on_host) or (bool(on_device) and not bool(torch.stack(on_device).all()))
         return bool(self.store.comm.all_reduce_max(torch.tensor([float(bad)]))[0] > 0)
 
     @torch.no_grad()
@@ -191,7 +208,11 @@ class ChunkedAdam:
             self.pool.reset()  # compute copies are stale now
 
     def _step(self) -> None:
-        self.store.wait_for_copies()  # host gradients were copied asynchronously; read them only once landed
+        if self.loss_scale is not None or self.max_grad_norm is not None:
+            # this thread reads every host gradient (overflow check, norm), and they were copied
+            # asynchronously: wait until they have landed. Otherwise each update waits for its own
+            # chunk's copy (the background thread on its event, a device update on the stream).
+            self.store.wait_for_copies()
         if self._started_with is not None and self._started_with != self._hyper_parameters():
             raise RuntimeError(
                 "the learning rate (or another Adam hyper-parameter) changed between backward() and "
@@ -253,10 +274,9 @@ class ChunkedAdam:
         c.updated = True
         self.store.settle(c)
         calls = self._calls(c)
-        if c.exp_avg is None:
-            pin = self.store.pin and c.master.device.type == "cpu"
-            c.exp_avg = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device, pin_memory=pin)
-            c.exp_avg_sq = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device, pin_memory=pin)
+        if c.exp_avg is None:  # device chunks, at their first update (host chunks' moments are in the arena)
+            c.exp_avg = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)
+            c.exp_avg_sq = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)
         if not calls:
             return
         if self._runs_on_host(c):
@@ -278,15 +298,22 @@ class ChunkedAdam:
         if c.placement == "device":
             run_adam(calls, c.master, c.grad, c.exp_avg, c.exp_avg_sq)
             return
-        # Deep Optimizer States: this host chunk's update runs on the compute device
+        # Deep Optimizer States: this host chunk's update runs on the compute device. Every copy is
+        # asynchronous and ordered on the compute stream; `landed` tells host readers (settle) when
+        # the state is back, and the next fetch of the chunk is ordered after it on the device.
         dev = self.store.device
+        if c.grad_ready is not None:  # the gradient's copy to the host ran on the reduce stream
+            torch.cuda.current_stream(dev).wait_event(c.grad_ready)
         master, grad = c.master.to(dev, non_blocking=True), c.grad.to(dev, non_blocking=True)
         m, v = c.exp_avg.to(dev, non_blocking=True), c.exp_avg_sq.to(dev, non_blocking=True)
         if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU
             master, grad, m, v = master.clone(), grad.clone(), m.clone(), v.clone()
         run_adam(calls, master, grad, m, v)
-        c.master.copy_(master)
-        c.exp_avg.copy_(m)
-        c.exp_avg_sq.copy_(v)
+        c.master.copy_(master, non_blocking=True)
+        c.exp_avg.copy_(m, non_blocking=True)
+        c.exp_avg_sq.copy_(v, non_blocking=True)
         if c.upload is not None:
-            c.upload.copy_(master.to(c.upload.dtype))  # cast on the device: half the bytes come back
+            c.upload.copy_(master.to(c.upload.dtype), non_blocking=True)  # cast on the device: half the bytes
+        if dev.type == "cuda":
+            c.landed = torch.cuda.Event(blocking=True)
+            c.landed.record(torch.cuda.current_stream(dev))

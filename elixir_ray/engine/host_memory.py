@@ -1,0 +1,61 @@
+"""HostArena: the host chunks' state in one allocation per dtype, page-locked at exactly its size.
+
+Host chunks' masters, gradients, AdamW moments and upload copies must be pinned so that copies to
+and from the GPU are asynchronous. torch's pinned allocator rounds every allocation up to a power
+of two, so one pinned tensor per chunk and kind can take up to twice its size in page-locked RAM,
+which cannot be swapped: a 4B-parameter model's 64 GiB of host state could lock over 100 GiB. So
+each dtype's state is one plain allocation, registered with the driver (`cudaHostRegister`) as
+is, and every chunk's tensors are slices of it. Without a GPU nothing is pinned and the slices
+are ordinary host memory, which is how the layout is tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def _unregister(pointers: list[int]) -> None:
+    # at interpreter exit the CUDA runtime may already be unloading; its error then is harmless
+    cudart = torch.cuda.cudart()
+    for ptr in pointers:
+        cudart.cudaHostUnregister(ptr)
+
+
+class HostArena:
+    """Hands out zero-filled slices of one buffer per dtype; `numels` says how many elements of each.
+
+    The registration is undone when the arena is collected; slices still held elsewhere then stay
+    valid, as ordinary (pageable) host memory.
+    """
+
+    def __init__(self, numels: dict[torch.dtype, int], pin: bool):
+        self.buffers = {dtype: torch.zeros(n, dtype=dtype) for dtype, n in numels.items() if n > 0}
+        self.used = {dtype: 0 for dtype in self.buffers}
+        self.pinned = False
+        if pin and self.buffers:
+            self._register()
+
+    def _register(self) -> None:
+        cudart = torch.cuda.cudart()
+        done = []
+        for buf in self.buffers.values():
+            ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                _unregister(done)
+                raise RuntimeError(
+                    f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the optimizer state "
+                    f"(cudaHostRegister error {int(err)}): free host memory, or give the device more memory so "
+                    f"that less state lives on the host")
+            done.append(ptr)
+        self.pinned = True
+        weakref.finalize(self, _unregister, done)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        start = self.used[dtype]
+        if start + numel > self.buffers[dtype].numel():
+            raise ValueError(f"host arena for {dtype} exhausted: {start + numel} > {self.buffers[dtype].numel()}")
+        self.used[dtype] = start + numel
+        return self.buffers[dtype][start: start + numel]

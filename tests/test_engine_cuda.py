@@ -1,0 +1,155 @@
+"""The engine on a CUDA device: side streams, events, pinned copies and the device memory they use.
+
+Skipped where no GPU is present (CI has none); run on the GPU machine with
+`pytest tests/test_engine_cuda.py`. The CPU suite checks the same bookkeeping without streams:
+here the prefetches really run on the copy stream, host gradients really cross on the reduce
+stream, and the background thread's CPU updates really wait for those copies.
+"""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.model.gpt import build_gpt, init_gpt_weights
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STEPS = 12
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_size=1024, n_blocks=3, **kwargs):
+    """`cycle`: chunk placements, repeated over the chunks. kwargs: wrap's, and the plan's dos_gap/upload_copies."""
+    sample = (batches(1, rows)[0],)
+    plan_kwargs = {k: kwargs.pop(k) for k in ("dos_gap", "upload_copies") if k in kwargs}
+    plan = manual_plan(model, sample, chunk_size=chunk_size, n_blocks=n_blocks, **plan_kwargs)
+    plan.placements = [cycle[i % len(cycle)] for i in range(plan.n_chunks)]
+    opt = torch.optim.AdamW(param_groups(model), lr=lr)
+    return wrap(model, opt, sample_inputs=sample, plan=plan, device="cuda", dtype=dtype, **kwargs)
+
+
+@pytest.mark.parametrize("case", [
+    dict(accumulation_steps=2, prefetch=2, cycle=("host", "device")),  # updates start in backward
+    dict(accumulation_steps=2, prefetch=1, max_grad_norm=0.5, dos_gap=2),  # clipping settles first; DOS
+    dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
+], ids=["in-backward", "clip-dos", "checkpointing"])
+def test_fp32_on_cuda_matches_torch_adamw(case):
+    case = dict(case)
+    accum, ckpt, max_norm = case["accumulation_steps"], case.pop("ckpt", ""), case.get("max_grad_norm")
+    torch.manual_seed(0)
+    base = Toy(ckpt=ckpt)
+    data = batches(STEPS * accum, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, accum, max_norm, device="cuda")
+    model, opt = _engine(copy.deepcopy(base), 8, **case)
+    losses = engine_run(model, opt, data, STEPS, accum, device="cuda")
+    stats = model.engine_stats()
+    assert stats["evictions"] >= STEPS and stats["prefetches"] > 0  # the copy stream was used every step
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
+def test_bf16_with_upload_copies_tracks_the_fp32_curve():
+    """The issue's GPU criterion: bf16 compute stays within 1e-2 relative of fp32 training."""
+    torch.manual_seed(0)
+    shape = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=512, seq_len=64)
+    base = build_gpt(shape, activation_checkpointing=True)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 512, (8, 65), generator=g) for _ in range(30)]
+    ref = copy.deepcopy(base).cuda()
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-3)
+    ref_losses = []
+    for batch in data:
+        loss = ref(batch.cuda())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    m = copy.deepcopy(base)
+    plan = manual_plan(m, (data[0],), chunk_size=70_000, n_blocks=3, dos_gap=2, upload_copies=True)
+    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-3), sample_inputs=(data[0],), plan=plan,
+                      device="cuda", dtype=torch.bfloat16, accumulation_steps=1)
+    losses = engine_run(model, opt, data, len(data), 1, device="cuda")
+    assert model.store.chunks[0].upload is not None and model.engine_stats()["evictions"] > 0
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2
+
+
+@pytest.mark.parametrize("upload", [False, True])
+def test_a_fetch_uses_the_device_memory_the_planner_counts(upload):
+    """Uploading an fp32 host master into a bf16 block goes through an fp32 chunk on the device
+    (the planner's "fetch conversion"); an upload copy needs nothing beside the block."""
+    from elixir_ray.planner.search import _fetch_buffer
+
+    torch.manual_seed(0)
+    model, _ = _engine(Toy(), 8, dtype=torch.bfloat16, chunk_size=4096, upload_copies=upload, prefetch=0)
+    store = model.store
+    store.free_all()
+    c = max(store.chunks, key=lambda ch: ch.size)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    store.fetch(c)
+    torch.cuda.synchronize()
+    block = c.size * 2
+    extra = torch.cuda.max_memory_allocated() - before - block
+    expected = _fetch_buffer(c.size, c.size, 2, 1, True, upload)
+    assert expected == (0 if upload else c.size * 4)
+    assert abs(extra - expected) <= 4096, (extra, expected)  # the allocator rounds to 512 bytes
+
+
+def test_peak_device_memory_stays_within_a_searched_budget():
+    """A GPT whose training state is several times the budget trains under it; the searched plan's
+    predicted peak is printed beside the measured one (the benchmark issue checks them at scale)."""
+    torch.manual_seed(0)
+    shape = dict(d_model=512, n_layers=16, n_heads=8, vocab_size=8192, seq_len=256)
+    module = build_gpt(shape, activation_checkpointing=True, device="meta")
+    budget = 320 * 2**20
+    sample = torch.randint(0, 8192, (4, 257))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-4), sample_inputs=(sample,),
+                      device_memory=budget, device="cuda", accumulation_steps=1,
+                      init_fn=lambda m: init_gpt_weights(m, shape["n_layers"]))
+    assert 16 * sum(model.plan.chunk_numels) > 2.5 * budget  # the training state could not have fit
+    batch = sample.cuda()
+    for _ in range(4):
+        model(batch).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"\npeak {peak / 2**20:.1f} MiB, predicted {model.plan.predicted_peak_bytes / 2**20:.1f} MiB, "
+          f"budget {budget / 2**20:.0f} MiB, parts {model.plan.memory}")
+    assert peak <= budget
+
+
+def test_host_state_is_page_locked_once_at_its_exact_size():
+    """The arena is registered with the driver as is (torch's pinned allocator would round each chunk's
+    tensors up to a power of two); every host tensor copies asynchronously, and reading a chunk on the
+    host after a Deep Optimizer States update waits for its copies back (`settle`)."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, dtype=torch.bfloat16, upload_copies=True, dos_gap=2, accumulation_steps=1)
+    store = model.store
+    assert store.arena.pinned
+    host = [c for c in store.chunks if c.placement == "host"]
+    for c in host:
+        assert all(t.is_pinned() for t in (c.master, c.grad_buffer, c.exp_avg, c.exp_avg_sq, c.upload))
+    engine_run(model, opt, batches(2, 8), 2, 1, device="cuda")
+    dos = [c for c in host if c.index in opt.dos_chunks]
+    assert dos and any(c.landed is not None for c in dos)  # the copies back were asynchronous
+    for c in dos:
+        store.settle(c)
+        assert c.landed is None
+        assert torch.equal(c.upload, c.master.to(torch.bfloat16))
