@@ -139,3 +139,14 @@ def test_plan_comparison_smoke_runs_every_fitting_plan(tmp_path):
             assert r["step_seconds"] > 0 and r["predicted_peak_bytes"] <= 24 * 2**20
             assert rows[0]["predicted_step_seconds"] <= r["predicted_step_seconds"] * (1 + 1e-9)
     assert "| searched |" in proc.stdout
+
+
+def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_path):
+    out = tmp_path / "compute.json"
+    proc = subprocess.run([sys.executable, "jobs/bench_compute.py", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["shape"] == "smoke" and row["estimated_kernels"] == 0 and row["distinct_kernels"] > 10
+    assert row["measured_seconds"] > 0 and row["replayed_seconds"] > 0 and row["flop_model_seconds"] > 0
+    assert "| smoke |" in proc.stdout

@@ -1,6 +1,7 @@
 """The chunk engine against plain torch AdamW, on CPU in fp32, with real gloo groups for several ranks."""
 
 import copy
+import json
 import os
 import sys
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from elixir_ray.engine import PlanError, engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import Toy, batches, engine_run, free_port, param_groups, reference_run  # noqa: E402
@@ -143,6 +144,35 @@ def test_sharded_ranks_match_one_process(world, tmp_path):
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5
+
+
+def _searching_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    sample = (batches(1, 8)[0],)
+    results = {}
+    for budget in ("4KiB", "64MiB"):
+        model = Toy()
+        try:
+            wrapped, _ = wrap(model, torch.optim.AdamW(model.parameters()), sample_inputs=sample,
+                              device_memory=budget, device="cpu")
+            results[budget] = wrapped.plan.to_json()
+        except PlanError as exc:
+            results[budget] = f"PlanError: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_without_a_plan_all_run_rank_zeros_search(tmp_path):
+    """Measured rates and kernel times differ per rank; one search, broadcast, keeps the chunks alike,
+    and rank 0's PlanError reaches every rank instead of leaving the others waiting."""
+    mp.spawn(_searching_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["4KiB"].startswith("PlanError: ") and "too small" in first["4KiB"]
+    assert second["4KiB"].startswith("PlanError: rank 0 could not plan: PlanError: ")
+    assert Plan.from_json(first["64MiB"]) == Plan.from_json(second["64MiB"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -21,6 +21,7 @@ from elixir_ray.bench.systems import SHAPES
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import profile_model
+from elixir_ray.planner.op_timing import device_is_here, time_ops
 from elixir_ray.planner.search import make_layout, plan_search
 from elixir_ray.units import format_bytes
 
@@ -34,6 +35,8 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile) 
     model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
     sample = (torch.zeros(shape.micro_batch, shape.seq_len + 1, dtype=torch.long),)
     profile = profile_model(model, sample, None, None, dtype)
+    if device_is_here(hardware.device):
+        profile.compute = time_ops(profile.trace.ops, hardware, max_bytes=cap_bytes // 2)
     # the benchmark's loop declares one backward per step and does not clip: CPU updates start in backward
     searched = plan_search([profile], hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True)
     layout = make_layout(profile, searched.chunk_size, 1)

@@ -77,6 +77,19 @@ class Comm:
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return self._small(t, dist.ReduceOp.MAX)
 
+    def broadcast_text(self, text: Optional[str]) -> str:
+        """Group rank 0's `text` on every rank (a plan as JSON: sent as bytes, never pickled)."""
+        if self.world == 1:
+            return text
+        src = dist.get_global_rank(self.group, 0)
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if self.rank == 0 else None
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src, group=self.group)
+        buf = data.to(self.device) if data is not None else torch.empty(int(size), dtype=torch.uint8,
+                                                                         device=self.device)
+        dist.broadcast(buf, src, group=self.group)
+        return buf.cpu().numpy().tobytes().decode()
+
     def _small(self, t: torch.Tensor, op) -> torch.Tensor:
         if self.world == 1:
             return t

@@ -5,9 +5,16 @@ inputs are swapped for meta tensors, then restored), recording:
 - every module forward (recomputation under activation checkpointing included) with its direct
   parameters, and every parameter read back from autograd's saved tensors in backward;
 - which parameters received a gradient, and in what order (how many chunks collect gradients at once);
-- the bytes of activations autograd saved (an estimate of the activation memory), and the
-  matmul-class FLOPs of the step, counted by torch's FlopCounterMode.
-Parameters are identified by their storage, so views (a transposed weight) count as the weight.
+- the bytes of activations autograd saved (an estimate of the activation memory), the
+  matmul-class FLOPs of the step, counted by torch's FlopCounterMode, and every distinct kernel
+  call with its shapes and count (`op_record`), for the planner to time on the device.
+Parameters are identified by their storage, so views (a transposed weight) count as the weight,
+and a saved activation counts once however many ops save it or views of it.
+
+On the meta device `scaled_dot_product_attention` always takes the math path, which saves the
+T×T attention matrix in fp32; on a GPU (and on CPU) torch runs a fused kernel that saves only the
+output and the log-sum-exp. The trace therefore routes attention to the fused kernel's meta
+implementation (`_FusedAttentionOnMeta`), or it would count several times the real activations.
 """
 
 from __future__ import annotations
@@ -18,8 +25,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map
+
+from elixir_ray.engine.op_record import OpCall, OpRecorder
 
 
 @dataclass
@@ -35,6 +46,7 @@ class AccessTrace:
     forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
     grad_order: list[int] = field(default_factory=list)  # parameter indices in the order their gradients were final
+    ops: list[OpCall] = field(default_factory=list)  # the distinct kernel calls of the step, with counts
 
 
 def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -86,6 +98,57 @@ def _to_meta(x, dtype: Optional[torch.dtype] = None):
     return torch.empty_like(x, device="meta", dtype=dtype if dtype is not None and x.is_floating_point() else x.dtype)
 
 
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """Trace `F.scaled_dot_product_attention` on meta tensors as the fused kernel a device runs.
+
+    The memory-efficient kernel's meta implementation saves what flash and memory-efficient
+    attention save (query, key, value, output, log-sum-exp, and a mask when there is one), and
+    torch's FLOP counter counts it, backward's recomputation of the scores included. Calls it
+    cannot take (other devices, nested tensors) run unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = _fused_attention(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False) -> Optional[torch.Tensor]:
+    tensors = (query, key, value) + ((attn_mask,) if attn_mask is not None else ())
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" and not t.is_nested for t in tensors):
+        return None
+    if query.dim() != 4 or (attn_mask is not None and is_causal):
+        return None
+    if enable_gqa and key.shape[1] != query.shape[1]:  # the kernel wants one key/value head per query head
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    bias = None
+    if attn_mask is not None:
+        bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
+            attn_mask.shape, dtype=query.dtype, device=query.device)
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, query.requires_grad or key.requires_grad or value.requires_grad,
+        dropout_p, is_causal, scale=scale)
+    return out[0]
+
+
+def _backward_with_modes(loss: torch.Tensor) -> None:
+    """`loss.backward()` with this thread's function modes still on.
+
+    `Tensor.backward` and `torch.autograd.backward` go through `__torch_function__`, which turns
+    the active mode off while it handles them, so checkpointed blocks would be recomputed without
+    `_FusedAttentionOnMeta` (and save different tensors than their forward did). Autograd's engine
+    is what both of them call in the end.
+    """
+    torch.autograd.Variable._execution_engine.run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), True, True)
+
+
 def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Optional[torch.dtype] = None
                ) -> AccessTrace:
     named = unique_parameters(module)
@@ -98,6 +161,8 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     saved_before: list[int] = []
     grad_epochs: list[int] = []
     state = {"phase": "forward", "saved": 0, "largest": 0, "grads": 0}
+    # storage -> (bytes counted for it, the storage, held so that its key is never reused)
+    saved_storages: dict[int, tuple[int, object]] = {}
 
     grad_order: list[int] = []
 
@@ -127,11 +192,15 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
             record(direct[mod], "forward" if state["phase"] == "forward" else "recompute")
 
         def pack(t):
-            i = key_to_index.get(storage_key(t)) if t.device.type == "meta" else None
+            key = storage_key(t)
+            i = key_to_index.get(key) if t.device.type == "meta" else None
             if i is None:
-                nbytes = t.numel() * t.element_size()
-                state["saved"] += nbytes
-                state["largest"] = max(state["largest"], nbytes)
+                nbytes = max(t.untyped_storage().nbytes(), t.numel() * t.element_size())
+                extra = nbytes - saved_storages.get(key, (0, None))[0]
+                if extra > 0:  # a tensor (or a view of it) saved again costs nothing more
+                    saved_storages[key] = (nbytes, t.untyped_storage())
+                    state["saved"] += extra
+                    state["largest"] = max(state["largest"], nbytes)
             return t
 
         def unpack(t):
@@ -143,15 +212,16 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
         handles = [m.register_forward_pre_hook(pre_hook) for m, ids in direct.items() if ids]
         handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i))
                     for i, p in enumerate(metas) if p.requires_grad]
-        counter = FlopCounterMode(display=False)
+        counter, recorder = FlopCounterMode(display=False), OpRecorder()
         try:
-            with counter, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with counter, recorder, _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 out = module(*tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs)))
                 loss = loss_fn(out) if loss_fn else out
                 state["phase"] = "backward"
+                recorder.forward = False
                 state["forward_flops"] = int(counter.get_total_flops())
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                    loss.backward()
+                    _backward_with_modes(loss)
         finally:
             for h in handles:
                 h.remove()
@@ -160,4 +230,4 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                        saved_activation_bytes=state["saved"], saved_before=saved_before,
                        largest_saved_bytes=state["largest"], flops=int(counter.get_total_flops()),
                        forward_flops=state.get("forward_flops", int(counter.get_total_flops())),
-                       grad_epochs=grad_epochs, grad_order=grad_order)
+                       grad_epochs=grad_epochs, grad_order=grad_order, ops=recorder.recorded())

@@ -8,6 +8,7 @@ the returned module and optimizer are used like the originals.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, write_slot
+from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
@@ -91,6 +93,31 @@ class ChunkedModule(nn.Module):
         self.pool.reset()
 
 
+def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
+    """Rank 0's searched plan on every rank.
+
+    Each rank measuring and searching alone could pick different chunkings (measured rates and
+    kernel times vary), and the ranks' collectives would then not match. Rank 0's error, if it
+    has one, is raised on every rank, so that none is left waiting.
+    """
+    if comm.world == 1:
+        return search()
+    error, text = None, None
+    if comm.rank == 0:
+        try:
+            text = json.dumps({"plan": search().to_json()})
+        except Exception as exc:  # sent on, then raised here too
+            error = exc
+            text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "plan_error": isinstance(exc, PlanError)})
+    message = json.loads(comm.broadcast_text(text))
+    if error is not None:
+        raise error
+    if "error" in message:
+        kind = PlanError if message["plan_error"] else RuntimeError
+        raise kind(f"rank 0 could not plan: {message['error']}")
+    return Plan.from_json(message["plan"])
+
+
 def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
     write_slot(c, c.master, slot, flat)
 
@@ -133,10 +160,10 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     if plan is None:  # the planner imports the engine, so it is imported here, when needed
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
 
-        plan = search_plan(module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype,
-                           loss_fn, grad_accum=accumulation_steps or 1,
-                           updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
-                                                                         dtype == torch.float16))
+        plan = _one_plan_for_all_ranks(comm, lambda: search_plan(
+            module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype, loss_fn,
+            grad_accum=accumulation_steps or 1,
+            updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm, dtype == torch.float16)))
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
     if sorted(plan.param_order) != sorted(names):

@@ -11,6 +11,7 @@ import torch.nn as nn
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
+from elixir_ray.planner.op_timing import device_is_here, time_ops
 from elixir_ray.planner.search import plan_search
 from elixir_ray.units import parse_bytes
 
@@ -40,10 +41,18 @@ def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) ->
 
 def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_size: int, hardware: HardwareProfile,
                   dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
-                  search_checkpointing: bool, updates_in_backward: bool = False) -> tuple[Plan, ModelProfile]:
-    """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile."""
+                  search_checkpointing: bool, updates_in_backward: bool = False,
+                  time_compute: bool = False) -> tuple[Plan, ModelProfile]:
+    """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
+
+    `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
+    a kernel whose tensors take more than half the budget is estimated instead of run."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
+    if time_compute:
+        timed: dict = {}  # the checkpointing settings share most of their kernels: each is timed once
+        for p in profiles:
+            p.compute = time_ops(p.trace.ops, hardware, max_bytes=budget // 2, cache=timed)
     elem = torch.empty(0, dtype=dtype).element_size()
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
                         host_budget=host_budget, updates_in_backward=updates_in_backward)
@@ -54,7 +63,8 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
 def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str, None] = None, world_size: int = 1,
          hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
-         search_checkpointing: bool = True, updates_in_backward: bool = False) -> Plan:
+         search_checkpointing: bool = True, updates_in_backward: bool = False,
+         time_compute: Optional[bool] = None) -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
@@ -63,6 +73,8 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     `search_checkpointing=False` keeps the module's own activation-checkpointing setting.
     `updates_in_backward=True` plans for a loop whose CPU updates start during the last backward
     (wrap with accumulation_steps, no max_grad_norm, not fp16), which hides more of them.
+    `time_compute` (default: whether `hardware.device` is this process's) times the step's kernels
+    on the device, a few seconds; otherwise compute is the traced FLOPs at the matmul rate.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -72,8 +84,10 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
     host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
+    if time_compute is None:
+        time_compute = device_is_here(hardware.device)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
-                         search_checkpointing, updates_in_backward)[0]
+                         search_checkpointing, updates_in_backward, time_compute)[0]
 
 
 def quick_hardware(device: torch.device) -> HardwareProfile:

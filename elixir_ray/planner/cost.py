@@ -14,8 +14,9 @@ and gradient copies to the host on another, both beside the compute stream; the 
 a background thread from the end of backward (or from the last backward's first final gradient,
 when updates may start in backward) until the next forward needs each chunk, beside the training
 thread's Deep Optimizer States updates. The predicted step is the critical path, not the sum.
-Rates come from `HardwareProfile`; the compute rate is the measured matmul rate applied to the
-traced FLOPs. Collectives are assumed to run at the host-to-device rate unless the profile says
+Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
+device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
+measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step). Collectives are assumed to run at the host-to-device rate unless the profile says
 otherwise (`collective_gbps`).
 """
 
@@ -75,6 +76,14 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
 
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:
     return flops / (hw.matmul_tflops * 1e12)
+
+
+def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
+    """(seconds of one micro-step's kernels, of which forward): the kernels' times measured on the
+    device when the profile has them (`op_timing`), else the traced FLOPs at the matmul rate."""
+    if profile.compute is not None:
+        return profile.compute.step_seconds, profile.compute.forward_seconds
+    return compute_seconds(profile.trace.flops, hw), compute_seconds(profile.trace.forward_flops, hw)
 
 
 def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, dos, updates_in_backward: bool,

@@ -13,6 +13,7 @@ from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.api import default_host_budget, device_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.op_timing import device_is_here
 from elixir_ray.planner.search import make_layout
 from elixir_ray.units import parse_bytes
 
@@ -40,7 +41,8 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
     plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
                                  budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
-                                 cfg.engine.search_checkpointing, in_backward)
+                                 cfg.engine.search_checkpointing, in_backward,
+                                 time_compute=device_is_here(hardware.device))
     layout = make_layout(chosen, plan.chunk_size, world_size)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)

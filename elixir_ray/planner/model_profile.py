@@ -1,8 +1,8 @@
 """What the planner knows of a model: traced on the meta device, so no weights are ever allocated.
 
 A profile records, for one setting of activation checkpointing, the parameters (names, sizes) and
-the order a step uses them in (recomputation included), the activation bytes autograd saves and
-the step's matmul FLOPs. A module that can switch checkpointing per block (it has
+the order a step uses them in (recomputation included), the activation bytes autograd saves, the
+step's matmul FLOPs, and, when the device is at hand, its kernels' measured time (`op_timing`). A module that can switch checkpointing per block (it has
 `checkpointing()` and `set_checkpointing(mask)`, as our GPT does) is profiled once per setting the
 search considers; the module's own setting is restored afterwards.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from elixir_ray.engine.trace import AccessTrace, trace_step, unique_parameters
+from elixir_ray.planner.op_timing import ComputeTimes
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ModelProfile:
     buffer_bytes: int  # module buffers, always resident on the device
     checkpointing: Optional[list[bool]]  # the per-block setting traced (None: the module has no switch)
     batch_size: int  # rows in the sample inputs (the micro-batch the activations were measured at)
+    compute: Optional[ComputeTimes] = None  # the step's kernels timed on the device, when it was at hand
 
     @property
     def total_params(self) -> int:

@@ -21,7 +21,7 @@ from elixir_ray.engine.chunks import MAX_REDUCTIONS_IN_FLIGHT
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, open_gradient_chunks, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
-from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, compute_seconds, dos_mask,
+from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, micro_step_compute,
                                      host_state_bytes, overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
@@ -115,8 +115,9 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     gathers = float((loads * costs.load_device).sum())
     reduce_comm = float(costs.reduce_device.sum())
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
+    micro_step, forward = micro_step_compute(lay.profile, hw)
     time = {
-        "compute": grad_accum * compute_seconds(lay.profile.trace.flops, hw),
+        "compute": grad_accum * micro_step,
         "copies host->device": grad_accum * copies_in,
         "all-gather": grad_accum * gathers,
         "gradient reduce": grad_accum * reduce_comm,
@@ -126,7 +127,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
     }
     seconds = overlapped_step(
-        time["compute"], compute_seconds(lay.profile.trace.forward_flops, hw),
+        time["compute"], forward,
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"],
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
@@ -194,8 +195,8 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
     host_bytes = (host_state_bytes(elem_bytes, upload) * lay.shards).astype(np.float64)
-    compute = grad_accum * compute_seconds(lay.profile.trace.flops, hw)
-    forward = compute_seconds(lay.profile.trace.forward_flops, hw)
+    micro_step, forward = micro_step_compute(lay.profile, hw)
+    compute = grad_accum * micro_step
     for n in pool_candidates(lay):
         loads = loads_at(lay, n)
         host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host) + costs.adam_host
@@ -303,6 +304,15 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
     notes = [note, f"optimizer state on the host: {format_bytes(host_bytes)} per rank",
              f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
              f"{start} until the next forward needs each chunk; the step is the critical path, not the sum"]
+    timing = lay.profile.compute
+    if timing is not None:
+        estimated = sorted(set(timing.estimated))
+        notes.append(f"compute: {timing.timed} distinct kernels timed on {timing.device}" +
+                     (f", {len(timing.estimated)} estimated from FLOPs or bytes ({', '.join(estimated[:4])})"
+                      if estimated else ""))
+    else:
+        notes.append(f"compute: traced FLOPs at {hw.matmul_tflops:.1f} TFLOPS (planned away from the device; "
+                     f"memory-bound kernels not counted)")
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
     return Plan(

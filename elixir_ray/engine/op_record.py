@@ -1,0 +1,93 @@
+"""The kernels a traced step launches, recorded by shape so that the planner can time them on a device.
+
+FLOPs over a peak matmul rate miss what a GPU step really spends: on an H100 the layer norms,
+GELUs, residual adds and casts of a GPT take about a third of plain PyTorch's step. The meta trace
+records every distinct call (operator, argument shapes, strides and dtypes, other arguments) and
+how often it runs, in forward and in the whole step, so that the planner can replay each distinct
+call once on the real device (`elixir_ray.planner.op_timing`) and add up what the step costs.
+Tensors are never kept: a call is described by `TensorSpec`s only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+# calls that allocate or alias without touching memory; timing them would only measure Python
+_FREE = {"aten::detach", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::alias"}
+ATTENTION = "aten::_scaled_dot_product_efficient_attention"
+ATTENTION_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+@dataclass
+class OpCall:
+    """One distinct call: the operator's name (as `torch.ops` spells it) and its arguments."""
+
+    op: str  # e.g. "aten::addmm" (the default overload) or "aten::add.Tensor"
+    args: tuple  # with TensorSpec in place of tensors and "DEVICE" in place of devices
+    kwargs: dict
+    flops: int  # per call (torch's FLOP formulas; 0 for memory-bound operators)
+    bytes: int  # per call: tensors read and written
+    count: int = 0  # calls in one step (forward, recomputation and backward)
+    forward_count: int = 0  # of which in forward
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, torch.device):
+        return "DEVICE"
+    return x
+
+
+def _key(op: str, args: tuple, kwargs: dict) -> str:
+    return f"{op}|{args!r}|{sorted(kwargs.items())!r}"
+
+
+def call_key(call: OpCall) -> str:
+    """Identifies a distinct call: the same operator with the same argument shapes and values."""
+    return _key(call.op, call.args, call.kwargs)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Counts every distinct call made while it is on; `forward` says which phase the step is in."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, OpCall] = {}
+        self.forward = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.name()
+        if func.is_view or name.split(".")[0] in _FREE:
+            return out
+        spec_args, spec_kwargs = tree_map(_spec, args), tree_map(_spec, kwargs)
+        key = _key(name, spec_args, spec_kwargs)
+        call = self.calls.get(key)
+        if call is None:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            flops = 0
+            if func.overloadpacket in flop_registry:
+                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            call = self.calls[key] = OpCall(op=name, args=spec_args, kwargs=spec_kwargs, flops=flops,
+                                            bytes=sum(t.numel() * t.element_size() for t in tensors))
+        call.count += 1
+        call.forward_count += int(self.forward)
+        return out
+
+    def recorded(self) -> list[OpCall]:
+        return list(self.calls.values())

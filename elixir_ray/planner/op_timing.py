@@ -1,0 +1,175 @@
+"""Time a traced step's kernels on the real device: the compute part of the predicted step.
+
+The meta trace lists every distinct kernel call of one training step with its shapes and count
+(`elixir_ray.engine.op_record`). Each distinct call is run here a few times on the device with
+tensors of those shapes (filled with a constant: dense kernels do not run faster on particular
+values) and its median time is multiplied by its count. A GPT has a few dozen distinct calls
+however many layers it has, so this takes seconds, and it sees what FLOPs cannot: memory-bound
+kernels (norms, activations, casts, the loss) and how close each matmul shape gets to the peak.
+
+Attention is timed through `F.scaled_dot_product_attention`, so that the device picks the kernel
+it would pick in training (flash attention on a GPU), forward and backward apart. A call that
+cannot be replayed (an operator the device lacks, tensors too big for `max_bytes`) is estimated
+from its FLOPs at the measured matmul rate, or its bytes at the measured device copy rate, and
+named in `ComputeTimes.estimated`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from elixir_ray.engine.op_record import ATTENTION, ATTENTION_BACKWARD, OpCall, TensorSpec, call_key
+from elixir_ray.planner.hardware import HardwareProfile
+
+
+@dataclass
+class ComputeTimes:
+    """Seconds of kernels in one micro-step, measured on `device`."""
+
+    device: str
+    forward_seconds: float
+    step_seconds: float  # forward, recomputation and backward
+    timed: int  # distinct calls replayed
+    estimated: list[str] = field(default_factory=list)  # distinct calls estimated instead (operator names)
+
+
+def device_is_here(device: str) -> bool:
+    """Whether this process can run kernels on `device` (a hardware profile may come from elsewhere)."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return True
+    if d.type == "cuda":
+        return torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
+    return False
+
+
+def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[int] = None,
+             cache: Optional[dict] = None, repeats: int = 3) -> ComputeTimes:
+    """Replay each distinct call on `hardware.device`; `cache` (key -> seconds) is shared across traces."""
+    device = torch.device(hardware.device)
+    cache = {} if cache is None else cache
+    copy_rate = None
+    forward = total = 0.0
+    timed, estimated = 0, []
+    for call in ops:
+        key = call_key(call)
+        if key not in cache:
+            seconds = None
+            if max_bytes is None or call.bytes <= max_bytes:
+                seconds = _replay(call, device, repeats)
+            if seconds is None:
+                if not call.flops and copy_rate is None:
+                    copy_rate = _device_copy_rate(device)
+                seconds = (call.flops / (hardware.matmul_tflops * 1e12) if call.flops
+                           else call.bytes / copy_rate)
+                cache[key] = (seconds, False)
+            else:
+                cache[key] = (seconds, True)
+        seconds, replayed = cache[key]
+        if replayed:
+            timed += 1
+        else:
+            estimated.append(call.op)
+        forward += seconds * call.forward_count
+        total += seconds * call.count
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ComputeTimes(device=str(device), forward_seconds=forward, step_seconds=total, timed=timed,
+                        estimated=estimated)
+
+
+def _tensor(spec: TensorSpec, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor of the spec's shape, strides and dtype; strides that overlap (0 for an expanded
+    dimension) share one filled storage."""
+    numel = 1
+    for s in spec.shape:
+        numel *= s
+    extent = 1 + sum((n - 1) * st for n, st in zip(spec.shape, spec.stride)) if numel else 0
+    base = torch.empty(extent, dtype=spec.dtype, device=device)
+    if spec.dtype.is_floating_point or spec.dtype.is_complex:
+        base.fill_(0.01)
+    elif spec.dtype == torch.bool:
+        base.fill_(True)
+    else:
+        base.zero_()
+    t = base.as_strided(spec.shape, spec.stride)
+    return t.requires_grad_() if requires_grad else t
+
+
+def _materialise(value, device: torch.device):
+    return tree_map(lambda x: _tensor(x, device) if isinstance(x, TensorSpec)
+                    else device if isinstance(x, str) and x == "DEVICE" else x, value)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: first-call setup and allocator growth are not the step's cost
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _operator(name: str):
+    namespace, rest = name.split("::")
+    op, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+def _replay(call: OpCall, device: torch.device, repeats: int) -> Optional[float]:
+    try:
+        if call.op.split(".")[0] in (ATTENTION, ATTENTION_BACKWARD):
+            return _attention_seconds(call, device, repeats)
+        func = _operator(call.op)
+        args, kwargs = _materialise(call.args, device), _materialise(call.kwargs, device)
+        with torch.no_grad():
+            return _median_seconds(lambda: func(*args, **kwargs), device, repeats)
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError, IndexError):
+        return None  # an operator this device lacks, or arguments it refuses: estimated instead
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def _attention_seconds(call: OpCall, device: torch.device, repeats: int) -> float:
+    """Forward or backward of `F.scaled_dot_product_attention` as the device runs it in training."""
+    schema = _operator(call.op)._schema
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    named.update({a.name: v for a, v in zip(schema.arguments, call.args)})
+    named.update(call.kwargs)
+    q, k, v = (_tensor(named[n], device, requires_grad=True) for n in ("query", "key", "value"))
+    bias = named.get("attn_bias")
+    mask = _tensor(bias, device) if isinstance(bias, TensorSpec) else None
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=named.get("dropout_p", 0.0),
+                                              is_causal=named.get("is_causal", False), scale=named.get("scale"))
+
+    if not call.op.startswith(ATTENTION_BACKWARD):
+        return _median_seconds(forward, device, repeats)
+    out = forward()
+    grad = torch.full_like(out, 0.01)
+    return _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), device, repeats)
+
+
+def _device_copy_rate(device: torch.device) -> float:
+    """Bytes per second a device-local copy moves (read plus write), for calls that cannot be replayed."""
+    n = (64 if device.type == "cuda" else 16) * 2**20
+    a = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    b = torch.empty_like(a)
+    return 2 * n / _median_seconds(lambda: b.copy_(a), device, 3)

@@ -1,0 +1,100 @@
+"""What the meta trace says a step saves and runs, against a real CPU run of the same model."""
+
+import pytest
+import torch
+
+import elixir_ray
+from elixir_ray.engine.trace import trace_step
+from elixir_ray.model.gpt import build_gpt
+from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.op_timing import time_ops
+
+CPU = HardwareProfile(device="cpu", h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=5e8,
+                      device_adam_params_per_s=5e8, matmul_tflops=0.1, cpu_threads=2)
+
+
+def _gpt(seq: int = 128, checkpointing: bool = False, device=None):
+    torch.manual_seed(0)
+    return build_gpt(dict(d_model=64, n_layers=2, n_heads=4, vocab_size=300, seq_len=seq), checkpointing,
+                     device=device)
+
+
+def _real_saved_bytes(model, batch) -> int:
+    """Bytes of the distinct storages autograd saves in a real forward, parameters left out."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[t.untyped_storage()._cdata] = (t.untyped_storage().nbytes(), t.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(batch)
+    return sum(n for n, _ in saved.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_traced_activations_are_what_a_real_step_saves(checkpointing):
+    # attention on meta would take the math path (a T x T matrix in fp32) and a tensor saved by
+    # several ops would count several times; the real CPU run uses the fused kernel and shares it
+    model = _gpt(checkpointing=checkpointing)
+    batch = torch.randint(0, 300, (2, 129))
+    traced = trace_step(model, (batch,)).saved_activation_bytes
+    real = _real_saved_bytes(model, batch)
+    assert abs(traced - real) <= 0.01 * real, (traced, real)
+
+
+def test_traced_activations_grow_linearly_with_the_sequence():
+    short = trace_step(_gpt(256, device="meta"), (torch.zeros(2, 257, dtype=torch.long),))
+    long = trace_step(_gpt(512, device="meta"), (torch.zeros(2, 513, dtype=torch.long),))
+    assert long.saved_activation_bytes < 2.2 * short.saved_activation_bytes  # no T^2 attention matrix
+
+
+def test_trace_records_each_distinct_kernel_with_its_counts():
+    sample = (torch.zeros(2, 129, dtype=torch.long),)
+    plain = trace_step(_gpt(device="meta"), sample)
+    recomputed = trace_step(_gpt(checkpointing=True, device="meta"), sample)
+    assert sum(op.flops * op.count for op in plain.ops) == plain.flops
+    assert sum(op.flops * op.forward_count for op in plain.ops) == plain.forward_flops
+
+    def linear_calls(trace, phase_count):
+        return sum(phase_count(op) for op in trace.ops if op.op.startswith("aten::addmm"))
+
+    forward = linear_calls(plain, lambda op: op.forward_count)
+    assert forward == linear_calls(plain, lambda op: op.count) == 2 * 4  # qkv, proj, up, down per block
+    # checkpointed blocks run their linears again in backward, up to the last one whose output
+    # backward needs (torch stops a recomputation early): qkv, proj and up, not down
+    assert linear_calls(recomputed, lambda op: op.count) == forward + 2 * 3
+    assert linear_calls(recomputed, lambda op: op.forward_count) == forward
+
+
+def test_kernels_are_timed_on_the_device_and_reused_across_traces():
+    sample = (torch.zeros(2, 129, dtype=torch.long),)
+    trace = trace_step(_gpt(device="meta"), sample)
+    cache = {}
+    timed = time_ops(trace.ops, CPU, cache=cache)
+    assert timed.estimated == [] and timed.timed == len(trace.ops)
+    assert 0 < timed.forward_seconds < timed.step_seconds
+    known = dict(cache)
+    again = time_ops(trace_step(_gpt(checkpointing=True, device="meta"), sample).ops, CPU, cache=cache)
+    assert all(cache[k] == v for k, v in known.items())  # shared kernels were not timed again
+    assert again.step_seconds > timed.step_seconds  # the recomputed forward costs time
+
+
+def test_kernels_too_big_to_replay_are_estimated_from_flops_and_bytes():
+    trace = trace_step(_gpt(device="meta"), (torch.zeros(2, 129, dtype=torch.long),))
+    estimated = time_ops(trace.ops, CPU, max_bytes=0)
+    assert estimated.timed == 0 and len(estimated.estimated) == len(trace.ops)
+    matmul_part = sum(op.flops * op.count for op in trace.ops) / (CPU.matmul_tflops * 1e12)
+    assert estimated.step_seconds > matmul_part  # plus the memory-bound kernels at the copy rate
+
+
+def test_plan_made_beside_the_device_times_its_kernels():
+    model = _gpt(device="meta")
+    sample = (torch.zeros(2, 129, dtype=torch.long),)
+    here = elixir_ray.plan(model, sample, device_memory="1GiB", hardware=CPU)
+    assert any("distinct kernels timed on cpu" in n for n in here.notes)
+    away = elixir_ray.plan(model, sample, device_memory="1GiB", hardware=CPU, time_compute=False)
+    assert any("traced FLOPs" in n for n in away.notes)
+    assert away.time["compute"] == pytest.approx(trace_step(model, sample).flops / 1e11)
