@@ -98,3 +98,32 @@ def test_plan_made_beside_the_device_times_its_kernels():
     away = elixir_ray.plan(model, sample, device_memory="1GiB", hardware=CPU, time_compute=False)
     assert any("traced FLOPs" in n for n in away.notes)
     assert away.time["compute"] == pytest.approx(trace_step(model, sample).flops / 1e11)
+
+
+def _real_activation_peak(model, batch) -> int:
+    """The same bookkeeping as the trace's, on a real CPU step (real kernels, real autograd)."""
+    from elixir_ray.engine.live_memory import LiveBytes, storage_key
+
+    params = list(model.parameters())
+    handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params]
+    live = LiveBytes({storage_key(p) for p in params})
+    try:
+        with live:
+            model(batch).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return live.peak
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_traced_activation_peak_is_a_real_steps_and_tops_the_saved_bytes(checkpointing):
+    model = _gpt(checkpointing=checkpointing)
+    batch = torch.randint(0, 300, (2, 129))
+    trace = trace_step(model, (batch,))
+    real = _real_activation_peak(model, batch)
+    assert abs(trace.activation_peak_bytes - real) <= 0.02 * real, (trace.activation_peak_bytes, real)
+    # backward's first gradients sit on the saved tensors: at least the loss's fp32 logits gradient
+    logits = 2 * 128 * 300 * 4
+    assert trace.activation_peak_bytes >= trace.saved_activation_bytes + logits
+    assert len(trace.live_before) == len(trace.events) and max(trace.live_before) <= trace.activation_peak_bytes

@@ -5,8 +5,10 @@ inputs are swapped for meta tensors, then restored), recording:
 - every module forward (recomputation under activation checkpointing included) with its direct
   parameters, and every parameter read back from autograd's saved tensors in backward;
 - which parameters received a gradient, and in what order (how many chunks collect gradients at once);
-- the bytes of activations autograd saved (an estimate of the activation memory), the
-  matmul-class FLOPs of the step, counted by torch's FlopCounterMode, and every distinct kernel
+- the bytes of activations autograd saved, the peak of all activation memory alive at once
+  (`live_memory`: saved tensors plus backward's gradients and recomputed blocks), the
+  matmul-class FLOPs of the step (torch's FLOP formulas, as its FlopCounterMode uses them; the
+  mode itself is not used, since its module tracking keeps tensors alive), and every distinct kernel
   call with its shapes and count (`op_record`), for the planner to time on the device.
 Parameters are identified by their storage, so views (a transposed weight) count as the weight,
 and a saved activation counts once however many ops save it or views of it.
@@ -27,9 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map
 
+from elixir_ray.engine.live_memory import LiveBytes, storage_key
 from elixir_ray.engine.op_record import OpCall, OpRecorder
 
 
@@ -42,6 +44,8 @@ class AccessTrace:
     saved_activation_bytes: int
     saved_before: list[int] = field(default_factory=list)  # per event: activation bytes saved so far
     largest_saved_bytes: int = 0  # the largest single saved activation
+    activation_peak_bytes: int = 0  # the most bytes of activations (and their gradients) alive at once
+    live_before: list[int] = field(default_factory=list)  # per event: activation bytes alive
     flops: int = 0  # matmul-class FLOPs of the step (forward, recompute and backward)
     forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
@@ -57,10 +61,6 @@ def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             seen.add(id(p))
             out.append((name, p))
     return out
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 @contextmanager
@@ -159,6 +159,8 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     first_use: list[int] = []
     seen: set[int] = set()
     saved_before: list[int] = []
+    live_before: list[int] = []
+    live = None
     grad_epochs: list[int] = []
     state = {"phase": "forward", "saved": 0, "largest": 0, "grads": 0}
     # storage -> (bytes counted for it, the storage, held so that its key is never reused)
@@ -166,10 +168,11 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
 
     grad_order: list[int] = []
 
-    def on_grad(i):
+    def on_grad(p, i):
         got_grad[i] = True
         grad_order.append(i)
         state["grads"] += 1
+        p.grad = None  # the engine moves each gradient into its chunk's buffer, counted apart
 
     def record(indices, phase):
         if not indices:
@@ -177,6 +180,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
         events.append(tuple(indices))
         phases.append(phase)
         saved_before.append(state["saved"])
+        live_before.append(live.live if live is not None else 0)
         grad_epochs.append(state["grads"])
         for i in indices:
             if i not in seen:
@@ -210,24 +214,27 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
             return t
 
         handles = [m.register_forward_pre_hook(pre_hook) for m, ids in direct.items() if ids]
-        handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i))
+        handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(p, i))
                     for i, p in enumerate(metas) if p.requires_grad]
-        counter, recorder = FlopCounterMode(display=False), OpRecorder()
+        recorder = OpRecorder()
+        live = LiveBytes(set(key_to_index))
         try:
-            with counter, recorder, _FusedAttentionOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with recorder, live, _FusedAttentionOnMeta(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 out = module(*tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs)))
                 loss = loss_fn(out) if loss_fn else out
                 state["phase"] = "backward"
                 recorder.forward = False
-                state["forward_flops"] = int(counter.get_total_flops())
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     _backward_with_modes(loss)
         finally:
             for h in handles:
                 h.remove()
     order = first_use + [i for i in range(len(params)) if i not in seen]
+    ops = recorder.recorded()
     return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
                        saved_activation_bytes=state["saved"], saved_before=saved_before,
-                       largest_saved_bytes=state["largest"], flops=int(counter.get_total_flops()),
-                       forward_flops=state.get("forward_flops", int(counter.get_total_flops())),
-                       grad_epochs=grad_epochs, grad_order=grad_order, ops=recorder.recorded())
+                       largest_saved_bytes=state["largest"], flops=sum(op.flops * op.count for op in ops),
+                       forward_flops=sum(op.flops * op.forward_count for op in ops),
+                       grad_epochs=grad_epochs, grad_order=grad_order, ops=ops,
+                       activation_peak_bytes=live.peak, live_before=live_before)

@@ -13,8 +13,8 @@ from elixir_ray.planner.search import make_layout
 def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
     """Per traced access: bytes of resident optimizer state and buffers, pool blocks, and activations.
 
-    The pool fills as chunks are first used and then stays full (eviction only swaps); saved
-    activations grow through forward as traced and are released through backward.
+    The pool fills as chunks are first used and then stays full (eviction only swaps); activations
+    are those alive at each access, as traced (saved ones, backward's gradients, recomputed blocks).
     """
     lay = make_layout(profile, plan.chunk_size, plan.world_size)
     trace = profile.trace
@@ -22,18 +22,13 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     device = np.array([p == "device" for p in plan.placements])
     fixed = float((STATE_BYTES * lay.shards)[device].sum()) + profile.buffer_bytes
     seen: set[int] = set()
-    pool, acts = [], []
+    pool = []
     backward = [i for i, ph in enumerate(trace.phases) if ph != "forward"]
     first_backward = backward[0] if backward else len(trace.phases)
-    total = trace.saved_activation_bytes
-    for i, chunks in enumerate(lay.events):
+    for chunks in lay.events:
         seen.update(chunks)
         pool.append(min(plan.n_blocks, len(seen)) * block)
-        if i < first_backward:
-            acts.append(trace.saved_before[i] if trace.saved_before else 0)
-        else:
-            done = (i - first_backward + 1) / max(1, len(trace.phases) - first_backward)
-            acts.append(total * (1 - done))
+    acts = list(trace.live_before) or [0] * len(lay.events)
     n = len(lay.events)
     return {"state": np.full(n, fixed), "pool": np.array(pool, dtype=float), "activations": np.array(acts, dtype=float),
             "first_backward": np.array([first_backward])}
@@ -51,7 +46,7 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     x = np.arange(len(t["pool"]))
     ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["activations"] / gib,
-                 labels=["optimizer state on device + buffers", "pool blocks", "saved activations"],
+                 labels=["optimizer state on device + buffers", "pool blocks", "activations"],
                  colors=["#4c72b0", "#55a868", "#dd8452"], alpha=0.85)
     if plan.budget_bytes:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")

@@ -149,7 +149,7 @@ def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem
     staging = (lay.open_grads + in_flight) * size * 4 + (shard * 4 if world > 1 else 0)
     fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
     trace = lay.profile.trace
-    activations = trace.saved_activation_bytes + trace.largest_saved_bytes
+    activations = trace.activation_peak_bytes
     backward = staging + fetch + activations
     step = STATE_BYTES * shard if dos else 0
     return {
