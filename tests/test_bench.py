@@ -150,3 +150,16 @@ def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_pa
     assert row["shape"] == "smoke" and row["estimated_kernels"] == 0 and row["distinct_kernels"] > 10
     assert row["measured_seconds"] > 0 and row["replayed_seconds"] > 0 and row["flop_model_seconds"] > 0
     assert "| smoke |" in proc.stdout
+
+
+def test_benchmark_matrix_refuses_unknown_stages_before_running_any(tmp_path):
+    out = tmp_path / "matrix"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests", "gpt-4b-32"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown stage: gpt-4b-32" in proc.stdout
+    assert not out.exists()
+    proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "== cuda-tests exited 0" in proc.stdout and (out / "cuda-tests" / "log.txt").exists()
