@@ -165,6 +165,43 @@ def _searching_rank_main(rank: int, world: int, port: int, out_dir: str) -> None
     dist.destroy_process_group()
 
 
+class SumsAcrossRanks(nn.Module):
+    """A module whose forward runs a functional collective: planning must not replay it on one rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(self.l(x), "sum", dist.group.WORLD).square().mean()
+
+
+def _collective_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = SumsAcrossRanks()
+    wrapped, opt = wrap(model, torch.optim.AdamW(model.parameters()), sample_inputs=(torch.randn(4, 8),),
+                        device_memory="64MiB", device="cpu")
+    wrapped(torch.randn(4, 8)).backward()
+    opt.step()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"notes": wrapped.plan.notes}, f)
+    dist.destroy_process_group()
+
+
+def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
+    mp.spawn(_collective_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        notes = json.loads((tmp_path / f"rank{r}.json").read_text())["notes"]
+        assert any("distinct kernels timed on" in n for n in notes)
+
+
 def test_ranks_without_a_plan_all_run_rank_zeros_search(tmp_path):
     """Measured rates and kernel times differ per rank; one search, broadcast, keeps the chunks alike,
     and rank 0's PlanError reaches every rank instead of leaving the others waiting."""

@@ -35,7 +35,7 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile) 
     model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
     sample = (torch.zeros(shape.micro_batch, shape.seq_len + 1, dtype=torch.long),)
     profile = profile_model(model, sample, None, None, dtype)
-    if device_is_here(hardware.device):
+    if device_is_here(hardware):
         profile.compute = time_ops(profile.trace.ops, hardware, max_bytes=cap_bytes // 2)
     # the benchmark's loop declares one backward per step and does not clip: CPU updates start in backward
     searched = plan_search([profile], hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True)

@@ -5,8 +5,8 @@ gradient, in fp32 and again in the compute dtype) and a checkpointed block's rec
 activations sit on top of the saved tensors. `LiveBytes` follows each storage a kernel returns
 until the last tensor on it is gone, so the trace knows the real high-water mark. Parameters (and
 views of them) are left out: their compute copies live in the pool, which the planner counts
-apart; so are their gradients, which the trace drops on arrival as the engine moves them into
-chunk buffers.
+apart; so are buffers, always resident and counted apart, and parameter gradients, which the
+trace drops on arrival as the engine moves them into chunk buffers.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue  # a sparse tensor has no storage of its own
             key = storage_key(t)
             if key in self.excluded:
                 continue

@@ -5,6 +5,8 @@ GELUs, residual adds and casts of a GPT take about a third of plain PyTorch's st
 records every distinct call (operator, argument shapes, strides and dtypes, other arguments) and
 how often it runs, in forward and in the whole step, so that the planner can replay each distinct
 call once on the real device (`elixir_ray.planner.op_timing`) and add up what the step costs.
+Only `aten` kernels are recorded: a functional collective replayed on one rank would wait forever
+for the others, and communication has its own place in the cost model.
 Tensors are never kept: a call is described by `TensorSpec`s only.
 """
 
@@ -20,8 +22,9 @@ from torch.utils.flop_counter import flop_registry
 
 # calls that allocate or alias without touching memory; timing them would only measure Python
 _FREE = {"aten::detach", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::alias"}
-ATTENTION = "aten::_scaled_dot_product_efficient_attention"
-ATTENTION_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
+# the fused attention kernels the trace uses (trace._fused_attention), forward and backward
+ATTENTION_FORWARD = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"}
+ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class OpCall:
 
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            return f"unreplayable {x.layout} tensor"  # its call is estimated, not replayed
         return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
     if isinstance(x, torch.device):
         return "DEVICE"
@@ -73,13 +78,14 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.name()
-        if func.is_view or name.split(".")[0] in _FREE:
-            return out
+        if not name.startswith("aten::") or func.is_view or name.split(".")[0] in _FREE:
+            return out  # collectives (their own cost model), profiler marks, aliases and allocations
         spec_args, spec_kwargs = tree_map(_spec, args), tree_map(_spec, kwargs)
         key = _key(name, spec_args, spec_kwargs)
         call = self.calls.get(key)
         if call is None:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0]
+                       if isinstance(t, torch.Tensor) and t.layout == torch.strided]
             flops = 0
             if func.overloadpacket in flop_registry:
                 flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))

@@ -69,13 +69,13 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
 
     Floating-point stand-ins take `dtype` (the compute dtype) when given, so that the activations
     counted are those the engine's compute copies will produce. Yields the stand-ins in the order
-    of `params` (a tied parameter gets one shared stand-in).
+    of `params` (a tied parameter gets one shared stand-in), and the buffers' stand-ins.
     """
     def meta_like(t):
         return torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
     stand_in = {id(p): nn.Parameter(meta_like(p), requires_grad=p.requires_grad) for p in params}
-    swapped = []
+    swapped, buffers = [], []
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None:
@@ -85,8 +85,9 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
             if buf is not None:
                 swapped.append((mod._buffers, name, buf))
                 mod._buffers[name] = meta_like(buf)
+                buffers.append(mod._buffers[name])
     try:
-        yield [stand_in[id(p)] for p in params]
+        yield [stand_in[id(p)] for p in params], buffers
     finally:
         for table, name, original in swapped:
             table[name] = original
@@ -101,10 +102,12 @@ def _to_meta(x, dtype: Optional[torch.dtype] = None):
 class _FusedAttentionOnMeta(TorchFunctionMode):
     """Trace `F.scaled_dot_product_attention` on meta tensors as the fused kernel a device runs.
 
-    The memory-efficient kernel's meta implementation saves what flash and memory-efficient
-    attention save (query, key, value, output, log-sum-exp, and a mask when there is one), and
-    torch's FLOP counter counts it, backward's recomputation of the scores included. Calls it
-    cannot take (other devices, nested tensors) run unchanged.
+    Without a mask, flash attention's meta implementation (which takes fewer key/value heads than
+    query heads, as the real kernels do); with one, the memory-efficient kernel's. Both save what
+    the real fused kernels save (query, key, value, output, log-sum-exp, and the mask), and torch's
+    FLOP formulas count them, backward's recomputation of the scores included. Calls they cannot
+    take (other devices, nested tensors, not 4-D) run unchanged. A CPU step with attention dropout
+    takes the math path for real, which this under-counts (see docs/planner.md).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -123,14 +126,17 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return None
     if query.dim() != 4 or (attn_mask is not None and is_causal):
         return None
-    if enable_gqa and key.shape[1] != query.shape[1]:  # the kernel wants one key/value head per query head
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        return None  # torch refuses it too; let it say so
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    if key.shape[1] != query.shape[1]:  # the memory-efficient kernel wants one key/value head per query head
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    bias = None
-    if attn_mask is not None:
-        bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
-            attn_mask.shape, dtype=query.dtype, device=query.device)
-        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
+        attn_mask.shape, dtype=query.dtype, device=query.device)
+    bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, query.requires_grad or key.requires_grad or value.requires_grad,
         dropout_p, is_causal, scale=scale)
@@ -187,8 +193,10 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                 seen.add(i)
                 first_use.append(i)
 
-    with _on_meta(module, params, dtype) as metas:
+    with _on_meta(module, params, dtype) as (metas, buffer_metas):
         key_to_index = {storage_key(p): i for i, p in enumerate(metas)}
+        # buffers stay on the device whole (ModelProfile.buffer_bytes): a saved slice of one is no activation
+        resident = set(key_to_index) | {storage_key(b) for b in buffer_metas if b.layout == torch.strided}
         direct = {mod: [key_to_index[storage_key(p)] for p in mod.parameters(recurse=False)]
                   for mod in module.modules()}
 
@@ -196,9 +204,10 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
             record(direct[mod], "forward" if state["phase"] == "forward" else "recompute")
 
         def pack(t):
+            if t.layout != torch.strided:  # sparse gradients' parts: not counted
+                return t
             key = storage_key(t)
-            i = key_to_index.get(key) if t.device.type == "meta" else None
-            if i is None:
+            if key not in resident:
                 nbytes = max(t.untyped_storage().nbytes(), t.numel() * t.element_size())
                 extra = nbytes - saved_storages.get(key, (0, None))[0]
                 if extra > 0:  # a tensor (or a view of it) saved again costs nothing more
@@ -208,7 +217,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
             return t
 
         def unpack(t):
-            i = key_to_index.get(storage_key(t))
+            i = key_to_index.get(storage_key(t)) if t.layout == torch.strided else None
             if i is not None and state["phase"] == "backward":
                 record([i], "backward")
             return t
@@ -217,7 +226,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
         handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(p, i))
                     for i, p in enumerate(metas) if p.requires_grad]
         recorder = OpRecorder()
-        live = LiveBytes(set(key_to_index))
+        live = LiveBytes(resident)
         try:
             with recorder, live, _FusedAttentionOnMeta(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack):

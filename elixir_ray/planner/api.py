@@ -85,7 +85,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
     host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
     if time_compute is None:
-        time_compute = device_is_here(hardware.device)
+        time_compute = device_is_here(hardware)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
                          search_checkpointing, updates_in_backward, time_compute)[0]
 

@@ -42,7 +42,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
                                  budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
                                  cfg.engine.search_checkpointing, in_backward,
-                                 time_compute=device_is_here(hardware.device))
+                                 time_compute=device_is_here(hardware))
     layout = make_layout(chosen, plan.chunk_size, world_size)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)

@@ -7,6 +7,7 @@ that the plan for that machine must use. Each measurement takes well under a sec
 from __future__ import annotations
 
 import json
+import platform
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,6 +24,7 @@ class HardwareProfile:
     matmul_tflops: float  # in the compute dtype
     cpu_threads: int
     collective_gbps: float = 0.0  # between ranks, when measured (0: the planner assumes the h2d rate)
+    device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3": kernels are timed only on a device of this name
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -40,7 +42,24 @@ class HardwareProfile:
                 "h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops")},
             cpu_threads=min(p.cpu_threads for p in profiles),
             collective_gbps=min(p.collective_gbps for p in profiles),
+            device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
         )
+
+
+def device_name(device: torch.device) -> str:
+    """What the device is: the GPU's name, or the CPU's model (so that rates and kernel times
+    measured elsewhere are not mixed with this machine's)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
@@ -84,4 +103,4 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     tflops = 2 * n**3 / _timed(lambda: a @ b, device, repeats=5) / 1e12
     return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
-                           cpu_threads=torch.get_num_threads())
+                           cpu_threads=torch.get_num_threads(), device_name=device_name(device))

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from elixir_ray.engine.op_record import ATTENTION, ATTENTION_BACKWARD, OpCall, TensorSpec, call_key
-from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.engine.op_record import ATTENTION_BACKWARD, ATTENTION_FORWARD, OpCall, TensorSpec, call_key
+from elixir_ray.planner.hardware import HardwareProfile, device_name
 
 
 @dataclass
@@ -40,14 +40,16 @@ class ComputeTimes:
     estimated: list[str] = field(default_factory=list)  # distinct calls estimated instead (operator names)
 
 
-def device_is_here(device: str) -> bool:
-    """Whether this process can run kernels on `device` (a hardware profile may come from elsewhere)."""
-    d = torch.device(device)
-    if d.type == "cpu":
-        return True
+def device_is_here(hardware: HardwareProfile) -> bool:
+    """Whether this process can run kernels on the device `hardware` describes: the same device,
+    of the same name (a profile from another machine, or without a name, is not timed here)."""
+    d = torch.device(hardware.device)
     if d.type == "cuda":
-        return torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
-    return False
+        if not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count():
+            return False
+    elif d.type != "cpu":
+        return False
+    return bool(hardware.device_name) and hardware.device_name == device_name(d)
 
 
 def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[int] = None,
@@ -114,14 +116,23 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds per call of `fn` run back to back, as a step's kernels run (launches overlap the
+    device's work; one sync per batch, not per call): the median of `repeats` batches."""
     fn()  # warm-up: first-call setup and allocator growth are not the step's cost
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - start
+    batch = max(1, min(50, int(2e-3 / max(once, 1e-7))))  # about 2 ms a batch, so that a sync costs little
     times = []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(batch):
+            fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / batch)
     return statistics.median(times)
 
 
@@ -133,17 +144,21 @@ def _operator(name: str):
 
 def _replay(call: OpCall, device: torch.device, repeats: int) -> Optional[float]:
     try:
-        if call.op.split(".")[0] in (ATTENTION, ATTENTION_BACKWARD):
+        name = call.op.split(".")[0]
+        if name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
             return _attention_seconds(call, device, repeats)
         func = _operator(call.op)
         args, kwargs = _materialise(call.args, device), _materialise(call.kwargs, device)
         with torch.no_grad():
             return _median_seconds(lambda: func(*args, **kwargs), device, repeats)
-    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError, IndexError):
-        return None  # an operator this device lacks, or arguments it refuses: estimated instead
+    except Exception:  # an operator this device lacks, arguments it refuses, no memory: estimated instead
+        return None
     finally:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:  # a failed kernel's error surfaces here; the call is estimated
+                pass
 
 
 def _attention_seconds(call: OpCall, device: torch.device, repeats: int) -> float:
@@ -155,12 +170,14 @@ def _attention_seconds(call: OpCall, device: torch.device, repeats: int) -> floa
     q, k, v = (_tensor(named[n], device, requires_grad=True) for n in ("query", "key", "value"))
     bias = named.get("attn_bias")
     mask = _tensor(bias, device) if isinstance(bias, TensorSpec) else None
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
     def forward():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=named.get("dropout_p", 0.0),
-                                              is_causal=named.get("is_causal", False), scale=named.get("scale"))
+                                              is_causal=named.get("is_causal", False), scale=named.get("scale"),
+                                              **gqa)
 
-    if not call.op.startswith(ATTENTION_BACKWARD):
+    if call.op.split(".")[0] in ATTENTION_FORWARD:
         return _median_seconds(forward, device, repeats)
     out = forward()
     grad = torch.full_like(out, 0.01)
