@@ -75,6 +75,7 @@ class ClusterConfig:
 class EngineConfig:
     device_memory: Optional[str] = None  # e.g. "24GiB"; default: what the device has free
     search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
+    time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
 
 
 @dataclass

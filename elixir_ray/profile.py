@@ -2,7 +2,8 @@
 
 The driver plans for the weakest worker, so each reports its device, how much of it is free, and
 the rates the cost model needs (copy bandwidths, AdamW rates, matmul speed), measured on the spot.
-The model itself is profiled on the driver, on the meta device, without weights.
+The model itself is traced on the driver, on the meta device, without weights; each worker also
+traces it and times its kernels on its device, which the driver's plan uses for compute.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 
+from elixir_ray.config import RunConfig
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 
 
@@ -27,6 +30,7 @@ class WorkerProfile:
     cpu_threads: int
     host_memory_free: int = 0  # the host RAM available, shared by the ranks on this host
     hardware: dict = field(default_factory=dict)  # HardwareProfile fields
+    kernel_seconds: dict = field(default_factory=dict)  # the model's kernels timed here: {call key: seconds}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,13 +50,23 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(pages), int(avail)
 
 
-def profile_worker(rank: int, device: torch.device, dtype: torch.dtype) -> WorkerProfile:
+def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, cfg: Optional[RunConfig] = None,
+                   micro_batch: Optional[int] = None) -> WorkerProfile:
+    """`cfg` and `micro_batch`: also time the kernels of the config's model at that micro-batch, for
+    every checkpointing setting the driver's search will try (unless `engine.time_kernels` is off)."""
     small = device.type == "cpu"  # keep the CPU measurement short: it shares cores with other ranks
     hw = profile_hardware(device, dtype, copy_bytes=16 * 2**20 if small else None,
                           adam_numel=2**20 if small else None)
     total, free = device_memory(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    kernels = {}
+    if cfg is not None and micro_batch is not None and cfg.engine.time_kernels:
+        from elixir_ray.model.factory import build_model, sample_batch
+        from elixir_ray.planner.api import time_run_kernels
+
+        kernels = time_run_kernels(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), hw, dtype,
+                                   cfg.engine.search_checkpointing, max_bytes=free // 2)
     return WorkerProfile(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
                          device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
                          host_memory_free=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                         hardware=asdict(hw))
+                         hardware=asdict(hw), kernel_seconds=kernels)

@@ -71,6 +71,14 @@ def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int)
     return micro, per_rank // micro
 
 
+def slowest_kernels(profiles: list[WorkerProfile]) -> Optional[dict]:
+    """Each kernel's time on the slowest worker, or None unless every worker timed the same kernels."""
+    tables = [p.kernel_seconds for p in profiles]
+    if not tables or not all(tables) or any(t.keys() != tables[0].keys() for t in tables):
+        return None
+    return {k: max(t[k] for t in tables) for k in tables[0]}
+
+
 def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> RunPlan:
     """Plan for the weakest worker: the smallest free memory and the slowest measured rates.
 
@@ -97,9 +105,11 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     rates = HardwareProfile.slowest([p.rates for p in profiles])
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
+    kernels = slowest_kernels(profiles)
     engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world, rates,
                                    getattr(torch, dtype), None, accum, host_budget, cfg.engine.search_checkpointing,
-                                   updates_in_backward=updates_in_backward(cfg, dtype))
+                                   updates_in_backward=updates_in_backward(cfg, dtype),
+                                   kernel_seconds=kernels)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",
@@ -109,6 +119,10 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
         dtype=dtype,
         device_memory_bytes=int(budget),
         predicted_step_seconds=engine_plan.predicted_step_seconds,
-        notes=[f"rates: the slowest of {world} worker(s)"],
+        notes=[f"rates: the slowest of {world} worker(s)",
+               "compute: the model's kernels as the workers timed them, each at the slowest worker"
+               if any("distinct kernels timed" in n for n in engine_plan.notes)
+               else "compute: traced FLOPs at the slowest matmul rate (no kernel times from the workers for this "
+                    "micro-batch)"],
         engine=engine_plan.to_dict(),
     )

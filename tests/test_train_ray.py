@@ -44,8 +44,13 @@ def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, tmp_path, grad_accum):
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"grad_accum": grad_accum, "steps": 4})
+    # the workers time the model's kernels for the driver's plan, or (turned off) the plan uses FLOPs
+    time_kernels = grad_accum == 1
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"grad_accum": grad_accum, "steps": 4},
+                      engine={"time_kernels": time_kernels})
     result = train(cfg, progress=False)
+    timed_note = any("as the workers timed them" in n for n in result.plan.notes)
+    assert timed_note == time_kernels, result.plan.notes
     ref_losses, ref_state = reference_losses(cfg, world_size=2)
     losses = result.metrics.column("loss").to_pylist()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker
 from elixir_ray.config import RunConfig
 from elixir_ray.errors import ClusterError
-from elixir_ray.run_plan import RunPlan, make_run_plan
+from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
 from elixir_ray.profile import WorkerProfile
 
 log = logging.getLogger("elixir_ray")
@@ -196,7 +196,8 @@ class TrainController:
         raise WorkerGroupFailure("initialising the process group", f"no port worked: {last_error}")
 
     def _profile(self) -> None:
-        self.outcome.profiles = self._get([w.profile.remote() for w in self.workers], "profiling the workers")
+        micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)
+        self.outcome.profiles = self._get([w.profile.remote(micro) for w in self.workers], "profiling the workers")
 
     def _plan(self) -> None:
         # Restarts reuse the first profiles: the same kind of machines, measured once.

@@ -67,11 +67,13 @@ class TrainWorker:
             device_id=self.device if backend == "nccl" else None,
         )
 
-    def profile(self) -> WorkerProfile:
-        """Measure this worker's device and rates; the model is profiled on the driver, without weights."""
+    def profile(self, micro_batch: int) -> WorkerProfile:
+        """Measure this worker's device and rates, and time the model's kernels at `micro_batch` on
+        its device (the driver traces the model too, without weights, and plans)."""
         from elixir_ray.run_plan import resolve_dtype
 
-        return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)])
+        return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)],
+                              self.cfg, micro_batch)
 
     def setup(self, plan: RunPlan) -> None:
         self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
-from elixir_ray.planner.op_timing import device_is_here, time_ops
+from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
 from elixir_ray.planner.search import plan_search
 from elixir_ray.units import parse_bytes
 
@@ -42,17 +42,24 @@ def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) ->
 def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_size: int, hardware: HardwareProfile,
                   dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
                   search_checkpointing: bool, updates_in_backward: bool = False,
-                  time_compute: bool = False) -> tuple[Plan, ModelProfile]:
+                  time_compute: bool = False, kernel_seconds: Optional[dict] = None) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
-    a kernel whose tensors take more than half the budget is estimated instead of run."""
+    a kernel whose tensors take more than half the budget is estimated instead of run.
+    `kernel_seconds` ({call key: seconds}, measured where the device is, e.g. by the workers of a
+    Ray run) costs compute instead, when it covers every kernel of every setting traced."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
     if time_compute:
         timed: dict = {}  # the checkpointing settings share most of their kernels: each is timed once
         for p in profiles:
             p.compute = time_ops(p.trace.ops, hardware, max_bytes=budget // 2, cache=timed)
+    elif kernel_seconds:
+        computes = [compute_from_table(p.trace.ops, kernel_seconds, hardware.device) for p in profiles]
+        if all(c is not None for c in computes):
+            for p, c in zip(profiles, computes):
+                p.compute = c
     elem = torch.empty(0, dtype=dtype).element_size()
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
                         host_budget=host_budget, updates_in_backward=updates_in_backward)
@@ -88,6 +95,18 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
         time_compute = device_is_here(hardware)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
                          search_checkpointing, updates_in_backward, time_compute)[0]
+
+
+def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: HardwareProfile, dtype: torch.dtype,
+                     search_checkpointing: bool, max_bytes: Optional[int] = None) -> dict:
+    """{call key: seconds} of every kernel the plan search will trace for `module`, timed on
+    `hardware.device` (which must be this process's): what a Ray worker measures for the driver."""
+    variants = checkpointing_variants(module) if search_checkpointing else [None]
+    timed: dict = {}
+    for v in variants:
+        time_ops(profile_model(module, tuple(sample_inputs), None, v, dtype).trace.ops, hardware,
+                 max_bytes=max_bytes, cache=timed)
+    return kernel_table(timed)
 
 
 def quick_hardware(device: torch.device) -> HardwareProfile:

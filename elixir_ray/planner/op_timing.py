@@ -87,6 +87,22 @@ def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[i
                         estimated=estimated)
 
 
+def kernel_table(cache: dict) -> dict:
+    """{call key: seconds} from `time_ops`'s cache: what a worker sends the driver (plain data)."""
+    return {key: seconds for key, (seconds, _) in cache.items()}
+
+
+def compute_from_table(ops: list[OpCall], table: dict, device: str) -> Optional[ComputeTimes]:
+    """The step's kernel seconds from times measured elsewhere (the workers'), or None when any of
+    its calls was not measured (another micro-batch, say): then the whole plan uses FLOPs, so that
+    no setting is costed one way and another setting the other."""
+    if any(call_key(call) not in table for call in ops):
+        return None
+    forward = sum(table[call_key(c)] * c.forward_count for c in ops)
+    total = sum(table[call_key(c)] * c.count for c in ops)
+    return ComputeTimes(device=device, forward_seconds=forward, step_seconds=total, timed=len(ops))
+
+
 def _tensor(spec: TensorSpec, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
     """A tensor of the spec's shape, strides and dtype; strides that overlap (0 for an expanded
     dimension) share one filled storage."""
