@@ -21,7 +21,7 @@ def _gpt(seq: int = 128, checkpointing: bool = False, device=None):
                      device=device)
 
 
-def _real_saved_bytes(model, batch) -> int:
+def _real_saved_bytes(model, *inputs) -> int:
     """Bytes of the distinct storages autograd saves in a real forward, parameters left out."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     saved = {}
@@ -32,7 +32,7 @@ def _real_saved_bytes(model, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(batch)
+        model(*inputs)
     return sum(n for n, _ in saved.values())
 
 
@@ -108,8 +108,9 @@ def test_plan_made_beside_the_device_times_its_kernels():
 
 
 def _real_activation_peak(model, *inputs) -> int:
-    """The CPU allocator's high-water mark over a real step, from the profiler's memory events
-    (the weights exist before it starts; their gradients are dropped on arrival, as the engine does)."""
+    """The CPU allocator's high-water mark over a real step, from the profiler's memory events,
+    plus the inputs, which exist before it starts (as do the weights, which are not counted; their
+    gradients are dropped on arrival, as the engine does)."""
     from torch.profiler import ProfilerActivity, profile
 
     handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
@@ -122,7 +123,7 @@ def _real_activation_peak(model, *inputs) -> int:
             h.remove()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
-    live = peak = 0
+    live = peak = sum(x.numel() * x.element_size() for x in inputs)  # the batch: on the device all step
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
@@ -145,12 +146,12 @@ def test_traced_activation_peak_is_a_real_steps_and_tops_the_saved_bytes(checkpo
 class GroupedQueryAttention(torch.nn.Module):
     """Fewer key/value heads than query heads, as Llama-style models have; a rotary-like table as a buffer."""
 
-    def __init__(self, d: int = 128, heads: int = 8, kv_heads: int = 2, max_len: int = 4096):
+    def __init__(self, d: int = 128, heads: int = 8, kv_heads: int = 2, max_len: int = 8192):
         super().__init__()
         self.heads, self.kv_heads, self.dh = heads, kv_heads, d // heads
         self.q = torch.nn.Linear(d, d)
         self.kv = torch.nn.Linear(d, 2 * kv_heads * self.dh)
-        self.register_buffer("table", torch.ones(max_len, d))  # 2 MiB, of which a slice is used
+        self.register_buffer("table", torch.ones(max_len, d))  # 4 MiB, of which a slice is used
 
     def forward(self, x):
         b, t, d = x.shape
@@ -171,8 +172,75 @@ def test_grouped_query_attention_and_buffers_are_traced_as_a_real_step_holds_the
     # the real backward also expands the key/value gradients to every query head for a moment
     # (inside the kernel, invisible to the trace): a few percent here, where attention is all
     assert abs(trace.activation_peak_bytes - real) <= 0.08 * real, (trace.activation_peak_bytes, real)
-    assert trace.activation_peak_bytes < model.table.numel() * 4  # the 2 MiB table is not counted
+    assert trace.activation_peak_bytes < model.table.numel() * 4  # the 4 MiB table is not counted
     attention = [op for op in trace.ops if op.op == "aten::_scaled_dot_product_flash_attention"]
     assert len(attention) == 1 and attention[0].args[1].shape[1] == 2  # key/value heads not repeated
     assert not any("repeat_interleave" in op.op for op in trace.ops)
     assert time_ops(trace.ops, CPU).estimated == []
+
+
+class ReadsItsMask(torch.nn.Module):
+    """Decides from the mask's values, as Hugging Face's attention does, and edits a mask in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.out = torch.nn.Linear(32, 64)
+
+    def forward(self, ids, mask):
+        positions = mask.long().cumsum(-1).clamp_(min=1) - 1  # in place on values made from the input
+        mask.masked_fill_(mask == 0, 0)  # in place on the input itself
+        h = self.emb(ids) + self.emb(positions)
+        if bool(mask.all()):  # a decision on the input's values
+            h = h * 2
+        kept = mask.nonzero().shape[0]  # a shape that depends on values
+        return torch.nn.functional.cross_entropy(self.out(h).reshape(-1, 64), ids.reshape(-1)) * kept
+
+
+def test_decisions_on_input_values_are_traced_with_the_real_values():
+    model = ReadsItsMask()
+    ids, mask = torch.randint(0, 64, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    before = mask.clone()
+    trace = trace_step(model, (ids, mask))
+    assert torch.equal(mask, before)  # the caller's tensors are not written
+    assert trace.flops > 0 and all(trace.got_grad)
+
+
+def test_decisions_on_weight_values_say_why_they_cannot_be_traced():
+    class ReadsAWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x).sum() if bool(self.l.weight.sum() > 0) else x.sum()
+
+    with pytest.raises(RuntimeError, match="reads values computed from them"):
+        trace_step(ReadsAWeight(), (torch.randn(2, 4),))
+
+
+def test_hugging_face_attention_with_a_padding_mask_is_traced_as_a_real_step_saves():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+    class Call(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    model = Call(llama)
+    ids, mask = torch.randint(0, 128, (2, 48)), torch.ones(2, 48, dtype=torch.long)
+    mask[0, :5] = 0  # padding: the mask is not all ones, so attention takes it
+    traced = trace_step(model, (ids, mask)).saved_activation_bytes
+    real = _real_saved_bytes(model, ids, mask)
+    # the trace over-counts this tiny model by about 10% (not yet pinned down; the attention kernels
+    # save the same tensors); over, not under, is the side that cannot run out of memory
+    assert real <= traced <= 1.12 * real, (traced, real)

@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
 from elixir_ray.engine.op_record import OpCall, OpRecorder
+from elixir_ray.engine.shadow_values import ShadowValues
 
 
 @dataclass
@@ -93,6 +94,13 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
             table[name] = original
 
 
+def _shadow_of(x, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """A private copy of a sample input's values (in-place kernels on it must not touch the caller's)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    return x.detach().to("cpu", dtype if dtype is not None and x.is_floating_point() else x.dtype, copy=True)
+
+
 def _to_meta(x, dtype: Optional[torch.dtype] = None):
     if not isinstance(x, torch.Tensor):
         return x
@@ -141,6 +149,20 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         query, key, value, bias, query.requires_grad or key.requires_grad or value.requires_grad,
         dropout_p, is_causal, scale=scale)
     return out[0]
+
+
+def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
+    try:
+        out = module(*inputs)
+        return loss_fn(out) if loss_fn else out
+    except RuntimeError as exc:
+        if "meta" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"tracing one step of {type(module).__name__} on the meta device failed: {exc}. The trace has no "
+            f"weights, so a step that reads values computed from them (.item(), bool(), nonzero() on "
+            f"activations) cannot be traced; values computed from sample_inputs alone (masks, positions) "
+            f"are fine") from exc
 
 
 def _backward_with_modes(loss: torch.Tensor) -> None:
@@ -227,11 +249,16 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                     for i, p in enumerate(metas) if p.requires_grad]
         recorder = OpRecorder()
         live = LiveBytes(resident)
+        shadows = ShadowValues()
+        real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(tuple(sample_inputs))[0]]
         try:
             with recorder, live, _FusedAttentionOnMeta(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = module(*tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs)))
-                loss = loss_fn(out) if loss_fn else out
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
+                inputs = tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs))
+                for meta, real in zip(tree_flatten(inputs)[0], real_inputs):
+                    if real is not None:
+                        shadows.add(meta, real)
+                loss = _forward_on_meta(module, inputs, loss_fn)
                 state["phase"] = "backward"
                 recorder.forward = False
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:

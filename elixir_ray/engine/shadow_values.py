@@ -1,0 +1,74 @@
+"""Real values beside the meta trace, for the decisions a model takes on its inputs' values.
+
+A meta tensor has a shape and no values, so `.item()`, `bool(mask.all())` or `nonzero()` on one
+fails. Models do read their inputs like that: Hugging Face's attention decides from the padding
+mask whether it may use causal attention, and position ids come from a cumulative sum of it. The
+trace keeps each sample input's real value as a shadow of its meta stand-in and carries shadows
+through every kernel whose tensor arguments all have one (masks, ids, positions: small integer
+work, never the weights, which stay meta). A kernel that needs values then gets them from the
+shadows. A kernel that mixes in a weight has no shadow, so nothing the weights compute is ever
+real.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+MAX_SHADOW_ELEMENTS = 1 << 24  # values this large are not input bookkeeping; they are not followed
+
+
+class ShadowValues(TorchDispatchMode):
+    """Follows real values of meta tensors computed only from the sample inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.shadows = WeakIdKeyDictionary()
+
+    def add(self, meta: torch.Tensor, real: torch.Tensor) -> None:
+        if real.numel() <= MAX_SHADOW_ELEMENTS:
+            self.shadows[meta] = real
+
+    def _real(self, func, args, kwargs):
+        """`func` on the shadows, or None when a tensor argument has none."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if tensors and not all(t in self.shadows for t in tensors):
+            return None
+        if not tensors:  # a factory (arange, ones, full) is made again where the values live
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type != "meta":
+                return None
+
+        def swap(x):
+            if isinstance(x, torch.Tensor):
+                return self.shadows[x]
+            if isinstance(x, torch.device) and x.type == "meta":
+                return torch.device("cpu")
+            return x
+
+        with _disable_current_modes():  # the real work is not part of the traced step
+            return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # a kernel the meta device cannot run without values
+            real = self._real(func, args, kwargs)
+            if real is None:
+                raise
+            return tree_map(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
+        real = self._real(func, args, kwargs) if any(
+            isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]) else None
+        if real is not None:
+            for meta, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+                if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
+                    self.add(meta, value)
+        return out
+
+    def _stand_in(self, real: torch.Tensor) -> torch.Tensor:
+        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+        self.add(meta, real)
+        return meta
