@@ -66,3 +66,46 @@ def test_hf_model_matches_plain_training(name):
     state = model.state_dict()
     for key, value in ref.state_dict().items():
         assert torch.allclose(state[f"m.{key}"], value.float(), atol=1e-5), key
+
+
+def test_hf_sdpa_attention_with_a_padding_mask_trains_like_torch():
+    """sdpa attention reads the padding mask's values to choose its path: the trace must follow them."""
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(_configs()["llama"], attn_implementation="sdpa")
+    base.train()
+    data = []
+    for _ in range(4):
+        ids, mask = torch.randint(0, 64, (4, 16)), torch.ones(4, 16, dtype=torch.long)
+        mask[0, :4] = 0  # left padding on one row
+        data.append((ids, mask))
+
+    class Call(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    ref = Call(copy.deepcopy(base))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+    for ids, mask in data:
+        loss = ref(ids, mask)
+        loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(loss.item())
+
+    eng = Call(copy.deepcopy(base))
+    plan = manual_plan(eng, data[0], chunk_size=4096, n_blocks=3)
+    model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-3), sample_inputs=data[0], plan=plan,
+                      device="cpu")
+    losses = []
+    for ids, mask in data:
+        loss = model(ids, mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5

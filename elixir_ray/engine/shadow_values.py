@@ -48,8 +48,11 @@ class ShadowValues(TorchDispatchMode):
                 return torch.device("cpu")
             return x
 
-        with _disable_current_modes():  # the real work is not part of the traced step
-            return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+        try:
+            with _disable_current_modes():  # the real work is not part of the traced step
+                return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+        except Exception:  # a kernel the CPU cannot run on these values: this chain of values ends here
+            return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
