@@ -8,6 +8,7 @@ traces it and times its kernels on its device, which the driver's plan uses for 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,8 @@ import torch
 
 from elixir_ray.config import RunConfig
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,7 +33,7 @@ class WorkerProfile:
     cpu_threads: int
     host_memory_free: int = 0  # the host RAM available, shared by the ranks on this host
     hardware: dict = field(default_factory=dict)  # HardwareProfile fields
-    kernel_seconds: dict = field(default_factory=dict)  # the model's kernels timed here: {call key: seconds}
+    kernel_seconds: dict = field(default_factory=dict)  # the model's kernels timed here: {key: [seconds, replayed]}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,8 +67,12 @@ def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, cfg: Opt
         from elixir_ray.model.factory import build_model, sample_batch
         from elixir_ray.planner.api import time_run_kernels
 
-        kernels = time_run_kernels(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), hw, dtype,
-                                   cfg.engine.search_checkpointing, max_bytes=free // 2)
+        try:
+            kernels = time_run_kernels(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), hw,
+                                       dtype, cfg.engine.search_checkpointing, max_bytes=free // 2)
+        except Exception as exc:  # optional: the plan then costs compute from FLOPs; the driver's own trace says why
+            log.warning("rank %d could not time the model's kernels (%s: %s); the plan will use FLOPs",
+                        rank, type(exc).__name__, exc)
     return WorkerProfile(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
                          device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
                          host_memory_free=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),

@@ -76,7 +76,7 @@ def slowest_kernels(profiles: list[WorkerProfile]) -> Optional[dict]:
     tables = [p.kernel_seconds for p in profiles]
     if not tables or not all(tables) or any(t.keys() != tables[0].keys() for t in tables):
         return None
-    return {k: max(t[k] for t in tables) for k in tables[0]}
+    return {k: [max(t[k][0] for t in tables), all(t[k][1] for t in tables)] for k in tables[0]}
 
 
 def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> RunPlan:

@@ -7,7 +7,9 @@ trace keeps each sample input's real value as a shadow of its meta stand-in and 
 through every kernel whose tensor arguments all have one (masks, ids, positions: small integer
 work, never the weights, which stay meta). A kernel that needs values then gets them from the
 shadows. A kernel that mixes in a weight has no shadow, so nothing the weights compute is ever
-real.
+real; and a tensor such a kernel writes into (in place, `out=`) loses its shadow, with every
+other view of its memory, so that no value read later is stale. Uninitialised allocations and
+random kernels get no shadow (the latter would advance the caller's random state).
 """
 
 from __future__ import annotations
@@ -17,7 +19,22 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from elixir_ray.engine.live_memory import storage_key
+
 MAX_SHADOW_ELEMENTS = 1 << 24  # values this large are not input bookkeeping; they are not followed
+_UNINITIALISED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+                  "aten::new_empty_strided"}
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments `func` writes into (in place, or `out=`)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 class ShadowValues(TorchDispatchMode):
@@ -26,15 +43,23 @@ class ShadowValues(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shadows = WeakIdKeyDictionary()
+        # meta storages written by a kernel without real values (held, so that no new storage
+        # takes the same key; meta storages cost no memory)
+        self._poisoned: dict[int, object] = {}
 
     def add(self, meta: torch.Tensor, real: torch.Tensor) -> None:
-        if real.numel() <= MAX_SHADOW_ELEMENTS:
+        if real.numel() <= MAX_SHADOW_ELEMENTS and storage_key(meta) not in self._poisoned:
             self.shadows[meta] = real
+
+    def _has(self, t: torch.Tensor) -> bool:
+        return t in self.shadows and t.layout == torch.strided and storage_key(t) not in self._poisoned
 
     def _real(self, func, args, kwargs):
         """`func` on the shadows, or None when a tensor argument has none."""
+        if torch.Tag.nondeterministic_seeded in func.tags or func.name().split(".")[0] in _UNINITIALISED:
+            return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if tensors and not all(t in self.shadows for t in tensors):
+        if tensors and not all(self._has(t) for t in tensors):
             return None
         if not tensors:  # a factory (arange, ones, full) is made again where the values live
             device = kwargs.get("device")
@@ -56,19 +81,26 @@ class ShadowValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError):  # a kernel the meta device cannot run without values
-            real = self._real(func, args, kwargs)
+            real = None if written else self._real(func, args, kwargs)  # a write there would change shapes
             if real is None:
                 raise
             return tree_map(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
-        real = self._real(func, args, kwargs) if any(
-            isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]) else None
-        if real is not None:
-            for meta, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
-                if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
-                    self.add(meta, value)
+        metas = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        real = None
+        if metas and all(t.numel() <= MAX_SHADOW_ELEMENTS for t in metas):
+            real = self._real(func, args, kwargs)
+        if real is None:
+            for t in written:  # its memory now holds what no shadow knows: every view of it forgets
+                if t.layout == torch.strided:
+                    self._poisoned[storage_key(t)] = t.untyped_storage()
+            return out
+        for meta, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+            if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
+                self.add(meta, value)
         return out
 
     def _stand_in(self, real: torch.Tensor) -> torch.Tensor:

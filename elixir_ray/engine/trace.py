@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
 from elixir_ray.engine.op_record import OpCall, OpRecorder
-from elixir_ray.engine.shadow_values import ShadowValues
+from elixir_ray.engine.shadow_values import MAX_SHADOW_ELEMENTS, ShadowValues
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
 
 def _shadow_of(x, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """A private copy of a sample input's values (in-place kernels on it must not touch the caller's)."""
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.numel() > MAX_SHADOW_ELEMENTS:
         return None
     return x.detach().to("cpu", dtype if dtype is not None and x.is_floating_point() else x.dtype, copy=True)
 
@@ -142,7 +142,7 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     if key.shape[1] != query.shape[1]:  # the memory-efficient kernel wants one key/value head per query head
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
+    bias = attn_mask if attn_mask.dtype != torch.bool else torch.empty(
         attn_mask.shape, dtype=query.dtype, device=query.device)
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -151,18 +151,23 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return out[0]
 
 
+# what torch says when a meta tensor's values are read (.item(), bool(), nonzero(), .tolist())
+_VALUE_READS = ("cannot be called on meta tensors", "data-independent implementation does not exist",
+                "no fake impl or Meta kernel", "Cannot copy out of meta tensor")
+
+
 def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
     try:
         out = module(*inputs)
         return loss_fn(out) if loss_fn else out
-    except RuntimeError as exc:
-        if "meta" not in str(exc):
+    except (RuntimeError, NotImplementedError) as exc:
+        if not any(m in str(exc) for m in _VALUE_READS):
             raise
         raise RuntimeError(
             f"tracing one step of {type(module).__name__} on the meta device failed: {exc}. The trace has no "
-            f"weights, so a step that reads values computed from them (.item(), bool(), nonzero() on "
-            f"activations) cannot be traced; values computed from sample_inputs alone (masks, positions) "
-            f"are fine") from exc
+            f"weights: it can read values computed from sample_inputs alone (masks, positions), not values "
+            f"computed from the weights (.item(), bool() or nonzero() of an activation) or from tensors the "
+            f"step makes on another device") from exc
 
 
 def _backward_with_modes(loss: torch.Tensor) -> None:

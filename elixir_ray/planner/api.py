@@ -47,7 +47,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
     a kernel whose tensors take more than half the budget is estimated instead of run.
-    `kernel_seconds` ({call key: seconds}, measured where the device is, e.g. by the workers of a
+    `kernel_seconds` ({call key: [seconds, replayed]}, measured where the device is, e.g. by the workers of a
     Ray run) costs compute instead, when it covers every kernel of every setting traced."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
@@ -99,7 +99,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
 
 def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: HardwareProfile, dtype: torch.dtype,
                      search_checkpointing: bool, max_bytes: Optional[int] = None) -> dict:
-    """{call key: seconds} of every kernel the plan search will trace for `module`, timed on
+    """{call key: [seconds, replayed]} of every kernel the plan search will trace for `module`, timed on
     `hardware.device` (which must be this process's): what a Ray worker measures for the driver."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     timed: dict = {}

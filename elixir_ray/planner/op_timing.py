@@ -88,8 +88,8 @@ def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[i
 
 
 def kernel_table(cache: dict) -> dict:
-    """{call key: seconds} from `time_ops`'s cache: what a worker sends the driver (plain data)."""
-    return {key: seconds for key, (seconds, _) in cache.items()}
+    """{call key: [seconds, replayed]} from `time_ops`'s cache: what a worker sends the driver."""
+    return {key: [seconds, replayed] for key, (seconds, replayed) in cache.items()}
 
 
 def compute_from_table(ops: list[OpCall], table: dict, device: str) -> Optional[ComputeTimes]:
@@ -98,9 +98,11 @@ def compute_from_table(ops: list[OpCall], table: dict, device: str) -> Optional[
     no setting is costed one way and another setting the other."""
     if any(call_key(call) not in table for call in ops):
         return None
-    forward = sum(table[call_key(c)] * c.forward_count for c in ops)
-    total = sum(table[call_key(c)] * c.count for c in ops)
-    return ComputeTimes(device=device, forward_seconds=forward, step_seconds=total, timed=len(ops))
+    forward = sum(table[call_key(c)][0] * c.forward_count for c in ops)
+    total = sum(table[call_key(c)][0] * c.count for c in ops)
+    estimated = [c.op for c in ops if not table[call_key(c)][1]]
+    return ComputeTimes(device=device, forward_seconds=forward, step_seconds=total, timed=len(ops) - len(estimated),
+                        estimated=estimated)
 
 
 def _tensor(spec: TensorSpec, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
