@@ -138,3 +138,19 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
     _, tensors = load_checkpoint(result.checkpoint_uri)
     assert torch.equal(module.blocks[0].mlp.up.weight, torch.from_numpy(tensors["model/blocks.0.mlp.up.weight"].copy()))
     assert main(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x.safetensors")]) == 2
+
+
+def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_dataset, tmp_path):
+    """A run of the same name left checkpoints in the directory; this one fails before its first."""
+    base = dict(train={"steps": 6}, checkpoint={"every_steps": 5}, fault={"max_restarts": 2})
+    first = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
+    killer = WorkerKiller("worker-1", 1)
+    killer.start()
+    second = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
+    killer.join(timeout=5)
+    assert killer.killed_at is not None, "the worker was never killed"
+    (record,) = second.restarts
+    assert record.restored_step <= killer.killed_step, record  # not the earlier run's step 6
+    assert second.metrics.column("step").to_pylist() == list(range(1, 7))
+    np.testing.assert_allclose(second.metrics.column("loss").to_pylist(),
+                               first.metrics.column("loss").to_pylist(), rtol=0, atol=1e-6)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -24,7 +25,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elixir_ray.checkpoint import load_newest_valid
+from elixir_ray.checkpoint import CheckpointError, load_checkpoint, load_newest_valid
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -212,6 +213,17 @@ class TrainController:
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
         self._get([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
 
+    def _newest_own_checkpoint(self) -> Optional[tuple[str, dict, dict]]:
+        """The newest valid checkpoint this run persisted; never one an earlier run of the same name
+        left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
+        for _, path in reversed(self.persister.committed if self.persister else []):
+            try:
+                manifest, tensors = load_checkpoint(path)
+                return path, manifest, tensors
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
+        return None
+
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
         source, tensors, step, consumed = "scratch", None, 0, 0
@@ -221,7 +233,7 @@ class TrainController:
                 source, step, consumed = "object_store", snap.step, snap.samples_consumed
                 break
         if tensors is None and (self.snapshots or self.outcome.restarts):
-            found = load_newest_valid(self.checkpoint_uri)
+            found = self._newest_own_checkpoint()
             if found is not None:
                 _, manifest, tensors = found
                 source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
