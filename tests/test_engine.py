@@ -319,3 +319,28 @@ def test_host_state_lives_in_one_arena_of_exactly_its_size():
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # disjoint
         assert sum(hi - lo for lo, hi in ranges) == store.arena.buffers[dtype].numel()  # and exactly filling it
     assert all(c.master.device.type == "cpu" and c.grad_buffer is None for c in store.chunks if c.placement == "device")
+
+
+def test_residency_flags_follow_the_storage_through_forward_recompute_and_steps():
+    """The store keeps `Chunk.resident` beside every resize (the hooks read it for every op): at each
+    module's entry, in forward and in recomputation, it agrees with the storage, and at most n_blocks
+    chunks hold a compute copy."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(ckpt="non-reentrant"), 8)
+    store, checks = model.store, []
+
+    def agree(*_):
+        flags = [c.resident for c in store.chunks]
+        assert flags == [c.compute.untyped_storage().nbytes() > 0 for c in store.chunks]
+        assert sum(flags) <= model.engine_stats()["n_blocks"]
+        checks.append(sum(flags))
+
+    for mod in model.module.modules():
+        mod.register_forward_pre_hook(agree)
+    for batch in batches(3, 8):
+        model(batch).backward()
+        agree()
+        opt.step()
+        agree()
+        opt.zero_grad()
+    assert model.engine_stats()["evictions"] > 0 and len(checks) > 20 and max(checks) > 0

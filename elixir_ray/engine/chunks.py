@@ -145,10 +145,9 @@ class Chunk:
     grad_ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
     # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have landed
     landed: Optional[torch.cuda.Event] = field(default=None, repr=False)
-
-    @property
-    def resident(self) -> bool:
-        return self.compute is not None and self.compute.untyped_storage().nbytes() > 0
+    # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
+    # storage costs microseconds and the hooks ask for every op in forward
+    resident: bool = False
 
     def segments(self):
         """(slot, lo, hi) for each slot's part inside this rank's shard, in shard coordinates."""
@@ -269,6 +268,7 @@ class ChunkStore:
         self.settle(c)
         with self.timer.region("h2d"):
             c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
+            c.resident = True
             self._fill(c)
         self.counts["fetches"] += 1
 
@@ -286,6 +286,7 @@ class ChunkStore:
         self.settle(c)
         with self.timer.region("h2d"):
             c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
+            c.resident = True
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self._fill(c)
@@ -306,6 +307,7 @@ class ChunkStore:
         if c.resident:
             self.make_usable(c)  # a prefetch still writing must finish before the block is reused
             c.compute.untyped_storage().resize_(0)
+            c.resident = False
             self.counts["evictions"] += 1
 
     def free_all(self) -> None:
@@ -313,6 +315,7 @@ class ChunkStore:
             if c.resident:
                 self.make_usable(c)
                 c.compute.untyped_storage().resize_(0)
+                c.resident = False
 
     # -- gradients ------------------------------------------------------------------------------
 

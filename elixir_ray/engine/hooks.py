@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
@@ -19,14 +21,19 @@ from elixir_ray.engine.chunks import ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
 
-def _parameters_in(args: tuple, kwargs: dict):
-    """Parameters among an op's arguments, and inside list or tuple arguments (torch.cat([w, v]),
-    foreach ops). One level deep: this runs for every op in forward, so it stays cheap."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, nn.Parameter):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, nn.Parameter))
+def _chunks_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[int]:
+    """Chunks of the wrapped parameters among an op's arguments, also inside list or tuple arguments
+    (torch.cat([w, v]), foreach ops), one level deep. This runs for every op in forward, so it looks
+    arguments up by id (the slots hold every parameter, so an id names one) instead of isinstance."""
+    found = []
+    for group in (args, kwargs.values()) if kwargs else (args,):
+        for a in group:
+            slot = slots.get(id(a))
+            if slot is not None:
+                found.append(slot.chunk)
+            elif type(a) is list or type(a) is tuple:
+                found.extend(slots[id(x)].chunk for x in a if id(x) in slots)
+    return found
 
 
 class _FetchParamsMode(TorchFunctionMode):
@@ -37,14 +44,13 @@ class _FetchParamsMode(TorchFunctionMode):
         self.runtime = runtime
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        slots = self.runtime.slot_by_param
-        needed = [slots[id(p)].chunk for p in _parameters_in(args, kwargs) if id(p) in slots]
+        runtime = self.runtime
+        needed = _chunks_used(runtime.slot_by_param, args, kwargs)
         if needed:
-            store = self.runtime.store
+            store = runtime.store
             if not all(store.usable(store.chunks[c]) for c in needed):
-                self.runtime.pool.access(tuple(needed))
-        return func(*args, **kwargs)
+                runtime.pool.access(tuple(needed))
+        return func(*args, **(kwargs or {}))
 
 
 class EngineHooks:

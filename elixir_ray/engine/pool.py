@@ -62,12 +62,13 @@ class ChunkPool:
         if not chunk_ids:
             return
         self._advance(chunk_ids)
-        protected = self._protected(chunk_ids)
+        protected = None  # worked out on the first eviction: most accesses find their chunks resident
         for cid in chunk_ids:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
                 resident = self.resident
                 if len(resident) >= self.n_blocks:
+                    protected = protected if protected is not None else self._protected(chunk_ids)
                     candidates = [c for c in resident if c.index not in protected] or \
                                  [c for c in resident if c.index not in chunk_ids]
                     victim = max(candidates, key=lambda c: self.next_use(c.index))
@@ -78,7 +79,7 @@ class ChunkPool:
             self.recent[cid] = None
             if pin:
                 self.pinned.add(cid)
-        self._prefetch(set(chunk_ids))
+        self._prefetch(chunk_ids)
 
     def _protected(self, chunk_ids) -> set[int]:
         return set(chunk_ids) | set(list(self.recent)[-self.keep_recent:]) | self.pinned
@@ -87,22 +88,23 @@ class ChunkPool:
         self.store.free(victim)
         self.recent.pop(victim.index, None)
 
-    def _prefetch(self, serving: set[int]) -> None:
+    def _prefetch(self, serving: tuple[int, ...]) -> None:
         """Load the chunks of the next traced accesses of this step, where it costs no extra load."""
         if self.prefetch_depth <= 0 or self.cursor < 0:
             return
+        end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
+        window = [cid for j in range(self.cursor + 1, end) for cid in self.events[j]]
+        if all(self.store.chunks[cid].resident for cid in window):
+            return  # the common case, checked first: this runs on every access
         # the last two accessed chunks too: one autograd node may have unpacked parameters from both
         protected = self._protected(serving) | set(list(self.recent)[-2:])
-        end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
-        resident = None  # listed once, on the first chunk that is not resident, then kept up to date
+        resident = self.resident
         for j in range(self.cursor + 1, end):
             for cid in self.events[j]:
                 chunk = self.store.chunks[cid]
                 if chunk.resident:
                     protected.add(cid)
                     continue
-                if resident is None:
-                    resident = self.resident
                 if len(resident) >= self.n_blocks:
                     later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
                     if not later:
