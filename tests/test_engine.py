@@ -77,11 +77,13 @@ def test_meta_module_materialises_chunk_by_chunk_like_eager_init():
     torch.manual_seed(5)
     eager.apply(init)
     meta = build_gpt(shape, device="meta")
+    meta.blocks[0].mlp.up.weight.tag = "kept"  # moving off meta swaps the tensor under the same object
     sample = (torch.randint(0, 60, (2, 17)),)
     torch.manual_seed(5)
     model, _ = wrap(meta, torch.optim.AdamW(meta.parameters()), sample_inputs=sample, device="cpu",
                     device_memory="64MiB", init_fn=init)
     assert _max_diff(model.state_dict(), eager.state_dict()) == 0.0
+    assert meta.blocks[0].mlp.up.weight.tag == "kept"
     assert torch.allclose(model(sample[0]), eager(sample[0]), atol=1e-6)
 
 

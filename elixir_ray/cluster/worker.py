@@ -1,7 +1,10 @@
 """The per-GPU (or per-CPU-slot) actor. It owns one rank: its process group, device and trainer.
 
 The actor is threaded (max_concurrency > 1) so that `poll` and `stop` are answered while `run`
-is busy training; `__init__` touches no CUDA, because the device mask is set afterwards.
+is busy training; `__init__` touches no CUDA, because the device mask is set afterwards. A CUDA
+device is current per thread, and Ray may run each call on another of the actor's threads, so
+every method that touches the device makes it current first (else CUDA would create a context on
+device 0, about half a GiB of another rank's GPU).
 """
 
 from __future__ import annotations
@@ -51,12 +54,17 @@ class TrainWorker:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
 
+    def _use_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def free_port(self, bind_address: str) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((bind_address, 0))
             return s.getsockname()[1]
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()
         if backend == "nccl":
@@ -72,15 +80,18 @@ class TrainWorker:
         its device (the driver traces the model too, without weights, and plans)."""
         from elixir_ray.run_plan import resolve_dtype
 
+        self._use_device()
         return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)],
                               self.cfg, micro_batch)
 
     def setup(self, plan: RunPlan) -> None:
+        self._use_device()
         self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)
 
     def run(self, num_steps: int) -> int:
         """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
         assert self.trainer is not None, "setup() must run before run()"
+        self._use_device()
         try:
             for _ in range(num_steps):
                 if self._stop.is_set():
@@ -107,15 +118,18 @@ class TrainWorker:
 
     def load_state(self, tensors: dict, step: int, samples_consumed: int) -> None:
         assert self.trainer is not None, "setup() must run before load_state()"
+        self._use_device()
         self.trainer.load_state_tensors(tensors, step, samples_consumed)
 
     def state_shard(self) -> dict:
         """This rank's part of the training state, as numpy arrays (zero-copy in the object store)."""
         assert self.trainer is not None
+        self._use_device()
         return {"tensors": self.trainer.state_shard(), "step": self.trainer.state.step,
                 "samples_consumed": self.trainer.state.samples_consumed,
                 "layout": self.trainer.layout() if self.rank == 0 else None}
 
     def shutdown(self) -> None:
+        self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -19,6 +19,7 @@ back to the host after a Deep Optimizer States update (`landed`).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,7 +45,9 @@ def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
     if param.device.type == view.device.type and param.dtype == view.dtype:
         param.data = view
     else:
-        torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        swapped = nn.Parameter(view, requires_grad=param.requires_grad)
+        swapped.__dict__.update(param.__dict__)  # swap_tensors swaps attribute dicts too: keep the user's tags
+        torch.utils.swap_tensors(param, swapped)
 
 
 class Comm:
@@ -171,7 +174,7 @@ class ChunkStore:
         self.pin = device.type == "cuda"
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
         self.timer = StepTimer(device)
-        self.updates = HostUpdates(self.timer)
+        self.updates = HostUpdates(self.timer, device)
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -211,6 +214,16 @@ class ChunkStore:
         if self.timer.enabled:
             out["seconds"] = self.timer.totals()
         return out
+
+    def on_device(self):
+        """A scope in which the engine's device is the thread's current CUDA device.
+
+        The engine's entry points run in it: the caller's thread may have another current device (a
+        new thread starts on device 0, as do a threaded Ray actor's pool threads), and a stream
+        switch or event wait there would create a context on that device, about half a GiB on GPU 0
+        for every rank of a node.
+        """
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def wait_for_copies(self) -> None:
         """Block until the device has finished what was queued, gradient copies to the host included.

@@ -17,7 +17,14 @@ import torch
 
 
 def _unregister(pointers: list[int]) -> None:
-    # at interpreter exit the CUDA runtime may already be unloading; its error then is harmless
+    # copies to or from these pages may still be queued (a gradient on its way to the host, state
+    # coming back from a device update): they finish first. At interpreter exit the CUDA runtime may
+    # already be unloading; its errors then are harmless
+    if pointers:
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
     cudart = torch.cuda.cudart()
     for ptr in pointers:
         cudart.cudaHostUnregister(ptr)
@@ -42,7 +49,7 @@ class HostArena:
         done = []
         for buf in self.buffers.values():
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable: pinned for every context
             if int(err) != 0:
                 _unregister(done)
                 raise RuntimeError(

@@ -12,6 +12,10 @@ Jobs run lowest chunk index first, not first come first served: backward finishe
 reverse order, and the next forward needs chunk 0 first, so a queue in arrival order would make
 that forward wait for every update.
 
+The thread makes the engine's device its current one before its first CUDA call (waiting on an
+event): a new thread's current device is device 0, and a CUDA call there would create a context
+on GPU 0 for every rank of a multi-GPU node.
+
 An exception raised by a job is re-raised where its chunk is next settled. The thread is stopped
 and joined when the HostUpdates is collected or the interpreter exits, so no thread that ran torch
 code is still alive while the process tears down (a live one can abort the exit).
@@ -33,8 +37,8 @@ import torch
 class HostUpdates:
     """One background thread for CPU updates, and the per-chunk futures that order access to them."""
 
-    def __init__(self, timer):
-        self.timer = timer
+    def __init__(self, timer, device: torch.device = torch.device("cpu")):
+        self.timer, self.device = timer, device
         self._queue: list = []  # heap of (priority, sequence, job, ready events, future)
         self._sequence = itertools.count()
         self._wakeup = threading.Condition()
@@ -49,7 +53,7 @@ class HostUpdates:
         with self._wakeup:
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=_serve, args=(weakref.ref(self), self._wakeup, self._queue, self._stopping),
+                    target=_serve, args=(weakref.ref(self), self._wakeup, self._queue, self._stopping, self.device),
                     name="elixir-cpu-adam", daemon=True)
                 self._thread.start()
                 weakref.finalize(self, _stop, self._wakeup, self._stopping, self._thread)
@@ -84,8 +88,11 @@ def _stop(wakeup: threading.Condition, stopping: threading.Event, thread: thread
         thread.join(timeout=30)
 
 
-def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: threading.Event) -> None:
+def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: threading.Event,
+           device: torch.device) -> None:
     """The background thread: run queued jobs until told to stop."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     while True:
         with wakeup:
             while not queue and not stopping.is_set():

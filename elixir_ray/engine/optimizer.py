@@ -198,14 +198,15 @@ class ChunkedAdam:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
-        try:
-            self._step()
-        finally:
-            self.backwards = 0
-            self._started_with = None
-            for c in self.store.chunks:
-                c.updated = False
-            self.pool.reset()  # compute copies are stale now
+        with self.store.on_device():
+            try:
+                self._step()
+            finally:
+                self.backwards = 0
+                self._started_with = None
+                for c in self.store.chunks:
+                    c.updated = False
+                self.pool.reset()  # compute copies are stale now
 
     def _step(self) -> None:
         if self.loss_scale is not None or self.max_grad_norm is not None:
@@ -300,7 +301,7 @@ class ChunkedAdam:
             return
         # Deep Optimizer States: this host chunk's update runs on the compute device. Every copy is
         # asynchronous and ordered on the compute stream; `landed` tells host readers (settle) when
-        # the state is back, and the next fetch of the chunk is ordered after it on the device.
+        # the state is back (the next fetch settles too, though the device orders it after them anyway).
         dev = self.store.device
         if c.grad_ready is not None:  # the gradient's copy to the host ran on the reduce stream
             torch.cuda.current_stream(dev).wait_event(c.grad_ready)
@@ -309,6 +310,7 @@ class ChunkedAdam:
         if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU
             master, grad, m, v = master.clone(), grad.clone(), m.clone(), v.clone()
         run_adam(calls, master, grad, m, v)
+        del grad  # its block takes the cast below: the buffer holds 16 bytes per element, as planned
         c.master.copy_(master, non_blocking=True)
         c.exp_avg.copy_(m, non_blocking=True)
         c.exp_avg_sq.copy_(v, non_blocking=True)

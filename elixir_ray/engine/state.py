@@ -37,7 +37,8 @@ def layout_of(model: ChunkedModule) -> dict:
 @torch.no_grad()
 def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam) -> dict[str, np.ndarray]:
     """This rank's slices; no collective, so every rank can hand its own part over independently."""
-    model.store.settle_all()  # updates still running on the background thread finish first
+    with model.store.on_device():
+        model.store.settle_all()  # updates still running on the background thread finish first
     out: dict[str, np.ndarray] = {}
     for c in model.store.chunks:
         out[f"chunk/{c.index}/master"] = c.master.detach().cpu().numpy().copy()

@@ -8,6 +8,7 @@ the returned module and optimizer are used like the originals.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
 from typing import Callable, Optional, Union
@@ -44,7 +45,8 @@ class ChunkedModule(nn.Module):
         self.slot_by_param = {id(s.param): s for s in slots}
 
     def forward(self, *args, **kwargs):
-        out = self.hooks.forward(*args, **kwargs)
+        with self.store.on_device():
+            out = self.hooks.forward(*args, **kwargs)
         if self.loss_scale is not None and torch.is_grad_enabled():
             if not (isinstance(out, torch.Tensor) and out.requires_grad and out.numel() == 1):
                 raise TypeError("with dtype=torch.float16 the module must return the scalar loss, so that the "
@@ -58,6 +60,10 @@ class ChunkedModule(nn.Module):
 
     @torch.no_grad()
     def state_dict(self, *args, **kwargs):
+        with self.store.on_device():
+            return self._state_dict()
+
+    def _state_dict(self):
         full = {}
         out = OrderedDict()
         for key, t in self.module.state_dict(keep_vars=True).items():
@@ -73,6 +79,10 @@ class ChunkedModule(nn.Module):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
+        with self.store.on_device():
+            self._load_state_dict(state_dict, strict)
+
+    def _load_state_dict(self, state_dict, strict: bool) -> None:
         self.store.settle_all()
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
@@ -143,6 +153,15 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    # the engine's device is current while it is set up (the pinned arena's registration, streams,
+    # planning): a CUDA call on another current device would create a context there
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _wrap(module, optimizer, tuple(sample_inputs) if sample_inputs is not None else None, device_memory,
+                     plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn, accumulation_steps, prefetch)
+
+
+def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, max_grad_norm, dtype, device,
+          init_fn, loss_fn, accumulation_steps, prefetch):
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
