@@ -189,7 +189,7 @@ class ChunkStore:
         sizes = {torch.float32: 4 * host_numel}
         if low:
             sizes[dtype] = host_numel
-        self.arena = HostArena(sizes, pin=self.pin)
+        self.arena = HostArena(sizes, pin=self.pin, device=device)
         for c in chunks:
             if c.placement == "device":
                 c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=device)

@@ -16,18 +16,21 @@ import weakref
 import torch
 
 
-def _unregister(pointers: list[int]) -> None:
-    # copies to or from these pages may still be queued (a gradient on its way to the host, state
-    # coming back from a device update): they finish first. At interpreter exit the CUDA runtime may
-    # already be unloading; its errors then are harmless
-    if pointers:
-        try:
-            torch.cuda.synchronize()
-        except RuntimeError:
-            pass
-    cudart = torch.cuda.cudart()
-    for ptr in pointers:
-        cudart.cudaHostUnregister(ptr)
+def _unregister(pointers: list[int], device: torch.device) -> None:
+    """Undo the registration, on the arena's device (from a thread whose current device is another,
+    a CUDA call would create a context there), once the copies to or from these pages still queued
+    on the device have finished (a gradient on its way down, state coming back from a device update).
+    At interpreter exit the CUDA runtime may already be unloading; its errors then are harmless."""
+    if not pointers:
+        return
+    try:
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            cudart = torch.cuda.cudart()
+            for ptr in pointers:
+                cudart.cudaHostUnregister(ptr)
+    except RuntimeError:
+        pass
 
 
 class HostArena:
@@ -37,28 +40,28 @@ class HostArena:
     valid, as ordinary (pageable) host memory.
     """
 
-    def __init__(self, numels: dict[torch.dtype, int], pin: bool):
+    def __init__(self, numels: dict[torch.dtype, int], pin: bool, device: torch.device = torch.device("cpu")):
         self.buffers = {dtype: torch.zeros(n, dtype=dtype) for dtype, n in numels.items() if n > 0}
         self.used = {dtype: 0 for dtype in self.buffers}
         self.pinned = False
         if pin and self.buffers:
-            self._register()
+            self._register(device)
 
-    def _register(self) -> None:
+    def _register(self, device: torch.device) -> None:
         cudart = torch.cuda.cudart()
         done = []
         for buf in self.buffers.values():
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
             err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable: pinned for every context
             if int(err) != 0:
-                _unregister(done)
+                _unregister(done, device)
                 raise RuntimeError(
                     f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the optimizer state "
                     f"(cudaHostRegister error {int(err)}): free host memory, or give the device more memory so "
                     f"that less state lives on the host")
             done.append(ptr)
         self.pinned = True
-        weakref.finalize(self, _unregister, done)
+        weakref.finalize(self, _unregister, done, device)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = self.used[dtype]
