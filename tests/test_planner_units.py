@@ -54,3 +54,20 @@ def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_th
     # with 3 micro-steps only the last one's backward (0.2 - 0.15 = 0.05 s) hides updates started in it
     three = dict(parts, compute=0.6, forward=0.15)
     assert overlapped_step(**three, updates_in_backward=True, micro_steps=3) == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))
+
+
+def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks():
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.model_profile import checkpointing_variants
+
+    def gpt(n_layers):
+        return build_gpt(dict(d_model=32, n_layers=n_layers, n_heads=2, vocab_size=64, seq_len=8), device="meta")
+
+    variants = checkpointing_variants(gpt(48))
+    assert [sum(v) for v in variants] == [0, 12, 16, 24, 32, 48]
+    quarter = variants[1]
+    assert [i for i, on in enumerate(quarter) if on] == list(range(3, 48, 4))  # evenly spaced, not bunched
+    assert [sum(v) for v in checkpointing_variants(gpt(2))] == [0, 1, 2]  # fractions that coincide count once
+    own = gpt(6)
+    own.set_checkpointing([True, True, False, False, False, False])
+    assert checkpointing_variants(own)[-1] == [True, True, False, False, False, False]
