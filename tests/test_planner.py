@@ -270,3 +270,32 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
     n_chunks = len(store.chunks)
     assert n_chunks >= 3 and held, n_chunks
     assert max(held) == predicted == expected
+
+
+def test_host_gradients_take_the_compute_dtype_only_with_one_micro_step():
+    """bf16 with one micro-step: host chunks' gradients cross and wait in bf16, 14 host bytes per
+    parameter instead of 16, half the gradient bytes over PCIe. With several micro-steps they would
+    accumulate on the host, so they stay fp32; in fp32 compute nothing changes."""
+    import numpy as np
+
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.model_profile import profile_model
+    from elixir_ray.planner.search import Choice, evaluate, make_layout, plan_search
+
+    shape = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=97, seq_len=32)
+    model = build_gpt(shape, device="meta")
+    profile = profile_model(model, (torch.zeros(4, 33, dtype=torch.long),), None, None, torch.bfloat16)
+    params = sum(profile.numels)
+    host_bytes, d2h = {}, {}
+    for accum, elem, dtype in ((1, 2, "bfloat16"), (2, 2, "bfloat16"), (1, 4, "float32")):
+        plan = plan_search([profile], GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum, chunk_sizes=[8192])
+        assert "host" in plan.placements
+        assert plan.host_grads_low == (accum == 1 and elem == 2)
+        all_host = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
+                          np.zeros(plan.n_chunks, dtype=bool), 0, False)
+        _, time, host_bytes[accum, elem], _ = evaluate(all_host, GPU, 1, elem, accum)
+        d2h[accum, elem] = time["copies device->host"] / accum
+    padded = host_bytes[1, 4] / 16
+    assert padded >= params
+    assert host_bytes[1, 2] == 14 * padded and host_bytes[2, 2] == host_bytes[1, 4] == 16 * padded
+    assert d2h[1, 2] == pytest.approx(d2h[2, 2] / 2) and d2h[2, 2] == pytest.approx(d2h[1, 4])

@@ -20,6 +20,7 @@ back to the host after a Deep Optimizer States update (`landed`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -169,7 +170,7 @@ class ChunkStore:
     """
 
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype,
-                 upload_copies: bool = False):
+                 upload_copies: bool = False, host_grads_low: bool = False):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.pin = device.type == "cuda"
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
@@ -179,24 +180,27 @@ class ChunkStore:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
+        self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
-        # host chunks' state (master, gradient, two moments, upload copy) in one page-locked arena
+        # host chunks' state (master, gradient, two moments, upload copy) in one page-locked arena;
+        # the gradient in the compute dtype when the plan says so (see Plan.host_grads_low)
         host = [c for c in chunks if c.placement != "device"]
-        low = upload_copies and dtype != torch.float32
+        low = dtype != torch.float32
+        upload, grads_low = upload_copies and low, host_grads_low and low
         host_numel = sum(c.shard_len for c in host)
-        sizes = {torch.float32: 4 * host_numel}
-        if low:
-            sizes[dtype] = host_numel
+        sizes = {torch.float32: (3 if grads_low else 4) * host_numel}
+        if upload or grads_low:
+            sizes[dtype] = (int(upload) + int(grads_low)) * host_numel
         self.arena = HostArena(sizes, pin=self.pin, device=device)
         for c in chunks:
             if c.placement == "device":
                 c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=device)
             else:
-                c.master, c.exp_avg, c.exp_avg_sq, c.grad_buffer = (
-                    self.arena.take(c.shard_len, torch.float32) for _ in range(4))
-                if low:
+                c.master, c.exp_avg, c.exp_avg_sq = (self.arena.take(c.shard_len, torch.float32) for _ in range(3))
+                c.grad_buffer = self.arena.take(c.shard_len, dtype if grads_low else torch.float32)
+                if upload:
                     c.upload = self.arena.take(c.shard_len, dtype)
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage
@@ -374,6 +378,17 @@ class ChunkStore:
             if self.comm.world > 1:
                 self.comm.all_reduce_mean(full)
             part = full
+        if c.grad_buffer is not None and c.grad_buffer.dtype != part.dtype:
+            # cast on the device, so half the bytes cross: with one micro-step per step each gradient
+            # was computed in the compute dtype anyway (only sums over several uses are rounded again)
+            part = part.to(c.grad_buffer.dtype)
+            if c.grad is not None and not self.accumulated_low:
+                self.accumulated_low = True
+                warnings.warn(
+                    f"host chunks keep their gradients in {str(self.dtype).replace('torch.', '')} (the plan's "
+                    f"host_grads_low, chosen for one backward per step), but this step has several: they now "
+                    f"accumulate in that dtype on the host. Pass accumulation_steps=N to wrap, or plan with "
+                    f"grad_accum=N, to keep them in float32", stacklevel=2)
         if c.grad is None and c.grad_buffer is not None:
             # asynchronous to the host: readers wait for it (grad_ready, or wait_for_copies) first; a
             # previous step's update reading this buffer has finished (settled above)

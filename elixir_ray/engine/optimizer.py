@@ -85,18 +85,41 @@ class AdamCall:
     decoupled: bool
 
 
+GRAD_TILE = 1 << 20  # elements of a low-precision gradient widened to fp32 at a time (4 MiB: stays in cache)
+
+
 def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq) -> None:
+    """torch's fused AdamW over each call's segments of one chunk's shard.
+
+    A gradient in a lower dtype than the master (host gradients in the compute dtype) is widened
+    one tile at a time into a small fp32 buffer, since fused Adam wants one dtype: the tile is
+    still in cache when Adam reads it, so the host moves 2 gradient bytes per element, not 4.
+    """
+    if grad.dtype == master.dtype:
+        for call in calls:
+            segs = call.segments
+            _adam(call, [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
+                  [exp_avg[lo:hi] for lo, hi in segs], [exp_avg_sq[lo:hi] for lo, hi in segs])
+        return
+    tile = torch.empty(min(GRAD_TILE, master.numel()), dtype=master.dtype, device=master.device)
     for call in calls:
-        segs = call.segments
-        # one step tensor per segment (fused Adam increments each in place); torch.full, not torch.tensor,
-        # so that on a GPU no blocking host-to-device copy stalls the training thread
-        steps = [torch.full((), float(call.step), dtype=torch.float32, device=master.device) for _ in segs]
-        adam_functional(
-            [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
-            [exp_avg[lo:hi] for lo, hi in segs], [exp_avg_sq[lo:hi] for lo, hi in segs], [], steps,
-            fused=True, amsgrad=False, beta1=call.beta1, beta2=call.beta2, lr=call.lr,
-            weight_decay=call.weight_decay, eps=call.eps, maximize=False, decoupled_weight_decay=call.decoupled,
-        )
+        for lo, hi in call.segments:
+            for start in range(lo, hi, GRAD_TILE):
+                end = min(hi, start + GRAD_TILE)
+                wide = tile[: end - start]
+                wide.copy_(grad[start:end])
+                _adam(call, [master[start:end]], [wide], [exp_avg[start:end]], [exp_avg_sq[start:end]])
+
+
+def _adam(call: AdamCall, masters: list, grads: list, avgs: list, avg_sqs: list) -> None:
+    # one step tensor per tensor (fused Adam increments each in place); torch.full, not torch.tensor,
+    # so that on a GPU no blocking host-to-device copy stalls the training thread
+    steps = [torch.full((), float(call.step), dtype=torch.float32, device=masters[0].device) for _ in masters]
+    adam_functional(
+        masters, grads, avgs, avg_sqs, [], steps, fused=True, amsgrad=False, beta1=call.beta1, beta2=call.beta2,
+        lr=call.lr, weight_decay=call.weight_decay, eps=call.eps, maximize=False,
+        decoupled_weight_decay=call.decoupled,
+    )
 
 
 class ChunkedAdam:
@@ -305,7 +328,9 @@ class ChunkedAdam:
         dev = self.store.device
         if c.grad_ready is not None:  # the gradient's copy to the host ran on the reduce stream
             torch.cuda.current_stream(dev).wait_event(c.grad_ready)
-        master, grad = c.master.to(dev, non_blocking=True), c.grad.to(dev, non_blocking=True)
+        # the gradient first, widened to fp32 before the rest arrives: the buffer peaks at 16 bytes per element
+        grad = c.grad.to(dev, non_blocking=True).to(torch.float32)
+        master = c.master.to(dev, non_blocking=True)
         m, v = c.exp_avg.to(dev, non_blocking=True), c.exp_avg_sq.to(dev, non_blocking=True)
         if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU
             master, grad, m, v = master.clone(), grad.clone(), m.clone(), v.clone()

@@ -26,6 +26,10 @@ class Plan:
     # host chunks keep their master cast to the compute dtype too (pinned, 2 bytes per parameter with
     # bf16): uploads move half the bytes; off when host RAM is what limits the plan
     upload_copies: bool = False
+    # host chunks' gradients cross to the host and wait there in the compute dtype (2 bytes per parameter
+    # less host RAM and PCIe with bf16); the search sets it with one micro-step per step, where each
+    # gradient was computed in that dtype anyway and nothing accumulates on the host
+    host_grads_low: bool = False
     activation_checkpointing: Optional[list] = None  # per checkpointable block, when the module has them
     world_size: int = 1
     dtype: str = ""  # compute dtype the plan was made for, e.g. "bfloat16"
@@ -79,7 +83,8 @@ class Plan:
         lines.append(f"  optimizer state: {on_device} chunk(s) on the device, {n - on_device} on the host"
                      + (f"; Deep Optimizer States updates every {self.dos_gap}th host chunk on the device"
                         if self.dos_gap else "")
-                     + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else ""))
+                     + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else "")
+                     + ("; host gradients in the compute dtype" if self.host_grads_low else ""))
         if self.world_size > 1:
             lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
         if self.activation_checkpointing is not None:

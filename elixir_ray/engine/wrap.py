@@ -210,7 +210,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     got_grad = {names[i]: g for i, g in enumerate(trace.got_grad)}
     for c in chunks:
         c.eager_reduce = all(got_grad[s.name] for s in c.slots if s.param.requires_grad)
-    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies)
+    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
     _materialise(module, slots, originals, store, init_fn)
     chunk_of_param = [0] * len(names)
     for s in slots:
@@ -280,7 +280,8 @@ def _materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torc
 
 def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_blocks: int, world_size: int = 1,
                 placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
-                dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False) -> Plan:
+                dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
+                host_grads_low: bool = False) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
     named = unique_parameters(module)
     trace = trace_step(module, tuple(sample_inputs), loss_fn)
@@ -294,5 +295,5 @@ def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_bloc
         chunk_size=chunk_size, n_blocks=n_blocks, param_order=order, world_size=world_size, chunk_numels=numels,
         placements=[placements] * n if isinstance(placements, str) else list(placements),
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
-        dos_gap=dos_gap, upload_copies=upload_copies, notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
+        dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
     )

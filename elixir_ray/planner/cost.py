@@ -6,7 +6,8 @@ It models what the engine does, and nothing it does not:
   choice: 2 more host bytes per parameter) its shard already cast to the compute dtype; a device
   chunk only casts on the device; a sharded chunk is then all-gathered;
 - each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
-  for a host chunk, copied to the host, once per micro-step;
+  for a host chunk, copied to the host, once per micro-step (in the compute dtype with one
+  micro-step per step: `host_grad_bytes`);
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
@@ -31,15 +32,23 @@ from elixir_ray.planner.hardware import HardwareProfile
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
 
 
-def host_state_bytes(elem_bytes: int, upload: bool) -> int:
-    """Host bytes per element of a host chunk: its state, plus the upload copy in a lower compute dtype."""
-    return STATE_BYTES + (elem_bytes if upload and elem_bytes < 4 else 0)
+def host_grad_bytes(elem_bytes: int, grad_accum: int) -> int:
+    """Bytes per element of a host chunk's gradient on the host (and over PCIe): the compute dtype's
+    with one micro-step per step (each gradient was computed in it; nothing accumulates on the
+    host), else fp32. The engine's `Plan.host_grads_low`."""
+    return elem_bytes if elem_bytes < 4 and grad_accum == 1 else 4
+
+
+def host_state_bytes(elem_bytes: int, upload: bool, grad_bytes: int = 4) -> int:
+    """Host bytes per element of a host chunk: fp32 master and moments, its gradient, plus the
+    upload copy in a lower compute dtype."""
+    return STATE_BYTES - 4 + grad_bytes + (elem_bytes if upload and elem_bytes < 4 else 0)
 
 
 def load_bytes(elem_bytes: int, upload: bool) -> int:
     """Bytes per element a host chunk's load moves over PCIe: its upload copy, or the fp32 master."""
     return min(elem_bytes, 4) if upload else 4
-DOS_COPY_IN = 16  # master, gradient and both moments go to the device
+DOS_COPY_IN = 12  # master and both moments go to the device, and the gradient (its bytes apart)
 DOS_COPY_OUT = 12  # master and both moments come back
 
 
@@ -57,7 +66,7 @@ class ChunkCosts:
 
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
-                hw: HardwareProfile, upload: bool = False) -> ChunkCosts:
+                hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4) -> ChunkCosts:
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
     spread = (world - 1) / world if world > 1 else 0.0
@@ -66,11 +75,12 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
     return ChunkCosts(
         load_host=shards * load_bytes(elem_bytes, upload) / h2d + gather,
         load_device=gather,
-        reduce_host=reduce_comm + shards * 4 / d2h,
+        reduce_host=reduce_comm + shards * grad_bytes / d2h,
         reduce_device=reduce_comm,
         adam_host=shards / hw.cpu_adam_params_per_s,
         adam_device=shards / hw.device_adam_params_per_s,
-        adam_dos=shards * DOS_COPY_IN / h2d + shards * DOS_COPY_OUT / d2h + shards / hw.device_adam_params_per_s,
+        adam_dos=shards * (DOS_COPY_IN + grad_bytes) / h2d + shards * DOS_COPY_OUT / d2h
+        + shards / hw.device_adam_params_per_s,
     )
 
 

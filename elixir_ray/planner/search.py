@@ -21,8 +21,8 @@ from elixir_ray.engine.chunks import MAX_REDUCTIONS_IN_FLIGHT
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, open_gradient_chunks, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
-from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, micro_step_compute,
-                                     host_state_bytes, overlapped_step)
+from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
+                                     host_state_bytes, micro_step_compute, overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.units import format_bytes
@@ -106,7 +106,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
 
     The time parts overlap (`overlapped_step`), so the step is not their sum."""
     lay = choice.layout
-    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload)
+    grad_bytes = host_grad_bytes(elem_bytes, grad_accum)
+    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes)
     loads = loads_at(lay, choice.n_blocks)
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
@@ -133,20 +134,23 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
         grad_accum)
     memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
-                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world, bool(host.any()), choice.upload)
-    host_bytes = int((host_state_bytes(elem_bytes, choice.upload) * lay.shards)[host].sum())
+                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world, bool(host.any()), choice.upload,
+                           grad_bytes)
+    host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
 
 
 def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int,
-                  has_host: bool, upload: bool) -> dict:
+                  has_host: bool, upload: bool, grad_bytes: int = 4) -> dict:
     """Peak device bytes by part. Backward (activations, gradient buffers, a fetch's conversion
     buffer) and the optimizer step (the Deep Optimizer States buffer) peak at different times, so
-    only the larger of the two counts."""
+    only the larger of the two counts. Host gradients in the compute dtype are cast on the device
+    before they leave: each reduction in flight holds that copy too."""
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
     block = size * elem_bytes
     in_flight = MAX_REDUCTIONS_IN_FLIGHT if has_host else 0  # host chunks' gradients on their way out
-    staging = (lay.open_grads + in_flight) * size * 4 + (shard * 4 if world > 1 else 0)
+    cast = shard * grad_bytes if grad_bytes < 4 else 0
+    staging = (lay.open_grads + in_flight) * size * 4 + in_flight * cast + (shard * 4 if world > 1 else 0)
     fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
     trace = lay.profile.trace
     activations = trace.activation_peak_bytes
@@ -191,10 +195,11 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
                    host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
                    upload: bool) -> None:
     """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
-    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload)
+    grad_bytes = host_grad_bytes(elem_bytes, grad_accum)
+    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
-    host_bytes = (host_state_bytes(elem_bytes, upload) * lay.shards).astype(np.float64)
+    host_bytes = (host_state_bytes(elem_bytes, upload, grad_bytes) * lay.shards).astype(np.float64)
     micro_step, forward = micro_step_compute(lay.profile, hw)
     compute = grad_accum * micro_step
     for n in pool_candidates(lay):
@@ -245,7 +250,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
     on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
     # the peak is the device state plus parts that depend only on n, on whether any chunk is on the
     # host and on whether a DOS buffer exists
-    fixed = {(dos, h): sum(_memory_parts(lay, n, 0, dos, elem_bytes, world, h, parts.upload).values())
+    grad_bytes = host_grad_bytes(elem_bytes, parts.micro_steps)
+    fixed = {(dos, h): sum(_memory_parts(lay, n, 0, dos, elem_bytes, world, h, parts.upload, grad_bytes).values())
              for dos in (False, True) for h in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
@@ -319,6 +325,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
+        host_grads_low=host_grad_bytes(elem_bytes, grad_accum) < 4 and not bool(choice.device.all()),
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
