@@ -362,11 +362,13 @@ class _Untied(nn.Module):
         return nn.functional.cross_entropy(logits.float().reshape(-1, 50), x[:, 1:].reshape(-1))
 
 
-def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(monkeypatch):
+@pytest.mark.parametrize("clip,dos_gap", [(None, 0), (0.05, 2)], ids=["plain", "clipped-dos"])
+def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(monkeypatch, clip, dos_gap):
     """bf16 compute: each gradient is computed in bf16, so sending host chunks' gradients down in bf16
     (half the PCIe bytes and 2 host bytes per parameter less) loses nothing when no parameter is used
     twice; the CPU AdamW widens them a tile at a time (tiles made tiny here, so that they split
-    parameters) and updates exactly as from fp32 gradients."""
+    parameters) and updates exactly as from fp32 gradients. Clipping scales them only once widened
+    (scaling in bf16 would round them again), also in Deep Optimizer States updates."""
     from elixir_ray.engine import optimizer
 
     monkeypatch.setattr(optimizer, "GRAD_TILE", 100)
@@ -377,13 +379,15 @@ def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(
     for low in (False, True):
         m = copy.deepcopy(base)
         sample = (data[0],)
-        plan = manual_plan(m, sample, chunk_size=2048, n_blocks=2, host_grads_low=low)
+        plan = manual_plan(m, sample, chunk_size=2048, n_blocks=2, host_grads_low=low, dos_gap=dos_gap)
         model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-2), sample_inputs=sample, plan=plan,
-                          device="cpu", dtype=torch.bfloat16, accumulation_steps=1)
+                          device="cpu", dtype=torch.bfloat16, accumulation_steps=1, max_grad_norm=clip)
         host = [c for c in model.store.chunks if c.placement == "host"]
         assert {c.grad_buffer.dtype for c in host} == {torch.bfloat16 if low else torch.float32}
         assert model.store.arena.buffers[torch.float32].numel() == (3 if low else 4) * sum(c.shard_len for c in host)
         runs[low] = (engine_run(model, opt, data, 6, 1), model.state_dict())
+        if clip is not None:
+            assert opt.last_grad_norm > clip  # the clip really scaled every step's gradients
     assert runs[True][0] == runs[False][0]
     assert _max_diff(runs[True][1], runs[False][1]) <= 1e-7  # fused Adam's vector tails round a tile's ends
 
@@ -407,3 +411,44 @@ def test_accumulating_host_gradients_in_the_compute_dtype_warns_once():
         model(data[2]).backward()
         model(data[3]).backward()
         opt.step()
+
+
+def test_pool_protects_the_chunks_used_just_before_an_access():
+    """With keep_recent=1, the chunk used just before an access is kept while it loads what is
+    missing, even when the access also touches a resident chunk (here: 1 is resident, 3 is not, so
+    0, the least recently used, goes; 2 was used just before)."""
+    from elixir_ray.engine.pool import ChunkPool
+
+    torch.manual_seed(0)
+    model, _ = _engine(Toy(), 8, chunk_size=512)
+    store = model.store
+    assert len(store.chunks) >= 4
+    store.free_all()
+    events = [(0,), (1,), (2,), (1, 3), (0,), (2,)]
+    pool = ChunkPool(store, 3, events, keep_recent=1, prefetch_depth=0)
+    for ev in events[:4]:
+        pool.access(ev)
+    assert {c.index for c in store.chunks if c.resident} == {1, 2, 3}
+
+
+def test_host_gradients_in_the_compute_dtype_only_where_one_micro_step_is_promised():
+    """A searched plan keeps host gradients in bf16 only when wrap was promised one backward per step;
+    a plan that keeps them so is refused with fp16 compute or a promise of several."""
+    torch.manual_seed(0)
+    data = batches(1, 8)
+    plans = {}
+    for steps in (None, 1, 2):
+        m = _Untied()
+        model, _ = wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), device="cpu",
+                        dtype=torch.bfloat16, device_memory="1MiB", accumulation_steps=steps)
+        assert "host" in model.plan.placements
+        plans[steps] = model.plan.host_grads_low
+    assert plans == {None: False, 1: True, 2: False}
+    m = _Untied()
+    low = manual_plan(m, (data[0],), chunk_size=2048, n_blocks=2, host_grads_low=True)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
+        wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), plan=low, device="cpu",
+             dtype=torch.float16)
+    with pytest.raises(ValueError, match="grad_accum=4"):
+        wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), plan=low, device="cpu",
+             dtype=torch.bfloat16, accumulation_steps=4)

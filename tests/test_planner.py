@@ -219,7 +219,8 @@ def test_searched_plan_is_what_its_choice_costs():
                                updates_in_backward=in_backward)
             uploads.add(plan.upload_copies)
             choice = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
-                            np.array([p == "device" for p in plan.placements]), plan.dos_gap, plan.upload_copies)
+                            np.array([p == "device" for p in plan.placements]), plan.dos_gap, plan.upload_copies,
+                            plan.host_grads_low)
             memory, _, _, seconds = evaluate(choice, hw, 1, 2, 1, in_backward)
             assert seconds == pytest.approx(plan.predicted_step_seconds, rel=1e-9), (budget, in_backward)
             assert sum(memory.values()) == plan.predicted_peak_bytes
@@ -272,10 +273,11 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
     assert max(held) == predicted == expected
 
 
-def test_host_gradients_take_the_compute_dtype_only_with_one_micro_step():
+def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step():
     """bf16 with one micro-step: host chunks' gradients cross and wait in bf16, 14 host bytes per
-    parameter instead of 16, half the gradient bytes over PCIe. With several micro-steps they would
-    accumulate on the host, so they stay fp32; in fp32 compute nothing changes."""
+    parameter instead of 16, half the gradient bytes over PCIe. Not with several micro-steps (they
+    would accumulate on the host), fp16 (loss-scaled) or fp32, nor when the caller cannot promise
+    one micro-step."""
     import numpy as np
 
     from elixir_ray.model.gpt import build_gpt
@@ -286,16 +288,23 @@ def test_host_gradients_take_the_compute_dtype_only_with_one_micro_step():
     model = build_gpt(shape, device="meta")
     profile = profile_model(model, (torch.zeros(4, 33, dtype=torch.long),), None, None, torch.bfloat16)
     params = sum(profile.numels)
+    cases = {  # (grad_accum, dtype, promised) -> host gradients in bf16?
+        (1, "bfloat16", True): True, (2, "bfloat16", True): False, (1, "float16", True): False,
+        (1, "float32", True): False, (1, "bfloat16", False): False,
+    }
     host_bytes, d2h = {}, {}
-    for accum, elem, dtype in ((1, 2, "bfloat16"), (2, 2, "bfloat16"), (1, 4, "float32")):
-        plan = plan_search([profile], GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum, chunk_sizes=[8192])
+    for (accum, dtype, promised), expected in cases.items():
+        elem = 4 if dtype == "float32" else 2
+        plan = plan_search([profile], GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum, chunk_sizes=[8192],
+                           low_host_grads=promised)
         assert "host" in plan.placements
-        assert plan.host_grads_low == (accum == 1 and elem == 2)
+        assert plan.host_grads_low == expected, (accum, dtype, promised)
         all_host = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
-                          np.zeros(plan.n_chunks, dtype=bool), 0, False)
-        _, time, host_bytes[accum, elem], _ = evaluate(all_host, GPU, 1, elem, accum)
-        d2h[accum, elem] = time["copies device->host"] / accum
-    padded = host_bytes[1, 4] / 16
+                          np.zeros(plan.n_chunks, dtype=bool), 0, False, plan.host_grads_low)
+        _, time, host_bytes[accum, dtype, promised], _ = evaluate(all_host, GPU, 1, elem, accum)
+        d2h[accum, dtype, promised] = time["copies device->host"] / accum
+    padded = host_bytes[1, "float32", True] / 16
     assert padded >= params
-    assert host_bytes[1, 2] == 14 * padded and host_bytes[2, 2] == host_bytes[1, 4] == 16 * padded
-    assert d2h[1, 2] == pytest.approx(d2h[2, 2] / 2) and d2h[2, 2] == pytest.approx(d2h[1, 4])
+    assert host_bytes[1, "bfloat16", True] == 14 * padded
+    assert host_bytes[2, "bfloat16", True] == host_bytes[1, "bfloat16", False] == 16 * padded
+    assert d2h[1, "bfloat16", True] == pytest.approx(d2h[2, "bfloat16", True] / 2)

@@ -66,7 +66,8 @@ def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks()
     variants = checkpointing_variants(gpt(48))
     assert [sum(v) for v in variants] == [0, 12, 16, 24, 32, 48]
     quarter = variants[1]
-    assert [i for i, on in enumerate(quarter) if on] == list(range(3, 48, 4))  # evenly spaced, not bunched
+    assert [i for i, on in enumerate(quarter) if on] == list(range(0, 48, 4))  # evenly spaced, from block 0
+    assert not any(v[-1] for v in variants[1:4])  # up to half: not the last block, recomputed at the peak
     assert [sum(v) for v in checkpointing_variants(gpt(2))] == [0, 1, 2]  # fractions that coincide count once
     own = gpt(6)
     own.set_checkpointing([True, True, False, False, False, False])

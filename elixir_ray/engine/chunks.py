@@ -138,6 +138,9 @@ class Chunk:
     upload: Optional[torch.Tensor] = field(default=None, repr=False)
     # fp32 [size] on the compute device: gradients collected during backward
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
+    # a factor still to apply to a low-precision gradient (clipping), when the update widens it to
+    # fp32: multiplying it in place would round it a second time
+    grad_factor: float = 1.0
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
     eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete

@@ -31,7 +31,7 @@ def _chunks_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[int]:
             slot = slots.get(id(a))
             if slot is not None:
                 found.append(slot.chunk)
-            elif type(a) is list or type(a) is tuple:
+            elif isinstance(a, (list, tuple)):  # builtin types: cheap, unlike nn.Parameter's isinstance
                 found.extend(slots[id(x)].chunk for x in a if id(x) in slots)
     return found
 

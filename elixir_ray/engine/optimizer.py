@@ -88,14 +88,17 @@ class AdamCall:
 GRAD_TILE = 1 << 20  # elements of a low-precision gradient widened to fp32 at a time (4 MiB: stays in cache)
 
 
-def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq) -> None:
+def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, grad_factor: float = 1.0) -> None:
     """torch's fused AdamW over each call's segments of one chunk's shard.
 
     A gradient in a lower dtype than the master (host gradients in the compute dtype) is widened
     one tile at a time into a small fp32 buffer, since fused Adam wants one dtype: the tile is
     still in cache when Adam reads it, so the host moves 2 gradient bytes per element, not 4.
+    `grad_factor` (clipping) is applied to the widened tile, for such gradients only.
     """
     if grad.dtype == master.dtype:
+        if grad_factor != 1.0:
+            raise ValueError("grad_factor is for low-precision gradients; scale an fp32 gradient in place")
         for call in calls:
             segs = call.segments
             _adam(call, [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
@@ -108,6 +111,8 @@ def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq) -> None:
                 end = min(hi, start + GRAD_TILE)
                 wide = tile[: end - start]
                 wide.copy_(grad[start:end])
+                if grad_factor != 1.0:
+                    wide.mul_(grad_factor)
                 _adam(call, [master[start:end]], [wide], [exp_avg[start:end]], [exp_avg_sq[start:end]])
 
 
@@ -156,6 +161,7 @@ class ChunkedAdam:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.store.chunks:
             c.grad = None  # a running update holds its own reference to the gradient it reads
+            c.grad_factor = 1.0
         for s in self.slots:
             s.has_grad = False
 
@@ -262,9 +268,13 @@ class ChunkedAdam:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
             if coef < 1.0:
                 for c in self.store.chunks:
-                    if c.grad is not None:
-                        self.store.settle(c)
+                    if c.grad is None:
+                        continue
+                    self.store.settle(c)
+                    if c.grad.dtype == torch.float32:
                         c.grad.mul_(coef)
+                    else:  # applied when the update widens it (run_adam, the DOS update)
+                        c.grad_factor = coef
         # host chunks first, in chunk order, so that the background thread starts at once; then the
         # device and DOS chunks on this thread, beside it
         pending = [c for c in self.store.chunks if c.grad is not None and not c.updated]
@@ -298,6 +308,7 @@ class ChunkedAdam:
         c.updated = True
         self.store.settle(c)
         calls = self._calls(c)
+        factor, c.grad_factor = c.grad_factor, 1.0  # this update's; the next step starts unscaled
         if c.exp_avg is None:  # device chunks, at their first update (host chunks' moments are in the arena)
             c.exp_avg = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)
             c.exp_avg_sq = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)
@@ -307,7 +318,7 @@ class ChunkedAdam:
             master, grad, m, v, upload = c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.upload
 
             def job():
-                run_adam(calls, master, grad, m, v)
+                run_adam(calls, master, grad, m, v, factor)
                 if upload is not None:
                     upload.copy_(master)
 
@@ -316,9 +327,9 @@ class ChunkedAdam:
         else:
             self.store.make_usable(c)  # a prefetch may still be reading the master this update writes
             with self.store.timer.region("device_adam"):  # device chunks, and DOS chunks with their copies
-                self._update_on_device(c, calls)
+                self._update_on_device(c, calls, factor)
 
-    def _update_on_device(self, c: Chunk, calls: list[AdamCall]) -> None:
+    def _update_on_device(self, c: Chunk, calls: list[AdamCall], grad_factor: float = 1.0) -> None:
         if c.placement == "device":
             run_adam(calls, c.master, c.grad, c.exp_avg, c.exp_avg_sq)
             return
@@ -330,6 +341,8 @@ class ChunkedAdam:
             torch.cuda.current_stream(dev).wait_event(c.grad_ready)
         # the gradient first, widened to fp32 before the rest arrives: the buffer peaks at 16 bytes per element
         grad = c.grad.to(dev, non_blocking=True).to(torch.float32)
+        if grad_factor != 1.0:  # clipping of a low-precision gradient: `grad` is a fresh fp32 copy of it
+            grad.mul_(grad_factor)
         master = c.master.to(dev, non_blocking=True)
         m, v = c.exp_avg.to(dev, non_blocking=True), c.exp_avg_sq.to(dev, non_blocking=True)
         if dev.type == "cpu":  # the same arithmetic on separate buffers, as on a GPU

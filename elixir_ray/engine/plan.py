@@ -26,9 +26,9 @@ class Plan:
     # host chunks keep their master cast to the compute dtype too (pinned, 2 bytes per parameter with
     # bf16): uploads move half the bytes; off when host RAM is what limits the plan
     upload_copies: bool = False
-    # host chunks' gradients cross to the host and wait there in the compute dtype (2 bytes per parameter
-    # less host RAM and PCIe with bf16); the search sets it with one micro-step per step, where each
-    # gradient was computed in that dtype anyway and nothing accumulates on the host
+    # host chunks' gradients cross to the host and wait there in bf16 (2 bytes per parameter less host
+    # RAM and PCIe); the search sets it with bf16 compute and one micro-step per step, where each
+    # gradient was computed in bf16 anyway and nothing accumulates on the host
     host_grads_low: bool = False
     activation_checkpointing: Optional[list] = None  # per checkpointable block, when the module has them
     world_size: int = 1

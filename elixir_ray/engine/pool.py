@@ -62,7 +62,9 @@ class ChunkPool:
         if not chunk_ids:
             return
         self._advance(chunk_ids)
-        protected = None  # worked out on the first eviction: most accesses find their chunks resident
+        # worked out on the first eviction (most accesses find their chunks resident), from the
+        # recent chunks as they were before this access: `recent` is updated after the loop
+        protected = None
         for cid in chunk_ids:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
@@ -75,6 +77,7 @@ class ChunkPool:
                     self._evict(victim)
                 self.store.fetch(chunk)
             self.store.make_usable(chunk)
+        for cid in chunk_ids:
             self.recent.pop(cid, None)
             self.recent[cid] = None
             if pin:

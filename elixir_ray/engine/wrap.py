@@ -181,12 +181,19 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
 
         plan = _one_plan_for_all_ranks(comm, lambda: search_plan(
             module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype, loss_fn,
-            grad_accum=accumulation_steps or 1,
+            grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
             updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm, dtype == torch.float16)))
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
     if sorted(plan.param_order) != sorted(names):
         raise ValueError("the plan's param_order does not name exactly this module's parameters")
+    if plan.host_grads_low and dtype != torch.bfloat16:
+        raise ValueError(f"the plan keeps host gradients in the compute dtype (host_grads_low), which needs "
+                         f"dtype=torch.bfloat16, got {dtype}: plan again for this dtype, or set host_grads_low=False")
+    if plan.host_grads_low and accumulation_steps not in (None, 1):
+        raise ValueError(f"the plan keeps host gradients in bfloat16 (host_grads_low), made for one backward() per "
+                         f"step, but accumulation_steps={accumulation_steps}: they would accumulate in bfloat16. "
+                         f"Plan with grad_accum={accumulation_steps}, or set host_grads_low=False")
     if plan.activation_checkpointing is not None:
         if not callable(getattr(module, "set_checkpointing", None)):
             raise ValueError(f"the plan sets activation checkpointing but {type(module).__name__} has no "

@@ -16,6 +16,7 @@ import numpy as np
 
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.cost import host_grads_low_applies
 from elixir_ray.planner.search import SAFETY, Choice, Layout, choice_to_plan, evaluate, pool_candidates
 
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
@@ -27,9 +28,9 @@ def _fits(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad
     return sum(memory.values()) <= budget * (1 - SAFETY) and (host_budget is None or host_bytes <= host_budget)
 
 
-def _largest_pool(lay: Layout, device: np.ndarray, *args) -> Optional[Choice]:
+def _largest_pool(lay: Layout, device: np.ndarray, grads_low: bool, *args) -> Optional[Choice]:
     for n in reversed(pool_candidates(lay)):
-        choice = Choice(lay, n, device, 0)
+        choice = Choice(lay, n, device, 0, grads_low=grads_low)
         if _fits(choice, *args):
             return choice
     return None
@@ -38,21 +39,23 @@ def _largest_pool(lay: Layout, device: np.ndarray, *args) -> Optional[Choice]:
 def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, dtype_name: str, elem_bytes: int,
                     grad_accum: int = 1, host_budget: Optional[int] = None,
                     updates_in_backward: bool = False) -> dict[str, Optional[Plan]]:
-    """name -> Plan, or None where that recipe does not fit the budget."""
+    """name -> Plan, or None where that recipe does not fit the budget. Host gradients follow the
+    same rule as in the search (`host_grads_low_applies`), so only the placement differs."""
     args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
+    low = host_grads_low_applies(dtype_name, grad_accum)
     n_chunks = len(lay.sizes)
     choices: dict[str, Optional[Choice]] = {}
-    choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), *args)
+    choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), low, *args)
     most = None
     for k in range(n_chunks + 1):
         device = np.arange(n_chunks) < k
-        choice = Choice(lay, lay.min_blocks, device, 0)
+        choice = Choice(lay, lay.min_blocks, device, 0, grads_low=low)
         if _fits(choice, *args):
             most = choice
     choices["as much as fits on the device"] = most
     for fraction in OFFLOAD_FRACTIONS:
         on_device = n_chunks - int(round(fraction * n_chunks))
-        choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, *args)
+        choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, low, *args)
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
                                                          note=f"hand-made: {name}",
                                                          updates_in_backward=updates_in_backward)

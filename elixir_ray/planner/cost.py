@@ -6,8 +6,8 @@ It models what the engine does, and nothing it does not:
   choice: 2 more host bytes per parameter) its shard already cast to the compute dtype; a device
   chunk only casts on the device; a sharded chunk is then all-gathered;
 - each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
-  for a host chunk, copied to the host, once per micro-step (in the compute dtype with one
-  micro-step per step: `host_grad_bytes`);
+  for a host chunk, copied to the host, once per micro-step (in bf16 with bf16 compute and one
+  micro-step per step: `host_grads_low_applies`);
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
@@ -32,11 +32,17 @@ from elixir_ray.planner.hardware import HardwareProfile
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
 
 
-def host_grad_bytes(elem_bytes: int, grad_accum: int) -> int:
-    """Bytes per element of a host chunk's gradient on the host (and over PCIe): the compute dtype's
-    with one micro-step per step (each gradient was computed in it; nothing accumulates on the
-    host), else fp32. The engine's `Plan.host_grads_low`."""
-    return elem_bytes if elem_bytes < 4 and grad_accum == 1 else 4
+def host_grads_low_applies(dtype_name: str, grad_accum: int, allowed: bool = True) -> bool:
+    """Whether host chunks' gradients cross and wait in the compute dtype (`Plan.host_grads_low`):
+    with bf16 compute and one micro-step per step, where autograd computed each gradient in bf16
+    anyway and nothing accumulates on the host. Not with fp16 (loss-scaled gradients, unscaled on
+    the host, would lose their small values) and not where the micro-steps are unknown (`allowed`)."""
+    return allowed and dtype_name == "bfloat16" and grad_accum == 1
+
+
+def host_grad_bytes(grads_low: bool) -> int:
+    """Bytes per element of a host chunk's gradient on the host and over PCIe."""
+    return 2 if grads_low else 4
 
 
 def host_state_bytes(elem_bytes: int, upload: bool, grad_bytes: int = 4) -> int:

@@ -22,7 +22,8 @@ from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, open_g
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
-                                     host_state_bytes, micro_step_compute, overlapped_step)
+                                     host_grads_low_applies, host_state_bytes, micro_step_compute,
+                                     overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.units import format_bytes
@@ -54,6 +55,7 @@ class Choice:
     device: np.ndarray  # bool per chunk: optimizer state on the device
     dos_gap: int
     upload: bool = False  # host chunks keep a copy in the compute dtype to upload
+    grads_low: bool = False  # host chunks' gradients in the compute dtype (Plan.host_grads_low)
 
 
 def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
@@ -106,7 +108,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
 
     The time parts overlap (`overlapped_step`), so the step is not their sum."""
     lay = choice.layout
-    grad_bytes = host_grad_bytes(elem_bytes, grad_accum)
+    grad_bytes = host_grad_bytes(choice.grads_low)
     costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes)
     loads = loads_at(lay, choice.n_blocks)
     dev, host = choice.device, ~choice.device
@@ -193,9 +195,9 @@ class _Best:
 
 def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
                    host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
-                   upload: bool) -> None:
+                   upload: bool, grads_low: bool = False) -> None:
     """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
-    grad_bytes = host_grad_bytes(elem_bytes, grad_accum)
+    grad_bytes = host_grad_bytes(grads_low)
     costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
@@ -211,7 +213,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
                              grad_accum * (costs.reduce_host - costs.reduce_device),
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
-                             updates_in_backward, upload, grad_accum)
+                             updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, state_bytes, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
@@ -229,6 +231,7 @@ class _PrefixParts:
     updates_in_backward: bool
     upload: bool
     micro_steps: int
+    grads_low: bool = False
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.ndarray, host_state: np.ndarray,
@@ -250,7 +253,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
     on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
     # the peak is the device state plus parts that depend only on n, on whether any chunk is on the
     # host and on whether a DOS buffer exists
-    grad_bytes = host_grad_bytes(elem_bytes, parts.micro_steps)
+    grad_bytes = host_grad_bytes(parts.grads_low)
     fixed = {(dos, h): sum(_memory_parts(lay, n, 0, dos, elem_bytes, world, h, parts.upload, grad_bytes).values())
              for dos in (False, True) for h in (False, True)}
     for gap in DOS_GAPS:
@@ -266,21 +269,24 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
             if need < smallest.get("need", float("inf")):
-                smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap, parts.upload))
+                smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low))
         ok = host_ok & (peaks <= limit)
         if not ok.any():
             continue
         k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
         if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
             best.seconds, best.peak = float(seconds[k]), int(peaks[k])
-            best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload)
+            best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low)
 
 
 def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
                 dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
                 host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
-                updates_in_backward: bool = False) -> Plan:
+                updates_in_backward: bool = False, low_host_grads: bool = True) -> Plan:
     """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes.
+
+    `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
+    caller cannot promise one micro-step per step).
 
     `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
     clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden.
@@ -288,13 +294,14 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     """
     limit = budget * (1 - SAFETY)
     best, smallest = _Best(), {}
+    grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
     for profile in profiles:
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
             lay = make_layout(profile, cs, world_size)
             for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
                 _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                               updates_in_backward, upload)
+                               updates_in_backward, upload, grads_low)
     if best.choice is None:
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
     return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
@@ -325,7 +332,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
-        host_grads_low=host_grad_bytes(elem_bytes, grad_accum) < 4 and not bool(choice.device.all()),
+        host_grads_low=choice.grads_low and not bool(choice.device.all()),
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
