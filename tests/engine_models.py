@@ -99,3 +99,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class CausalLMLoss(nn.Module):
+    """A Hugging Face causal LM called with (ids, attention mask), returning its loss."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.m = lm
+
+    def forward(self, ids, mask):
+        return self.m(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+
+def train_pairs(model, opt, data: list[tuple]) -> list[float]:
+    """One optimizer step per (ids, mask) pair; the losses."""
+    losses = []
+    for ids, mask in data:
+        loss = model(ids, mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -1,11 +1,16 @@
 """Hugging Face models (random init from a config, no download) through the engine, against plain torch."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 
 from elixir_ray.engine import manual_plan, wrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import CausalLMLoss, train_pairs  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,33 +84,11 @@ def test_hf_sdpa_attention_with_a_padding_mask_trains_like_torch():
         mask[0, :4] = 0  # left padding on one row
         data.append((ids, mask))
 
-    class Call(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, labels=ids).loss
-
-    ref = Call(copy.deepcopy(base))
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_losses = []
-    for ids, mask in data:
-        loss = ref(ids, mask)
-        loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        ref_losses.append(loss.item())
-
-    eng = Call(copy.deepcopy(base))
+    ref = CausalLMLoss(copy.deepcopy(base))
+    ref_losses = train_pairs(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)
+    eng = CausalLMLoss(copy.deepcopy(base))
     plan = manual_plan(eng, data[0], chunk_size=4096, n_blocks=3)
     model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-3), sample_inputs=data[0], plan=plan,
                       device="cpu")
-    losses = []
-    for ids, mask in data:
-        loss = model(ids, mask)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_pairs(model, opt, data)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5

@@ -1,6 +1,8 @@
 """What the meta trace says a step saves and runs, against a real CPU run of the same model."""
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ from elixir_ray.engine.trace import trace_step
 from elixir_ray.model.gpt import build_gpt
 from elixir_ray.planner.hardware import HardwareProfile, device_name
 from elixir_ray.planner.op_timing import time_ops
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import CausalLMLoss  # noqa: E402
 
 CPU = HardwareProfile(device="cpu", h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=5e8,
                       device_adam_params_per_s=5e8, matmul_tflops=0.1, cpu_threads=2, device_name=device_name("cpu"))
@@ -228,15 +233,7 @@ def test_hugging_face_attention_with_a_padding_mask_is_traced_as_a_real_step_sav
     torch.manual_seed(0)
     llama = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
-    class Call(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, labels=ids).loss
-
-    model = Call(llama)
+    model = CausalLMLoss(llama)
     ids, mask = torch.randint(0, 128, (2, 48)), torch.ones(2, 48, dtype=torch.long)
     mask[0, :5] = 0  # padding: the mask is not all ones, so attention takes it
     traced = trace_step(model, (ids, mask)).saved_activation_bytes

@@ -5,10 +5,11 @@ from elixir_ray.checkpoint.store import (
     check_compatible,
     list_checkpoints,
     load_checkpoint,
+    load_first_valid,
     load_newest_valid,
     read_manifest,
     save_checkpoint,
 )
 
-__all__ = ["CheckpointError", "check_compatible", "list_checkpoints", "load_checkpoint", "load_newest_valid",
-           "read_manifest", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_compatible", "list_checkpoints", "load_checkpoint", "load_first_valid",
+           "load_newest_valid", "read_manifest", "save_checkpoint"]

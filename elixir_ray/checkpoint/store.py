@@ -140,12 +140,17 @@ def load_newest_valid(uri: str) -> Optional[tuple[str, dict, dict[str, np.ndarra
     candidates = list_checkpoints(uri)
     if not candidates and storage.exists(*storage.resolve(uri)) and _is_checkpoint(uri):
         candidates = [uri]  # uri names one checkpoint rather than a directory of them
-    for path in reversed(candidates):
+    return load_first_valid(reversed(candidates))
+
+
+def load_first_valid(paths) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
+    """The first of `paths` (newest first) that verifies; a corrupt one is skipped with a warning."""
+    for path in paths:
         try:
             manifest, tensors = load_checkpoint(path)
             return path, manifest, tensors
         except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
+            warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=3)
     return None
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -25,7 +24,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elixir_ray.checkpoint import CheckpointError, load_checkpoint, load_newest_valid
+from elixir_ray.checkpoint import load_first_valid, load_newest_valid
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -216,13 +215,7 @@ class TrainController:
     def _newest_own_checkpoint(self) -> Optional[tuple[str, dict, dict]]:
         """The newest valid checkpoint this run persisted; never one an earlier run of the same name
         left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
-        for _, path in reversed(self.persister.committed if self.persister else []):
-            try:
-                manifest, tensors = load_checkpoint(path)
-                return path, manifest, tensors
-            except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
-        return None
+        return load_first_valid(path for _, path in reversed(self.persister.committed if self.persister else []))
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
