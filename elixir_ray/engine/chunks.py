@@ -51,6 +51,16 @@ def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
         torch.utils.swap_tensors(param, swapped)
 
 
+def device_scope(device: torch.device):
+    """A scope in which `device` is the thread's current CUDA device (nothing on a CPU).
+
+    The caller's thread may have another current device (a new thread starts on device 0, as do a
+    threaded Ray actor's pool threads), and a stream switch or event wait there would create a
+    context on that device, about half a GiB on GPU 0 for every rank of a node.
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class Comm:
     """The few collectives the engine needs; a single rank needs none."""
 
@@ -138,9 +148,6 @@ class Chunk:
     upload: Optional[torch.Tensor] = field(default=None, repr=False)
     # fp32 [size] on the compute device: gradients collected during backward
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
-    # a factor still to apply to a low-precision gradient (clipping), when the update widens it to
-    # fp32: multiplying it in place would round it a second time
-    grad_factor: float = 1.0
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
     eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete
@@ -175,7 +182,6 @@ class ChunkStore:
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype,
                  upload_copies: bool = False, host_grads_low: bool = False):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
-        self.pin = device.type == "cuda"
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
         self.timer = StepTimer(device)
         self.updates = HostUpdates(self.timer, device)
@@ -196,7 +202,7 @@ class ChunkStore:
         sizes = {torch.float32: (3 if grads_low else 4) * host_numel}
         if upload or grads_low:
             sizes[dtype] = (int(upload) + int(grads_low)) * host_numel
-        self.arena = HostArena(sizes, pin=self.pin, device=device)
+        self.arena = HostArena(sizes, device)
         for c in chunks:
             if c.placement == "device":
                 c.master = torch.zeros(c.shard_len, dtype=torch.float32, device=device)
@@ -223,14 +229,8 @@ class ChunkStore:
         return out
 
     def on_device(self):
-        """A scope in which the engine's device is the thread's current CUDA device.
-
-        The engine's entry points run in it: the caller's thread may have another current device (a
-        new thread starts on device 0, as do a threaded Ray actor's pool threads), and a stream
-        switch or event wait there would create a context on that device, about half a GiB on GPU 0
-        for every rank of a node.
-        """
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        """A scope in which the engine's device is current (`device_scope`): its entry points run in it."""
+        return device_scope(self.device)
 
     def wait_for_copies(self) -> None:
         """Block until the device has finished what was queued, gradient copies to the host included.

@@ -40,11 +40,11 @@ class HostArena:
     valid, as ordinary (pageable) host memory.
     """
 
-    def __init__(self, numels: dict[torch.dtype, int], pin: bool, device: torch.device = torch.device("cpu")):
+    def __init__(self, numels: dict[torch.dtype, int], device: torch.device = torch.device("cpu")):
         self.buffers = {dtype: torch.zeros(n, dtype=dtype) for dtype, n in numels.items() if n > 0}
         self.used = {dtype: 0 for dtype in self.buffers}
         self.pinned = False
-        if pin and self.buffers:
+        if device.type == "cuda" and self.buffers:  # page-locked for the GPU's asynchronous copies
             self._register(device)
 
     def _register(self, device: torch.device) -> None:

@@ -144,6 +144,9 @@ class ChunkedAdam:
         self.skipped_steps = 0
         self.backwards = 0  # backward passes since the last step
         self._started_with: Optional[tuple] = None  # hyper-parameters of updates started during a backward
+        # this step's clip coefficient for low-precision gradients, applied when an update widens them
+        # to fp32 (multiplying them in place would round them a second time); fp32 ones are scaled in place
+        self._low_grad_factor = 1.0
 
     @property
     def param_groups(self):
@@ -161,7 +164,6 @@ class ChunkedAdam:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.store.chunks:
             c.grad = None  # a running update holds its own reference to the gradient it reads
-            c.grad_factor = 1.0
         for s in self.slots:
             s.has_grad = False
 
@@ -233,6 +235,7 @@ class ChunkedAdam:
             finally:
                 self.backwards = 0
                 self._started_with = None
+                self._low_grad_factor = 1.0
                 for c in self.store.chunks:
                     c.updated = False
                 self.pool.reset()  # compute copies are stale now
@@ -267,14 +270,11 @@ class ChunkedAdam:
             self.last_grad_norm = norm
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
             if coef < 1.0:
+                self._low_grad_factor = coef
                 for c in self.store.chunks:
-                    if c.grad is None:
-                        continue
-                    self.store.settle(c)
-                    if c.grad.dtype == torch.float32:
+                    if c.grad is not None and c.grad.dtype == torch.float32:
+                        self.store.settle(c)
                         c.grad.mul_(coef)
-                    else:  # applied when the update widens it (run_adam, the DOS update)
-                        c.grad_factor = coef
         # host chunks first, in chunk order, so that the background thread starts at once; then the
         # device and DOS chunks on this thread, beside it
         pending = [c for c in self.store.chunks if c.grad is not None and not c.updated]
@@ -308,7 +308,7 @@ class ChunkedAdam:
         c.updated = True
         self.store.settle(c)
         calls = self._calls(c)
-        factor, c.grad_factor = c.grad_factor, 1.0  # this update's; the next step starts unscaled
+        factor = self._low_grad_factor if c.grad is not None and c.grad.dtype != torch.float32 else 1.0
         if c.exp_avg is None:  # device chunks, at their first update (host chunks' moments are in the arena)
             c.exp_avg = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)
             c.exp_avg_sq = torch.zeros(c.shard_len, dtype=torch.float32, device=c.master.device)

@@ -8,7 +8,6 @@ the returned module and optimizer are used like the originals.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import OrderedDict
 from typing import Callable, Optional, Union
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, write_slot
+from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, device_scope, write_slot
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
@@ -155,7 +154,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
         device = torch.device("cuda", torch.cuda.current_device())
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with device_scope(device):
         return _wrap(module, optimizer, tuple(sample_inputs) if sample_inputs is not None else None, device_memory,
                      plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn, accumulation_steps, prefetch)
 
