@@ -27,7 +27,9 @@ class ModelConfig:
     n_heads: Optional[int] = None
     vocab_size: Optional[int] = None
     seq_len: Optional[int] = None
-    activation_checkpointing: bool = False
+    # every block: false (keep activations), "selective" (recompute norms, activations and sums; keep
+    # matmul and attention outputs) or true / "full" (recompute the whole block)
+    activation_checkpointing: typing.Union[bool, str] = False
     dropout: float = 0.0
 
 
@@ -122,11 +124,16 @@ def _coerce(path: str, value: Any, tp) -> Any:
     """Convert a YAML value to the field's type, or say which field is wrong and why."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
+    if origin is typing.Union:  # Optional[X], or a choice of types (the first that takes the value)
+        inner = [a for a in args if a is not type(None)]
+        if value is None and len(inner) < len(args):
             return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(path, value, inner)
+        for tp_ in inner[:-1]:
+            try:
+                return _coerce(path, value, tp_)
+            except ConfigError:
+                pass
+        return _coerce(path, value, inner[-1])
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -244,6 +251,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.size {m.size!r} is unknown (allowed: {', '.join(MODEL_SIZES)})")
     for key in ("d_model", "n_layers", "n_heads", "vocab_size", "seq_len"):
         _positive(f"model.{key}", getattr(m, key), allow_none=True)
+    from elixir_ray.model.gpt import checkpoint_mode
+
+    try:
+        checkpoint_mode(m.activation_checkpointing)
+    except ValueError:
+        raise ConfigError(f"model.activation_checkpointing must be true, false, selective, none or full, "
+                          f"got {m.activation_checkpointing!r}") from None
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     shape = resolve_model_shape(m)

@@ -10,6 +10,12 @@ def test_defaults_and_overrides():
     assert resolve_model_shape(cfg.model)["d_model"] == 128
 
 
+def test_activation_checkpointing_takes_a_switch_or_a_mode():
+    assert config_from_dict({"model": {"activation_checkpointing": True}}).model.activation_checkpointing is True
+    cfg = config_from_dict({}, ["model.activation_checkpointing=selective"])
+    assert cfg.model.activation_checkpointing == "selective"
+
+
 def test_explicit_fields_override_named_size():
     cfg = config_from_dict({"model": {"size": "gpt-1.5b", "n_layers": 2}})
     shape = resolve_model_shape(cfg.model)
@@ -27,6 +33,7 @@ def test_explicit_fields_override_named_size():
     ({"model": {"d_model": 100, "n_heads": 3}}, "must be divisible by model.n_heads"),
     ({"engine": {"device_memory": "lots"}}, "engine.device_memory"),
     ({"cluster": {"num_workers": 0}}, "cluster.num_workers must be a positive number"),
+    ({"model": {"activation_checkpointing": "some"}}, "model.activation_checkpointing must be true, false, selective"),
 ])
 def test_bad_values_name_the_field(data, needle):
     with pytest.raises(ConfigError) as exc:

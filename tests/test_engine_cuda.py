@@ -43,7 +43,8 @@ def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_si
     dict(accumulation_steps=2, prefetch=2, cycle=("host", "device")),  # updates start in backward
     dict(accumulation_steps=2, prefetch=1, max_grad_norm=0.5, dos_gap=2),  # clipping settles first; DOS
     dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
-], ids=["in-backward", "clip-dos", "checkpointing"])
+    dict(accumulation_steps=1, prefetch=2, ckpt="selective", cycle=("host", "device")),
+], ids=["in-backward", "clip-dos", "checkpointing", "selective"])
 def test_fp32_on_cuda_matches_torch_adamw(case):
     case = dict(case)
     accum, ckpt, max_norm = case["accumulation_steps"], case.pop("ckpt", ""), case.get("max_grad_norm")
@@ -199,7 +200,7 @@ def test_host_state_is_page_locked_once_at_its_exact_size():
         assert torch.equal(c.upload, c.master.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "selective"])
 def test_traced_activation_peak_is_what_cuda_allocates(checkpointing):
     """The planner's activation peak, traced on the meta device, against the CUDA allocator's peak
     over a real bf16 step (weights and their gradients taken out, as the engine holds them apart)."""

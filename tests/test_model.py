@@ -1,5 +1,8 @@
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir_ray.model.gpt import GPT, GPTConfig, build_gpt
 from elixir_ray.model.sizes import MODEL_SIZES, gpt_param_count
@@ -20,11 +23,12 @@ def test_headline_sizes():
     assert 0.5e6 < gpt_param_count(**MODEL_SIZES["tiny"]) < 1.5e6
 
 
-def test_activation_checkpointing_gives_same_loss_and_grads():
+@pytest.mark.parametrize("mode", [True, "full", "selective"])
+def test_activation_checkpointing_gives_same_loss_and_grads(mode):
     torch.manual_seed(0)
     cfg = GPTConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16)
     plain = GPT(cfg)
-    ckpt = GPT(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": True}))
+    ckpt = GPT(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": mode}))
     ckpt.load_state_dict(plain.state_dict())
     batch = torch.randint(0, 50, (3, 17))
     l1, l2 = plain(batch), ckpt(batch)
@@ -33,6 +37,43 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     assert torch.allclose(l1, l2)
     for (n, p1), p2 in zip(plain.named_parameters(), ckpt.parameters()):
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6), n
+
+
+class _CountsOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode) -> Counter:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_layers=3, n_heads=2, vocab_size=50, seq_len=16, activation_checkpointing=mode))
+    loss = model(torch.randint(0, 50, (2, 17)))
+    with _CountsOps() as ops:
+        loss.backward()
+    return ops.counts
+
+
+def test_selective_checkpointing_recomputes_norms_and_activations_but_no_matmul():
+    kept, whole, selective = _backward_ops("none"), _backward_ops("full"), _backward_ops("selective")
+    # whole blocks: qkv, proj and up again in each (recomputation stops before the down projection,
+    # whose output nothing saved)
+    assert whole["addmm"] - kept["addmm"] >= 3 * 3
+    assert selective["addmm"] == kept["addmm"]  # selective: the matmuls' outputs were kept
+    assert kept["gelu"] == 0 and selective["gelu"] == whole["gelu"] == 3  # the GELU is recomputed
+    assert selective["native_layer_norm"] == whole["native_layer_norm"] == 2 * 3
+
+
+def test_checkpointing_modes_are_checked():
+    model = build_gpt(dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16), device="meta")
+    model.set_checkpointing([True, "selective"])
+    assert model.checkpointing() == ["full", "selective"]
+    with pytest.raises(ValueError, match="'partial' is not one of none, selective, full"):
+        model.set_checkpointing(["partial", "none"])
 
 
 def test_loss_starts_near_uniform():

@@ -20,7 +20,7 @@ CPU = HardwareProfile(device="cpu", h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_param
                       device_adam_params_per_s=5e8, matmul_tflops=0.1, cpu_threads=2, device_name=device_name("cpu"))
 
 
-def _gpt(seq: int = 128, checkpointing: bool = False, device=None):
+def _gpt(seq: int = 128, checkpointing: bool | str = False, device=None):
     torch.manual_seed(0)
     return build_gpt(dict(d_model=64, n_layers=2, n_heads=4, vocab_size=300, seq_len=seq), checkpointing,
                      device=device)
@@ -135,7 +135,7 @@ def _real_activation_peak(model, *inputs) -> int:
     return peak
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "selective"])
 def test_traced_activation_peak_is_a_real_steps_and_tops_the_saved_bytes(checkpointing):
     model = _gpt(checkpointing=checkpointing)
     batch = torch.randint(0, 300, (2, 129))
@@ -276,3 +276,11 @@ def test_values_written_from_weights_or_never_written_are_not_read_stale():
     assert reads == {"written in place": "refused", "uninitialised": "refused", "base of a written view": "refused",
                      "untouched": 3.0}
     assert torch.equal(torch.rand(1), expected)  # the caller's random state is where it was
+
+
+def test_selective_checkpointing_keeps_the_flops_and_frees_activations():
+    sample = (torch.zeros(2, 129, dtype=torch.long),)
+    none, selective, full = (trace_step(_gpt(checkpointing=mode, device="meta"), sample)
+                             for mode in ("none", "selective", "full"))
+    assert selective.flops == none.flops < full.flops  # no matmul runs twice
+    assert full.activation_peak_bytes < selective.activation_peak_bytes < 0.9 * none.activation_peak_bytes

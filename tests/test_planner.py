@@ -177,6 +177,10 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
         elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
     with pytest.raises(ValueError, match="unknown fields"):
         elixir_ray.Plan.from_json(json.dumps({**data, "surprise": 1}))
+    # version 2 wrote activation checkpointing as True/False per block, which still means the same
+    old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
+    assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]
+    assert "1 of 2 blocks recomputed whole" in old.explain()
 
 
 def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):

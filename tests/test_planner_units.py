@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,12 +64,37 @@ def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks()
     def gpt(n_layers):
         return build_gpt(dict(d_model=32, n_layers=n_layers, n_heads=2, vocab_size=64, seq_len=8), device="meta")
 
+    def counts(variants, mode):
+        return [v.count(mode) for v in variants]
+
     variants = checkpointing_variants(gpt(48))
-    assert [sum(v) for v in variants] == [0, 12, 16, 24, 32, 48]
-    quarter = variants[1]
-    assert [i for i, on in enumerate(quarter) if on] == list(range(0, 48, 4))  # evenly spaced, from block 0
-    assert not any(v[-1] for v in variants[1:4])  # up to half: not the last block, recomputed at the peak
-    assert [sum(v) for v in checkpointing_variants(gpt(2))] == [0, 1, 2]  # fractions that coincide count once
+    # nothing recomputed; then 0, 1/4, 1/3, 1/2, 2/3 and all of the blocks whole, the others selectively
+    assert counts(variants, "full") == [0, 0, 12, 16, 24, 32, 48]
+    assert counts(variants, "selective") == [0, 48, 36, 32, 24, 16, 0]
+    assert counts(variants, "none") == [48, 0, 0, 0, 0, 0, 0]
+    quarter = variants[2]
+    assert [i for i, m in enumerate(quarter) if m == "full"] == list(range(0, 48, 4))  # evenly spaced, from block 0
+    assert not any(v[-1] == "full" for v in variants[2:5])  # up to half: not the last block, recomputed at the peak
+    assert counts(checkpointing_variants(gpt(2)), "full") == [0, 0, 1, 2]  # fractions that coincide count once
     own = gpt(6)
     own.set_checkpointing([True, True, False, False, False, False])
-    assert checkpointing_variants(own)[-1] == [True, True, False, False, False, False]
+    assert checkpointing_variants(own)[-1] == ["full", "full", "none", "none", "none", "none"]
+
+
+def test_a_module_with_only_an_on_off_switch_gets_whole_block_fractions():
+    from elixir_ray.planner.model_profile import checkpointing_variants
+
+    class Switch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mask = [False] * 6
+
+        def checkpointing(self):
+            return list(self.mask)
+
+        def set_checkpointing(self, mask):
+            self.mask = list(mask)
+
+    variants = checkpointing_variants(Switch())
+    assert all(isinstance(m, bool) for v in variants for m in v)
+    assert [sum(v) for v in variants] == [0, 2, 3, 4, 6]  # 1/4 and 1/3 of 6 blocks coincide at 2

@@ -12,7 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3  # 3: activation checkpointing per block by mode name (version 2's True/False still read)
+READABLE_VERSIONS = (2, 3)
 
 
 @dataclass
@@ -30,7 +31,9 @@ class Plan:
     # RAM and PCIe); the search sets it with bf16 compute and one micro-step per step, where each
     # gradient was computed in bf16 anyway and nothing accumulates on the host
     host_grads_low: bool = False
-    activation_checkpointing: Optional[list] = None  # per checkpointable block, when the module has them
+    # per checkpointable block, when the module has them: "none", "selective" or "full" (True and
+    # False, as version 2 wrote them, mean "full" and "none")
+    activation_checkpointing: Optional[list] = None
     world_size: int = 1
     dtype: str = ""  # compute dtype the plan was made for, e.g. "bfloat16"
     budget_bytes: int = 0  # device_memory the plan was made for (0: not planned against a budget)
@@ -54,14 +57,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        if data.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan version {data.get('version')} is not supported (this build reads {PLAN_VERSION}); "
+        if data.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"plan version {data.get('version')} is not supported (this build reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}); "
                              f"make the plan again with this version of elixir_ray")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"plan has unknown fields {unknown}")
-        return cls(**data)
+        return cls(**{**data, "version": PLAN_VERSION})  # an older version's fields mean the same here
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -88,8 +92,11 @@ class Plan:
         if self.world_size > 1:
             lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
         if self.activation_checkpointing is not None:
-            k = sum(bool(x) for x in self.activation_checkpointing)
-            lines.append(f"  activation checkpointing: {k} of {len(self.activation_checkpointing)} blocks")
+            modes = self.activation_checkpointing
+            whole = sum(m in (True, "full") for m in modes)
+            selective = sum(m == "selective" for m in modes)
+            lines.append(f"  activation checkpointing: {whole} of {len(modes)} blocks recomputed whole"
+                         + (f", {selective} selectively (norms, activations and sums)" if selective else ""))
         if n:
             lines.append("  chunks: " + _placement_strip(self.placements, self.sharded, self.world_size))
         if self.memory:

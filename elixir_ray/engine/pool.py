@@ -19,6 +19,9 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 
+from torch._C import _len_torch_dispatch_stack
+from torch.utils._python_dispatch import _disable_current_modes
+
 from elixir_ray.engine.chunks import Chunk, ChunkStore
 
 
@@ -57,7 +60,18 @@ class ChunkPool:
         return occ[j] if j < len(occ) else occ[0] + len(self.events)
 
     def access(self, chunk_ids, pin: bool = False) -> None:
-        """Make these chunks resident, evicting others if the pool is full."""
+        """Make these chunks resident, evicting others if the pool is full.
+
+        The copies this makes are the engine's, not the model's: a dispatch mode that is on (selective
+        activation checkpointing records a block's ops in forward and replays them in recompute, and
+        its fetches differ between the two) must not see them, so they run with the modes set aside.
+        """
+        if _len_torch_dispatch_stack():
+            with _disable_current_modes():
+                return self._access(chunk_ids, pin)
+        return self._access(chunk_ids, pin)
+
+    def _access(self, chunk_ids, pin: bool) -> None:
         chunk_ids = tuple(dict.fromkeys(chunk_ids))
         if not chunk_ids:
             return

@@ -16,6 +16,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# per block, what backward recomputes instead of keeping: nothing; the norms and the GELU (whose
+# outputs are 6 of the 16 hidden-size units a block saves per token, for a few memory-bound
+# kernels); or the whole block (its forward again, matmuls included: a third more compute)
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+def checkpoint_mode(value) -> str:
+    """A block's mode from a mask entry: True is "full", False "none", or one of CHECKPOINT_MODES."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in CHECKPOINT_MODES:
+        raise ValueError(f"activation checkpointing mode {value!r} is not one of {', '.join(CHECKPOINT_MODES)} "
+                         f"(or True / False)")
+    return value
+
 
 @dataclass
 class GPTConfig:
@@ -25,7 +40,7 @@ class GPTConfig:
     vocab_size: int = 257
     seq_len: int = 128
     dropout: float = 0.0
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # every block's mode: False/"none", "selective", True/"full"
 
 
 class CausalSelfAttention(nn.Module):
@@ -38,8 +53,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
+        return self.attend(self.qkv(x))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention and the output projection, from the query-key-value projection."""
+        b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(d, dim=2)
         q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -56,7 +75,14 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(F.gelu(self.up(x), approximate="tanh")))
+        return self.drop(self.project(self.up(x)))
+
+    def project(self, u: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(u, approximate="tanh"))
+
+
+def _then(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return second(first(x))
 
 
 class Block(nn.Module):
@@ -67,9 +93,20 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
+        """`selective`: keep for backward only what the matmuls and attention take and make, and
+        recompute each norm's and the GELU's output there (the same result and gradients).
+
+        Each of the three checkpointed pieces ends in a matmul whose inputs are the last thing it
+        saves, so recomputation stops before that matmul runs (torch's early stop): backward
+        reruns two layer norms and a GELU, not a single matmul.
+        """
+        if not (selective and torch.is_grad_enabled()):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        x = x + self.attn.attend(checkpoint(_then, self.ln1, self.attn.qkv, x, use_reentrant=False))
+        u = checkpoint(_then, self.ln2, self.mlp.up, x, use_reentrant=False)
+        return x + self.mlp.drop(checkpoint(self.mlp.project, u, use_reentrant=False))
 
 
 class GPT(nn.Module):
@@ -83,18 +120,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings
-        self._checkpointing = [bool(cfg.activation_checkpointing)] * cfg.n_layers
+        self._checkpointing = [checkpoint_mode(cfg.activation_checkpointing)] * cfg.n_layers
         if self.wte.weight.device.type != "meta":
             self.apply(lambda m: init_gpt_weights(m, cfg.n_layers))
 
-    def checkpointing(self) -> list[bool]:
-        """Per block: recompute its activations in backward instead of keeping them."""
+    checkpointing_modes = CHECKPOINT_MODES  # what set_checkpointing takes per block (the planner reads it)
+
+    def checkpointing(self) -> list[str]:
+        """Per block, what backward recomputes instead of keeping: "none", "selective" (norms,
+        activations and sums; matmul and attention outputs are kept) or "full" (the whole block)."""
         return list(self._checkpointing)
 
-    def set_checkpointing(self, mask: list[bool]) -> None:
+    def set_checkpointing(self, mask: list) -> None:
+        """Per block a mode of `checkpointing_modes`, or True ("full") / False ("none")."""
         if len(mask) != len(self.blocks):
             raise ValueError(f"checkpointing mask has {len(mask)} entries, the model has {len(self.blocks)} blocks")
-        self._checkpointing = [bool(x) for x in mask]
+        self._checkpointing = [checkpoint_mode(x) for x in mask]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -105,11 +146,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block, recompute in zip(self.blocks, self._checkpointing):
-            if recompute and self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        for block, mode in zip(self.blocks, self._checkpointing):
+            if mode == "full" and training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, selective=mode == "selective" and training)
         return self.head(self.ln_f(x))
 
     def forward(self, batch: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +178,7 @@ def init_gpt_weights(module: nn.Module, n_layers: int) -> None:
         nn.init.zeros_(module.bias)
 
 
-def build_gpt(shape: dict, activation_checkpointing: bool = False, dropout: float = 0.0,
+def build_gpt(shape: dict, activation_checkpointing: bool | str = False, dropout: float = 0.0,
               device: str | torch.device | None = None) -> GPT:
     cfg = GPTConfig(
         d_model=shape["d_model"], n_layers=shape["n_layers"], n_heads=shape["n_heads"],

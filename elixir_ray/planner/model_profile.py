@@ -25,7 +25,7 @@ class ModelProfile:
     numels: list[int]
     trace: AccessTrace
     buffer_bytes: int  # module buffers, always resident on the device
-    checkpointing: Optional[list[bool]]  # the per-block setting traced (None: the module has no switch)
+    checkpointing: Optional[list]  # the per-block setting traced (None: the module has no switch)
     batch_size: int  # rows in the sample inputs (the micro-batch the activations were measured at)
     compute: Optional[ComputeTimes] = None  # the step's kernels timed on the device, when it was at hand
 
@@ -39,7 +39,7 @@ def supports_checkpointing(module: nn.Module) -> bool:
 
 
 def profile_model(module: nn.Module, sample_inputs: tuple, loss_fn: Optional[Callable] = None,
-                  checkpointing: Optional[list[bool]] = None, dtype: Optional[torch.dtype] = None) -> ModelProfile:
+                  checkpointing: Optional[list] = None, dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """Trace one step of `module` (real or on the meta device) with the given checkpointing setting."""
     previous = module.checkpointing() if supports_checkpointing(module) else None
     if checkpointing is not None:
@@ -64,25 +64,35 @@ def profile_model(module: nn.Module, sample_inputs: tuple, loss_fn: Optional[Cal
 CHECKPOINT_FRACTIONS = (0.0, 0.25, 1 / 3, 0.5, 2 / 3, 1.0)
 
 
-def checkpointing_variants(module: nn.Module) -> list[Optional[list[bool]]]:
-    """The checkpointing settings the search tries: these fractions of the blocks, spread evenly, and
-    the module's own.
+def checkpointing_variants(module: nn.Module) -> list[Optional[list]]:
+    """The checkpointing settings the search tries: these fractions of the blocks recomputed whole,
+    spread evenly, the other blocks kept (or, where the module offers it, checkpointed selectively),
+    besides no checkpointing at all and the module's own setting.
 
     Recomputation trades compute for activation memory, and the memory freed holds optimizer state
     on the device instead of the host. Which trade wins depends on the model and the budget (GPT 1.5B
-    at 24 GiB: every block checkpointed costs a third more compute, none does not fit), so the search
-    gets the steps in between; each setting is one more trace, about 3 s for a 10B GPT.
+    at 24 GiB: every block recomputed whole costs a third more compute, none does not fit), so the
+    search gets the steps in between; each setting is one more trace, about 3 s for a 10B GPT.
+
+    A module whose `checkpointing_modes` include "selective" takes mode names per block; there the
+    blocks not recomputed whole are checkpointed selectively, never kept whole: selective
+    checkpointing frees a third of a GPT block's activations for a few percent of its forward,
+    which beats recomputing whole blocks for the same bytes, so keeping them is only tried for all
+    blocks at once (when memory is plentiful). Other modules take True (recompute) or False.
     """
     if not supports_checkpointing(module):
         return [None]
     own = list(module.checkpointing())
     n = len(own)
-    variants: list[list[bool]] = []
+    selective = "selective" in getattr(module, "checkpointing_modes", ())
+    whole, keep = ("full", "none") if selective else (True, False)
+    variants: list[list] = [[keep] * n] if selective else []
     for fraction in CHECKPOINT_FRACTIONS:
         k = round(fraction * n)
+        rest = "selective" if selective else keep
         # k blocks, evenly spaced from block 0: the last block is recomputed first in backward, while
         # every earlier activation is alive, so checkpointing it frees almost nothing at the peak
-        mask = [(i * k) % n < k for i in range(n)]
+        mask = [whole if (i * k) % n < k else rest for i in range(n)]
         if mask not in variants:
             variants.append(mask)
     if own not in variants:
