@@ -27,8 +27,8 @@ class ModelConfig:
     n_heads: Optional[int] = None
     vocab_size: Optional[int] = None
     seq_len: Optional[int] = None
-    # every block: false (keep activations), "selective" (recompute norms, activations and sums; keep
-    # matmul and attention outputs) or true / "full" (recompute the whole block)
+    # every block: false (keep activations), "selective" (recompute the layer norms and the GELU; keep
+    # what matmuls and attention take and make) or true / "full" (recompute the whole block)
     activation_checkpointing: typing.Union[bool, str] = False
     dropout: float = 0.0
 
@@ -120,6 +120,9 @@ def _is_dataclass_type(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(path: str, value: Any, tp) -> Any:
     """Convert a YAML value to the field's type, or say which field is wrong and why."""
     origin = typing.get_origin(tp)
@@ -128,12 +131,15 @@ def _coerce(path: str, value: Any, tp) -> Any:
         inner = [a for a in args if a is not type(None)]
         if value is None and len(inner) < len(args):
             return None
-        for tp_ in inner[:-1]:
+        if len(inner) == 1:
+            return _coerce(path, value, inner[0])
+        for tp_ in inner:
             try:
                 return _coerce(path, value, tp_)
             except ConfigError:
                 pass
-        return _coerce(path, value, inner[-1])
+        raise ConfigError(f"{path}: expected {' or '.join(_TYPE_WORDS.get(t, t.__name__) for t in inner)}, "
+                          f"got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value

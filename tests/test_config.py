@@ -34,6 +34,7 @@ def test_explicit_fields_override_named_size():
     ({"engine": {"device_memory": "lots"}}, "engine.device_memory"),
     ({"cluster": {"num_workers": 0}}, "cluster.num_workers must be a positive number"),
     ({"model": {"activation_checkpointing": "some"}}, "model.activation_checkpointing must be true, false, selective"),
+    ({"model": {"activation_checkpointing": None}}, "model.activation_checkpointing: expected true or false or a string"),
 ])
 def test_bad_values_name_the_field(data, needle):
     with pytest.raises(ConfigError) as exc:

@@ -68,6 +68,15 @@ def test_selective_checkpointing_recomputes_norms_and_activations_but_no_matmul(
     assert selective["native_layer_norm"] == whole["native_layer_norm"] == 2 * 3
 
 
+def test_selective_blocks_warn_when_checkpoint_early_stop_is_off():
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    model = GPT(GPTConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=50, seq_len=16, activation_checkpointing="selective"))
+    batch = torch.randint(0, 50, (2, 17))
+    with set_checkpoint_early_stop(False), pytest.warns(UserWarning, match="rerun their matmuls"):
+        model(batch).backward()
+
+
 def test_checkpointing_modes_are_checked():
     model = build_gpt(dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16), device="meta")
     model.set_checkpointing([True, "selective"])

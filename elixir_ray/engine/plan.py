@@ -96,7 +96,7 @@ class Plan:
             whole = sum(m in (True, "full") for m in modes)
             selective = sum(m == "selective" for m in modes)
             lines.append(f"  activation checkpointing: {whole} of {len(modes)} blocks recomputed whole"
-                         + (f", {selective} selectively (norms, activations and sums)" if selective else ""))
+                         + (f", {selective} selectively (layer norms and GELU)" if selective else ""))
         if n:
             lines.append("  chunks: " + _placement_strip(self.placements, self.sharded, self.world_size))
         if self.memory:

@@ -9,6 +9,7 @@ Build it under `torch.device("meta")` to get the shape of a huge model without m
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,16 @@ def _then(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return second(first(x))
 
 
+_PIECE = dict(use_reentrant=False, preserve_rng_state=False)  # a selective block's checkpointed pieces
+
+
+def _warn_if_early_stop_is_off() -> None:
+    if getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is False:
+        warnings.warn("activation checkpointing's early stop is off (set_checkpoint_early_stop(False)): "
+                      "selectively checkpointed GPT blocks rerun their matmuls in backward, which costs what "
+                      "recomputing whole blocks does and frees less", stacklevel=3)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -98,15 +109,19 @@ class Block(nn.Module):
         recompute each norm's and the GELU's output there (the same result and gradients).
 
         Each of the three checkpointed pieces ends in a matmul whose inputs are the last thing it
-        saves, so recomputation stops before that matmul runs (torch's early stop): backward
-        reruns two layer norms and a GELU, not a single matmul.
+        saves, so recomputation stops before that matmul runs (torch's early stop, on unless
+        `torch.utils.checkpoint.set_checkpoint_early_stop(False)` turns it off, which would rerun
+        the matmuls too; that is warned about). No piece draws random numbers, so none keeps the
+        RNG state. The pieces call `attn.attend` and `mlp.project`, not the modules `attn` and
+        `mlp`: hooks on those two (not on their layers) do not fire in this mode.
         """
         if not (selective and torch.is_grad_enabled()):
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
-        x = x + self.attn.attend(checkpoint(_then, self.ln1, self.attn.qkv, x, use_reentrant=False))
-        u = checkpoint(_then, self.ln2, self.mlp.up, x, use_reentrant=False)
-        return x + self.mlp.drop(checkpoint(self.mlp.project, u, use_reentrant=False))
+        _warn_if_early_stop_is_off()
+        x = x + self.attn.attend(checkpoint(_then, self.ln1, self.attn.qkv, x, **_PIECE))
+        u = checkpoint(_then, self.ln2, self.mlp.up, x, **_PIECE)
+        return x + self.mlp.drop(checkpoint(self.mlp.project, u, **_PIECE))
 
 
 class GPT(nn.Module):
@@ -127,8 +142,8 @@ class GPT(nn.Module):
     checkpointing_modes = CHECKPOINT_MODES  # what set_checkpointing takes per block (the planner reads it)
 
     def checkpointing(self) -> list[str]:
-        """Per block, what backward recomputes instead of keeping: "none", "selective" (norms,
-        activations and sums; matmul and attention outputs are kept) or "full" (the whole block)."""
+        """Per block, what backward recomputes instead of keeping: "none", "selective" (the layer
+        norms and the GELU; matmul and attention inputs and outputs are kept) or "full" (the whole block)."""
         return list(self._checkpointing)
 
     def set_checkpointing(self, mask: list) -> None:

@@ -351,7 +351,9 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
     prof = choice.layout.profile
     if part == "activations":
         ckpt = prof.checkpointing
-        if ckpt is not None and not all(m in (True, "full") for m in ckpt):
+        if ckpt is not None and any(m == "selective" for m in ckpt):
+            hint = "recompute whole blocks (activation checkpointing full, or let the planner choose it)"
+        elif ckpt is not None and not all(m in (True, "full") for m in ckpt):
             hint = "enable activation checkpointing"
         else:
             hint = f"use micro-batch {max(1, prof.batch_size // 2)}" if prof.batch_size > 1 else "use shorter sequences"
