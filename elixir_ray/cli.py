@@ -59,7 +59,10 @@ def _cmd_plan(args) -> int:
         print(f"elixir-ray: error: {exc}", file=sys.stderr)
         return 2
     print(f"{source}: {hardware.device}, h2d {hardware.h2d_gbps:.1f} GB/s, d2h {hardware.d2h_gbps:.1f} GB/s, "
-          f"CPU AdamW {hardware.cpu_adam_params_per_s / 1e6:,.0f} M params/s, matmul {hardware.matmul_tflops:.1f} TFLOPS")
+          f"CPU AdamW {hardware.cpu_adam_params_per_s / 1e6:,.0f} M params/s"
+          + (f" ({hardware.cpu_adam_low_grad_params_per_s / 1e6:,.0f} M from bf16 gradients)"
+             if hardware.cpu_adam_low_grad_params_per_s else "")
+          + f", matmul {hardware.matmul_tflops:.1f} TFLOPS")
     print(result.plan.explain())
     print()
     print(comparison_table(result))

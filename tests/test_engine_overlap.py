@@ -214,3 +214,12 @@ def test_the_background_thread_stops_when_its_engine_is_collected():
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_cpu_updates_leave_one_core_to_the_training_thread():
+    seen = []
+    threads = torch.get_num_threads()
+    updates = HostUpdates(StepTimer(torch.device("cpu")))
+    updates.wait(updates.submit(lambda: seen.append(torch.get_num_threads())))
+    assert seen == [max(1, threads - 1)]
+    assert torch.get_num_threads() == threads  # the training thread keeps its own count

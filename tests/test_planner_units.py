@@ -40,6 +40,25 @@ def test_profile_hardware_measures_positive_rates():
     assert HardwareProfile.from_json(hw.to_json()) == hw
     slow = HardwareProfile.slowest([hw, HardwareProfile(**{**json.loads(hw.to_json()), "h2d_gbps": 0.5})])
     assert slow.h2d_gbps == min(0.5, hw.h2d_gbps)
+    assert hw.cpu_adam_low_grad_params_per_s > 0  # the engine's update from bf16 gradients, timed apart
+
+
+def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():
+    import numpy as np
+
+    from elixir_ray.planner.cost import chunk_costs
+
+    rates = dict(device="cuda:0", h2d_gbps=50.0, d2h_gbps=50.0, cpu_adam_params_per_s=4e9,
+                 device_adam_params_per_s=8e10, matmul_tflops=500.0, cpu_threads=16)
+    sizes = np.array([2**20, 2**20])
+
+    def adam_host(hw, grad_bytes):
+        return chunk_costs(sizes, sizes, np.ones(2, dtype=bool), 1, 2, hw, grad_bytes=grad_bytes).adam_host
+
+    measured = HardwareProfile(**rates, cpu_adam_low_grad_params_per_s=2e9)
+    assert np.allclose(adam_host(measured, 4), 2**20 / 4e9) and np.allclose(adam_host(measured, 2), 2**20 / 2e9)
+    older = HardwareProfile(**rates)  # a profile without the bf16 rate: the fp32 one stands in
+    assert np.allclose(adam_host(older, 2), 2**20 / 4e9)
 
 
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():

@@ -83,7 +83,7 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         load_device=gather,
         reduce_host=reduce_comm + shards * grad_bytes / d2h,
         reduce_device=reduce_comm,
-        adam_host=shards / hw.cpu_adam_params_per_s,
+        adam_host=shards / hw.cpu_adam_rate(low_grads=grad_bytes < 4),
         adam_device=shards / hw.device_adam_params_per_s,
         adam_dos=shards * (DOS_COPY_IN + grad_bytes) / h2d + shards * DOS_COPY_OUT / d2h
         + shards / hw.device_adam_params_per_s,

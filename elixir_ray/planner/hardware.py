@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from elixir_ray.engine.host_updates import update_threads
+from elixir_ray.engine.optimizer import AdamCall, run_adam
 
 
 @dataclass
@@ -19,12 +23,22 @@ class HardwareProfile:
     device: str
     h2d_gbps: float  # pinned host -> device copy, GB/s (host memcpy when the device is the CPU)
     d2h_gbps: float
-    cpu_adam_params_per_s: float  # torch's fused CPU AdamW with this rank's threads
+    cpu_adam_params_per_s: float  # the engine's CPU AdamW (torch's fused kernel) on its update thread's threads
     device_adam_params_per_s: float
     matmul_tflops: float  # in the compute dtype
     cpu_threads: int
     collective_gbps: float = 0.0  # between ranks, when measured (0: the planner assumes the h2d rate)
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3": kernels are timed only on a device of this name
+    # the same update from bf16 gradients, widened a tile at a time (Plan.host_grads_low): one more
+    # pass and twice the parallel regions, so it need not run at the fp32 rate; 0: not measured
+    # (a profile from an older version), taken as cpu_adam_params_per_s
+    cpu_adam_low_grad_params_per_s: float = 0.0
+
+    def cpu_adam_rate(self, low_grads: bool) -> float:
+        """Parameters per second the CPU updates from fp32 gradients, or from bf16 ones."""
+        if low_grads and self.cpu_adam_low_grad_params_per_s > 0:
+            return self.cpu_adam_low_grad_params_per_s
+        return self.cpu_adam_params_per_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -39,7 +53,8 @@ class HardwareProfile:
         return cls(
             device=profiles[0].device,
             **{k: min(getattr(p, k) for p in profiles) for k in (
-                "h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops")},
+                "h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
+                "cpu_adam_low_grad_params_per_s")},
             cpu_threads=min(p.cpu_threads for p in profiles),
             collective_gbps=min(p.collective_gbps for p in profiles),
             device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
@@ -63,22 +78,28 @@ def device_name(device: torch.device) -> str:
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
+    """Median seconds of `repeats` calls after a warm-up: one slow moment of a shared machine (a
+    VM's neighbour, another rank's update) does not set the rate a whole plan is costed at."""
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def _adam_rate(device: torch.device, numel: int) -> float:
-    param = torch.nn.Parameter(torch.zeros(numel, device=device))
-    param.grad = torch.full_like(param, 1e-3)
-    opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
-    return numel / _timed(opt.step, device, repeats=3)
+def _adam_rate(device: torch.device, numel: int, grad_dtype: torch.dtype = torch.float32) -> float:
+    """The engine's own update (`run_adam`) of one shard of `numel` fp32 parameters."""
+    master, avg, avg_sq = (torch.zeros(numel, device=device) for _ in range(3))
+    grad = torch.full((numel,), 1e-3, dtype=grad_dtype, device=device)
+    call = AdamCall(segments=((0, numel),), step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                    decoupled=True)
+    return numel / _timed(lambda: run_adam([call], master, grad, avg, avg_sq), device, repeats=3)
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -94,7 +115,13 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     h2d = copy_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
     d2h = copy_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
     del host, dev
-    cpu_adam = _adam_rate(torch.device("cpu"), adam_numel)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(update_threads())  # as many as the engine's update thread takes
+    try:
+        cpu_adam = _adam_rate(torch.device("cpu"), adam_numel)
+        cpu_adam_low = _adam_rate(torch.device("cpu"), adam_numel, torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
     n = 4096 if on_gpu else 512
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the caller's random state alone
@@ -103,4 +130,5 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     tflops = 2 * n**3 / _timed(lambda: a @ b, device, repeats=5) / 1e12
     return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
-                           cpu_threads=torch.get_num_threads(), device_name=device_name(device))
+                           cpu_threads=torch.get_num_threads(), device_name=device_name(device),
+                           cpu_adam_low_grad_params_per_s=cpu_adam_low)
