@@ -81,6 +81,22 @@ def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum:
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def train_side_by_side(engine, engine_opt, reference, reference_opt, data: list[torch.Tensor]) -> list[float]:
+    """One step of the wrapped model and one of plain torch per batch; the absolute loss differences."""
+    diffs = []
+    for batch in data:
+        a = engine(batch)
+        a.backward()
+        engine_opt.step()
+        engine_opt.zero_grad()
+        b = reference(batch)
+        b.backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+        diffs.append(abs(a.item() - b.item()))
+    return diffs
+
+
 def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, rank: int = 0,
                world: int = 1, device: str = "cpu") -> list[float]:
     """The same loop through the engine; each rank takes its slice of every global batch."""

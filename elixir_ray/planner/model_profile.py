@@ -86,10 +86,10 @@ def checkpointing_variants(module: nn.Module) -> list[Optional[list]]:
     n = len(own)
     selective = "selective" in getattr(module, "checkpointing_modes", ())
     whole, keep = ("full", "none") if selective else (True, False)
+    rest = "selective" if selective else keep
     variants: list[list] = [[keep] * n] if selective else []
     for fraction in CHECKPOINT_FRACTIONS:
         k = round(fraction * n)
-        rest = "selective" if selective else keep
         # k blocks, evenly spaced from block 0: the last block is recomputed first in backward, while
         # every earlier activation is alive, so checkpointing it frees almost nothing at the peak
         mask = [whole if (i * k) % n < k else rest for i in range(n)]
