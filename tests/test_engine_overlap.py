@@ -44,7 +44,7 @@ def _engine(model, rows, world=1, max_grad_norm=None, accumulation_steps=None, p
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("ckpt", ["", "non-reentrant"])
+@pytest.mark.parametrize("ckpt", ["", "non-reentrant", "reentrant"])  # reentrant: a nested backward per region
 def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)

@@ -36,6 +36,18 @@ def _chunks_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[int]:
     return found
 
 
+def _tensors_in(out) -> list[torch.Tensor]:
+    """The tensors of a forward's result: a tensor, or inside tuples, lists and dicts (a Hugging Face
+    ModelOutput is a dict)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _tensors_in(item)]
+    return []
+
+
 class _FetchParamsMode(TorchFunctionMode):
     """Safety net in forward: any op that receives an evicted parameter gets it fetched first."""
 
@@ -98,10 +110,23 @@ class EngineHooks:
         self.phase = "forward"
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
         finally:
             self.phase = "backward"
             self._recompute_open = False
+        for t in _tensors_in(out):
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+        return out
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        """The backward through this forward's output begins: open it here, in the outermost backward.
+
+        A parameter's gradient may first arrive inside a nested backward (reentrant activation
+        checkpointing runs one per region), and the end-of-backward callback queued there would
+        fire when that region ends, splitting one backward into several."""
+        if not self._backward_open:
+            self.start_backward()
 
     # -- gradients --------------------------------------------------------------------------------
 
