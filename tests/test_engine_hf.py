@@ -92,3 +92,24 @@ def test_hf_sdpa_attention_with_a_padding_mask_trains_like_torch():
                       device="cpu")
     losses = train_pairs(model, opt, data)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hf_gradient_checkpointing_with_updates_started_in_backward(reentrant):
+    """`gradient_checkpointing_enable()`, reentrant (a nested backward per layer) or not, with the
+    CPU updates started during backward (`accumulation_steps=1`): still one backward per step."""
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(_configs()["llama"], attn_implementation="eager")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    base.train()
+    data = [(torch.randint(0, 64, (4, 16)), torch.ones(4, 16, dtype=torch.long)) for _ in range(4)]
+    ref = CausalLMLoss(copy.deepcopy(base))
+    ref_losses = train_pairs(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)
+    eng = CausalLMLoss(copy.deepcopy(base))
+    plan = manual_plan(eng, data[0], chunk_size=4096, n_blocks=3)
+    model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-3), sample_inputs=data[0], plan=plan,
+                      device="cpu", accumulation_steps=1)
+    assert opt.updates_in_backward
+    losses = train_pairs(model, opt, data)
+    assert model.engine_stats()["evictions"] > 0
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
