@@ -4,6 +4,7 @@
     python jobs/bench_plans.py --smoke        # a tiny shape on CPU
 
 Rates are measured on this machine unless --hardware gives a file (`elixir-ray plan --save-hardware`).
+Each plan's run writes its whole output to plan-N.log beside the --out file.
 """
 
 import argparse
@@ -35,7 +36,7 @@ def main() -> int:
     else:
         hw = profile_hardware("cpu" if args.smoke else None)
     rows = run_plan_table(shape, cap, hw, steps=2 if args.smoke else args.steps, warmup=1 if args.smoke else 2,
-                          device="cpu" if args.smoke else None)
+                          device="cpu" if args.smoke else None, log_dir=os.path.dirname(os.path.abspath(args.out)))
     print(plan_table_markdown(rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.engine import Plan, manual_plan, wrap
 from elixir_ray.engine.timing import BACKGROUND, CATEGORIES, StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -53,6 +53,12 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
         assert not rows[system]["breakdown"] and rows[system]["breakdown_step_seconds"] is None
         assert rows[system]["predicted_step_seconds"] is None
     assert ex["predicted_step_seconds"] > 0 and ex["predicted_peak_bytes"] > 0  # the searched plan's prediction
+    plan = Plan.from_dict(ex["plan"])  # the plan it ran, with the rates its prediction rests on
+    assert plan.predicted_step_seconds == ex["predicted_step_seconds"]
+    assert any(n.startswith("rates (") and "CPU AdamW" in n for n in plan.notes)
+    for system in rows:  # each system's whole output, beside the report
+        log = (out / f"{system}.log").read_text()
+        assert log.startswith("$ ") and "--system " + system in log and "# exit 0" in log
 
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
@@ -131,6 +137,7 @@ def test_plan_comparison_smoke_runs_every_fitting_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["plan"] == "searched" and rows[0]["fits"]
+    assert "# searched\n$ " in (tmp_path / "plan-0.log").read_text()  # each run's output, beside the table
     assert {r["plan"] for r in rows} >= {"all optimizer state on the host", "as much as fits on the device",
                                         "offload fraction 0.5"}
     for r in rows:

@@ -45,7 +45,8 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile) 
 
 
 def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 2,
-                   device: Optional[str] = None, progress=print) -> list[dict]:
+                   device: Optional[str] = None, progress=print, log_dir: Optional[str] = None) -> list[dict]:
+    """`log_dir`: where each run's whole output goes (plan-N.log), a failure's traceback included."""
     rows = []
     plans = candidate_plans(shape_name, cap_bytes, hardware)
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,11 +62,16 @@ def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, s
                    "--cap-bytes", str(cap_bytes), "--plan", plan_path, "--steps", str(steps), "--warmup", str(warmup),
                    "--out", out] + (["--device", device] if device else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(log_dir, f"plan-{i}.log"), "w") as f:
+                    f.write(f"# {name}\n$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
             result = json.load(open(out)) if os.path.exists(out) else {"skipped": proc.stderr.strip()[-300:]}
             rows.append({"plan": name, "fits": True, "predicted_step_seconds": plan.predicted_step_seconds,
                          "predicted_peak_bytes": plan.predicted_peak_bytes, "device_chunks": plan.placements.count("device"),
                          "n_chunks": plan.n_chunks, "n_blocks": plan.n_blocks, **{k: result.get(k) for k in (
-                             "step_seconds", "tokens_per_s", "peak_device_bytes", "skipped")}})
+                             "step_seconds", "tokens_per_s", "peak_device_bytes", "breakdown", "background",
+                             "skipped")}})
     return rows
 
 

@@ -20,6 +20,7 @@ from elixir_ray.bench.systems import SHAPES, SYSTEMS
 def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir: str, steps: int = 6,
               warmup: int = 2, device: Optional[str] = None, progress=print) -> tuple[list[dict], dict]:
     results = []
+    os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i, system in enumerate(systems):
             progress(f"[{i + 1}/{len(systems)}] {system} on {shape}" +
@@ -32,6 +33,9 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
             if device:
                 cmd += ["--device", device]
             proc = subprocess.run(cmd, capture_output=True, text=True)
+            log = os.path.join(out_dir, f"{system}.log")  # its whole output: a failure's traceback is here
+            with open(log, "w") as f:
+                f.write(f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
             if os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
@@ -53,7 +57,8 @@ def main_args(args) -> int:
     results, paths = run_bench(shape, cap, systems, args.out, steps=2 if args.smoke else args.steps,
                                warmup=1 if args.smoke else args.warmup, device="cpu" if args.smoke else None)
     print(markdown_table(results))
-    print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+    print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
+          f"({os.path.join(args.out, 'SYSTEM.log')})")
     return 0
 
 
@@ -64,4 +69,4 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests")
-    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each system's output (SYSTEM.log)")

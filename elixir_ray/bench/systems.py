@@ -70,6 +70,9 @@ class SystemResult:
     # elixir_ray only: the searched plan's predictions, to set beside the measured figures above
     predicted_step_seconds: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None
+    # elixir_ray only: the plan it ran (layout, predicted memory and time by part, and in its notes the
+    # hardware rates the prediction rests on), so a gap between prediction and measurement can be traced
+    plan: dict = field(default_factory=dict)
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -244,6 +247,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         breakdown=breakdown, breakdown_step_seconds=breakdown_step, background=background,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
+        plan=step.plan.to_dict() if hasattr(step, "plan") else {},
     )
 
 

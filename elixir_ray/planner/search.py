@@ -316,7 +316,8 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
     start = "from the last backward" if updates_in_backward else "from step()"
     notes = [note, f"optimizer state on the host: {format_bytes(host_bytes)} per rank",
              f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
-             f"{start} until the next forward needs each chunk; the step is the critical path, not the sum"]
+             f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
+             hw.rates()]
     timing = lay.profile.compute
     if timing is not None:
         estimated = sorted(set(timing.estimated))
