@@ -50,6 +50,33 @@ class Toy(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
+class Routed(nn.Module):
+    """A mixture of experts routed by its input: expert e runs when the first row's token e is even,
+    so a step can take experts the traced sample did not (`ckpt` as in Toy, around all experts)."""
+
+    def __init__(self, d: int = 32, n_experts: int = 4, ckpt: str = ""):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+                                     for _ in range(n_experts))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.ckpt = ckpt
+
+    def _experts(self, h, picks):
+        for e in picks:
+            h = h + self.experts[e](h)
+        return h
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        picks = [e for e in range(len(self.experts)) if int(x[0, e]) % 2 == 0]
+        if self.ckpt and torch.is_grad_enabled():
+            h = checkpoint(self._experts, h, picks, use_reentrant=self.ckpt == "reentrant")
+        else:
+            h = self._experts(h, picks)
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
 def param_groups(model: nn.Module, wd: float = 0.1) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]

@@ -14,8 +14,8 @@ import torch.nn as nn
 from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import (Toy, batches, engine_run, free_port, param_groups, reference_run,  # noqa: E402
-                           train_side_by_side)
+from engine_models import (Routed, Toy, batches, engine_run, free_port, param_groups,  # noqa: E402
+                           reference_run, train_side_by_side)
 
 STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
 
@@ -95,6 +95,31 @@ def test_gpt_blocks_checkpointed_whole_or_selectively_train_like_torch_without_c
         return {k: torch.cat([v[:d], v[2 * d:]]) if k.endswith("attn.qkv.bias") else v for k, v in state.items()}
 
     assert _max_diff(without_key_bias(wrapped.state_dict()), without_key_bias(base.state_dict())) <= 1e-5
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
+def test_a_step_wider_than_the_trace_goes_over_the_pool_with_a_warning(ckpt):
+    """The sample routes to one expert, the training batches to all four: their recomputed region
+    needs more chunks at once than the pool the trace sized. Pinned chunks are never evicted (their
+    recomputed views are still to be read): the pool goes over, warns once, and counts by how much."""
+    torch.manual_seed(0)
+    base = Routed(ckpt=ckpt)
+    sample = batches(1, 8, seed=5)[0]
+    sample[0, :4] = torch.tensor([2, 1, 1, 1])  # expert 0 only
+    data = batches(4, 8, seed=6)
+    for batch in data:
+        batch[0, :4] = batch[0, :4] // 2 * 2  # even: every expert
+    ref_losses, ref_state = reference_run(base, data, 4, 1, None)
+    m = copy.deepcopy(base)
+    plan = manual_plan(m, (sample,), chunk_size=512, n_blocks=1)  # the pool: the trace's minimum
+    model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-2), sample_inputs=(sample,), plan=plan,
+                      device="cpu")
+    with pytest.warns(UserWarning, match="this step needs at least") as caught:
+        losses = engine_run(model, opt, data, 4, 1)
+    assert sum("this step needs at least" in str(w.message) for w in caught) == 1
+    assert model.engine_stats()["blocks_over_plan"] >= 1
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
 
 
 def test_meta_module_materialises_chunk_by_chunk_like_eager_init():

@@ -17,12 +17,14 @@ once (same result, no overlap), which is how the bookkeeping is tested without a
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections import OrderedDict
 
 from torch._C import _len_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore
+from elixir_ray.units import format_bytes
 
 
 class ChunkPool:
@@ -39,6 +41,7 @@ class ChunkPool:
         self.recent: OrderedDict[int, None] = OrderedDict()  # most recently used last
         self.keep_recent = keep_recent
         self.pinned: set[int] = set()  # recomputed chunks whose saved views are still needed
+        self.warned_overflow = False
 
     @property
     def resident(self) -> list[Chunk]:
@@ -83,12 +86,18 @@ class ChunkPool:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
                 resident = self.resident
-                if len(resident) >= self.n_blocks:
+                while len(resident) >= self.n_blocks:  # more than one after an overflow (below)
                     protected = protected if protected is not None else self._protected(chunk_ids)
+                    # a recent chunk may go if it must (its saved views are fetched again when
+                    # unpacked); a pinned one may not: recomputed views of it are still to be read
                     candidates = [c for c in resident if c.index not in protected] or \
-                                 [c for c in resident if c.index not in chunk_ids]
+                                 [c for c in resident if c.index not in chunk_ids and c.index not in self.pinned]
+                    if not candidates:
+                        self._overflow(chunk_ids, len(resident) + 1)
+                        break
                     victim = max(candidates, key=lambda c: self.next_use(c.index))
                     self._evict(victim)
+                    resident.remove(victim)
                 self.store.fetch(chunk)
             self.store.make_usable(chunk)
         for cid in chunk_ids:
@@ -97,6 +106,22 @@ class ChunkPool:
             if pin:
                 self.pinned.add(cid)
         self._prefetch(chunk_ids)
+
+    def _overflow(self, chunk_ids, blocks: int) -> None:
+        """More chunks must be resident at once than the pool has blocks: a recomputed region uses
+        chunks the traced step did not (a data-dependent path, such as a mixture of experts routing
+        by its input). Go over the budget rather than fail; say so once, and count the most blocks."""
+        counts = self.store.counts
+        counts["blocks_over_plan"] = max(counts["blocks_over_plan"], blocks - self.n_blocks)
+        if not self.warned_overflow:
+            self.warned_overflow = True
+            size = self.store.chunks[chunk_ids[0]].compute
+            warnings.warn(
+                f"the pool has {self.n_blocks} blocks but this step needs at least {blocks} chunks resident at once "
+                f"(a recomputed region used chunks the traced step did not: a data-dependent path?), so the device "
+                f"holds more than the plan budgeted, about {format_bytes(size.numel() * size.element_size())} per "
+                f"extra block. Trace with sample_inputs that take the widest path, or use a plan with more blocks "
+                f"(engine_stats()['blocks_over_plan'] says how many more)", stacklevel=4)
 
     def _protected(self, chunk_ids) -> set[int]:
         return set(chunk_ids) | set(list(self.recent)[-self.keep_recent:]) | self.pinned
