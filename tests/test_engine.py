@@ -202,6 +202,60 @@ def test_sharded_ranks_match_one_process(world, ckpt, tmp_path):
     assert _max_diff(result["state"], ref_state) <= 1e-5
 
 
+def _routed_batches() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Batches whose halves route differently (rank 0: experts 0 and 1; rank 1: experts 2 and 3), and
+    a sample that takes every expert."""
+    data = batches(4, 8, seed=6)
+    for b in data:
+        b[0, :4] = torch.tensor([2, 2, 1, 1])
+        b[4, :4] = torch.tensor([1, 1, 2, 2])
+    sample = batches(1, 4, seed=5)[0]
+    sample[0, :4] = torch.tensor([2, 2, 2, 2])
+    return data, sample
+
+
+def _routed_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    data, sample = _routed_batches()
+    results = {}
+    for ckpt in ("", "non-reentrant"):
+        torch.manual_seed(0)
+        base = Routed(ckpt=ckpt)
+        plan = manual_plan(base, (sample,), chunk_size=512, n_blocks=3, world_size=world, sharded=False,
+                           placements=["host", "device"] * 9)
+        model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=(sample,), plan=plan,
+                          device="cpu", accumulation_steps=1)
+        results[ckpt] = (engine_run(model, opt, data, 4, 1, rank=rank, world=world), model.state_dict())
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(tmp_path):
+    """Each rank uses experts the other does not: reductions still pair up (one fixed order, each
+    chunk waiting only for what this rank used), and an expert used on one rank only is updated on
+    both with half its gradient, as plain training on the whole batch would."""
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_routed_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    results = torch.load(out)
+    data, _ = _routed_batches()
+    for ckpt, (losses, state) in results.items():
+        torch.manual_seed(0)
+        ref = Routed(ckpt=ckpt)
+        opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+        ref_losses = []
+        for b in data:  # each rank's loss is the mean over its half; the ranks' gradients are averaged
+            loss = (ref(b[:4]) + ref(b[4:])) / 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(loss.item())
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, ckpt
+        assert _max_diff(state, ref.state_dict()) <= 1e-5, ckpt
+
+
 def _searching_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

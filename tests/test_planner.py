@@ -226,11 +226,13 @@ def test_searched_plan_is_what_its_choice_costs():
     assert True in uploads  # the case that matters was exercised
 
 
-@pytest.mark.parametrize("model_name", ["toy", "gpt"])
-def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(model_name):
+@pytest.mark.parametrize("model_name,ordered", [("toy", False), ("gpt", False), ("toy", True), ("gpt", True)])
+def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(model_name, ordered):
     """The planner counts, from the traced gradient order, how many chunks collect gradients at once
     (each an fp32 buffer on the device); the engine's real backward holds exactly that many. In the
-    toy model a chunk boundary splits a layer, so two are open at once; in our GPT one at a time."""
+    toy model a chunk boundary splits a layer, so two are open at once; in our GPT one at a time.
+    `ordered`: reductions in the fixed order several ranks use (run here on one rank), which wait
+    only for the parameters used in forward: the toy's chunk with the unused branch closes at once."""
     import os
 
     from elixir_ray.engine import manual_plan
@@ -243,7 +245,7 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
 
     torch.manual_seed(0)
     if model_name == "toy":
-        model, sample, expected = Toy(), (batches(1, 4)[0],), 2
+        model, sample, expected = Toy(), (batches(1, 4)[0],), 1 if ordered else 2
     else:
         shape = dict(d_model=32, n_layers=4, n_heads=4, vocab_size=97, seq_len=16)
         model, sample, expected = build_gpt(shape, True), (torch.randint(0, 97, (2, 17)),), 1
@@ -252,8 +254,9 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
     plan = manual_plan(model, sample, chunk_size=4096, n_blocks=3)  # chunks span layers
     wrapped, opt = elixir_ray.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_inputs=sample,
                                    plan=plan, device="cpu")
+    wrapped.hooks.ordered = ordered
     chunk_of = {s.name: s.chunk for s in wrapped.slots}
-    predicted = open_gradient_chunks(trace.grad_order, [chunk_of[n] for n in names])
+    predicted = open_gradient_chunks(trace.grad_order, [chunk_of[n] for n in names], ordered=ordered)
     store, held = wrapped.store, []
     add_grad = store.add_grad
 

@@ -150,7 +150,6 @@ class Chunk:
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
-    eager_reduce: bool = True  # all its slots got gradients in the trace: reduce as soon as complete
     # its CPU AdamW update, queued or running on the background thread
     update: Optional[Future] = field(default=None, repr=False)
     updated: bool = False  # its update for the step under way has been started

@@ -21,8 +21,8 @@ from elixir_ray.engine.chunks import ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
 
-def _chunks_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[int]:
-    """Chunks of the wrapped parameters among an op's arguments, also inside list or tuple arguments
+def _slots_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[ParamSlot]:
+    """Slots of the wrapped parameters among an op's arguments, also inside list or tuple arguments
     (torch.cat([w, v]), foreach ops), one level deep. This runs for every op in forward, so it looks
     arguments up by id (the slots hold every parameter, so an id names one) instead of isinstance."""
     found = []
@@ -30,9 +30,9 @@ def _chunks_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[int]:
         for a in group:
             slot = slots.get(id(a))
             if slot is not None:
-                found.append(slot.chunk)
+                found.append(slot)
             elif isinstance(a, (list, tuple)):  # builtin types: cheap, unlike nn.Parameter's isinstance
-                found.extend(slots[id(x)].chunk for x in a if id(x) in slots)
+                found.extend(slots[id(x)] for x in a if id(x) in slots)
     return found
 
 
@@ -57,11 +57,13 @@ class _FetchParamsMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         runtime = self.runtime
-        needed = _chunks_used(runtime.slot_by_param, args, kwargs)
-        if needed:
+        used = _slots_used(runtime.slot_by_param, args, kwargs)
+        if used:
             store = runtime.store
-            if not all(store.usable(store.chunks[c]) for c in needed):
-                runtime.pool.access(tuple(needed))
+            if runtime.ordered:
+                runtime.used.update(id(s) for s in used)
+            if not all(store.usable(store.chunks[s.chunk]) for s in used):
+                runtime.pool.access(tuple(s.chunk for s in used))
         return func(*args, **(kwargs or {}))
 
 
@@ -74,6 +76,16 @@ class EngineHooks:
         self._recompute_open = False
         self._backward_open = False
         self.optimizer = None  # the ChunkedAdam, told when a backward starts and when a gradient is final
+        # Several ranks: every rank must issue the same reductions in the same order, though a step
+        # may use different parameters on each (experts routed by the input). Chunks are reduced in
+        # one fixed order (highest index first, which is roughly when backward completes them), each
+        # once every parameter this rank used in forward (`used`, ids of slots) has its gradient.
+        self.ordered = store.comm.world > 1
+        self.reduce_order = list(range(len(store.chunks) - 1, -1, -1))
+        self.used: set[int] = set()
+        self._backward_used: set[int] = set()
+        self._next_reduce = 0
+        self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
         self.handles = []
         for mod in module.modules():
             chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
@@ -136,40 +148,100 @@ class EngineHooks:
             self.optimizer.backward_started()  # may refuse a backward the step did not expect
         self._backward_open = True
         for c in self.store.chunks:
-            c.pending = sum(1 for s in c.slots if s.param.requires_grad)
+            c.pending = sum(1 for s in c.slots if s.param.requires_grad and (not self.ordered or id(s) in self.used))
             c.reduced = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.ordered:
+            self._backward_used, self.used = self.used, set()  # the next forward's starts empty
+            self._next_reduce, self._deferred = 0, []
+            self._reduce_in_order()  # chunks this rank did not use lead the order: their (zero) turn now
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._backward_open:
             self.start_backward()
         self._recompute_open = False  # gradients arriving: the recomputed region's backward is under way
         slot = self.slot_by_param[id(param)]
-        chunk = self.store.add_grad(slot, param.grad)
+        chunk = self.store.chunks[slot.chunk]
+        if chunk.reduced:
+            raise RuntimeError(
+                f"a gradient for {slot.name} arrived after its chunk was reduced across ranks: the parameter was "
+                f"not seen in the wrapped module's forward on this rank (used only outside it?), so its gradient "
+                f"was not waited for. Use every parameter inside the wrapped module's forward")
+        self.store.add_grad(slot, param.grad)
         param.grad = None
         slot.has_grad = True
         chunk.pending -= 1
-        if chunk.pending == 0 and (chunk.eager_reduce or self.store.comm.world == 1):
-            self.store.reduce(chunk)
-            chunk.reduced = True
+        if chunk.pending > 0:
+            return
+        if self.ordered:
+            self._reduce_in_order()
+        else:
+            self._reduce(chunk)
             if self.optimizer is not None:
                 self.optimizer.gradient_final(chunk)
 
+    def _reduce(self, c) -> None:
+        self.store.reduce(c)
+        c.reduced = True
+
+    def _reduce_in_order(self, final: bool = False) -> None:
+        """Reduce chunks in `reduce_order` while the next one is complete here (every one, when
+        `final`): each rank's collectives come in the same order, whichever parameters it used."""
+        order, chunks = self.reduce_order, self.store.chunks
+        while self._next_reduce < len(order):
+            c = chunks[order[self._next_reduce]]
+            if c.pending > 0 and not final:
+                return
+            self._next_reduce += 1
+            if not any(s.param.requires_grad for s in c.slots):  # frozen on every rank: nothing to reduce
+                c.reduced = True
+                continue
+            self._reduce(c)
+            if all(s.has_grad for s in c.slots if s.param.requires_grad) and not final:
+                # every parameter has a gradient here, so on every rank after the flags are combined:
+                # its update may start now
+                if self.optimizer is not None:
+                    self.optimizer.gradient_final(c)
+            else:
+                self._deferred.append(c)
+
+    def _check_sharded_use(self, on_some: list, not_on_all: list) -> None:
+        """A sharded chunk's fetch is an all-gather every rank must make at the same point, so a
+        parameter in one that some ranks used and others did not has paired collectives wrongly
+        (their data is garbage, if nothing hung): stop, naming them, rather than train on it."""
+        mixed = [s for s, some, missing in zip(self.slots, on_some, not_on_all)
+                 if some > 0 and missing > 0 and self.store.chunks[s.chunk].sharded]
+        if mixed:
+            chunks = sorted({s.chunk for s in mixed})
+            raise RuntimeError(
+                f"{len(mixed)} parameter(s) ({', '.join(s.name for s in mixed[:4])}{', ...' if len(mixed) > 4 else ''}) "
+                f"were used in this step's forward on some ranks but not on others, and their chunks {chunks} are "
+                f"sharded: fetching a sharded chunk is a collective every rank must make, so this step's gathers "
+                f"did not pair up. Give wrap a plan with those chunks replicated (plan.sharded[i] = False), or "
+                f"use every parameter on every rank")
+
     def _end_backward(self) -> None:
-        """Reduce every chunk not reduced yet, in chunk order, so all ranks issue the same collectives."""
+        """Reduce every chunk not reduced yet, in the same order on every rank."""
         comm = self.store.comm
         late = []
-        for c in self.store.chunks:
-            if c.reduced:
-                continue
-            if c.staging is not None or (comm.world > 1 and any(s.param.requires_grad for s in c.slots)):
-                self.store.reduce(c)
-                late.append(c)
-            c.reduced = True
-        if comm.world > 1:  # a parameter used on any rank has a gradient, as in one-process training
-            flags = comm.all_reduce_max(torch.tensor([float(s.has_grad) for s in self.slots]))
-            for s, f in zip(self.slots, flags.tolist()):
+        if self.ordered:
+            self._reduce_in_order(final=True)
+            late = self._deferred
+            # a parameter used on any rank has a gradient, as in one-process training; and whether
+            # any parameter was used on some ranks but not all
+            n = len(self.slots)
+            used = [float(id(s) in self._backward_used) for s in self.slots]
+            flags = comm.all_reduce_max(torch.tensor([float(s.has_grad) for s in self.slots] + used +
+                                                     [1.0 - u for u in used])).tolist()
+            for s, f in zip(self.slots, flags[:n]):
                 s.has_grad = f > 0
+            self._check_sharded_use(flags[n:2 * n], flags[2 * n:])
+        else:
+            for c in self.store.chunks:
+                if not c.reduced and c.staging is not None:
+                    self._reduce(c)
+                    late.append(c)
+                c.reduced = True
         if self.optimizer is not None:  # only now are these chunks' "has a gradient" flags final
             for c in late:
                 self.optimizer.gradient_final(c)

@@ -82,19 +82,26 @@ def chunk_events(events: list[tuple[int, ...]], phases: list[str], chunk_of_para
     return out, widest + 1
 
 
-def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int]) -> int:
+def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int], ordered: bool = False) -> int:
     """The most chunks collecting gradients at once in one backward, as the engine's hooks do.
 
     A chunk's fp32 staging buffer is allocated at its first gradient and handed to its reduction
-    when every parameter in it has one; a chunk holding a parameter that gets no gradient (unused,
-    or frozen: the trace cannot tell) keeps its buffer until backward ends. Counted from the
-    traced gradient order, since the planner must budget these buffers on the device.
+    when every parameter in it has one; with one rank, a chunk holding a parameter that gets no
+    gradient (unused, or frozen: the trace cannot tell) keeps its buffer until backward ends.
+    `ordered` (several ranks): a chunk waits only for the parameters used in forward (those with a
+    gradient in the trace), and is reduced only after every chunk of a higher index, so one that
+    completes early keeps its buffer until those have gone. Counted from the traced gradient
+    order, since the planner must budget these buffers on the device.
     """
     expected: dict[int, int] = {}
-    for c in chunk_of_param:
-        expected[c] = expected.get(c, 0) + 1
+    with_grad = set(grad_order)
+    for i, c in enumerate(chunk_of_param):
+        if not ordered or i in with_grad:
+            expected[c] = expected.get(c, 0) + 1
     seen: dict[int, int] = {}
     open_now: set[int] = set()
+    complete: set[int] = set()
+    next_turn = max(chunk_of_param, default=-1)  # ordered: the next chunk to reduce, highest first
     widest = 0
     for i in grad_order:
         c = chunk_of_param[i]
@@ -102,7 +109,13 @@ def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int]) -> in
         seen[c] = seen.get(c, 0) + 1
         widest = max(widest, len(open_now))
         if seen[c] == expected[c]:
-            open_now.discard(c)
+            if not ordered:
+                open_now.discard(c)
+                continue
+            complete.add(c)
+            while next_turn >= 0 and (next_turn in complete or next_turn not in expected):
+                open_now.discard(next_turn)
+                next_turn -= 1
     return widest
 
 

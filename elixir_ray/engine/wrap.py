@@ -213,9 +213,6 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
         chunks[pos.chunk].slots.append(slot)
         slots.append(slot)
-    got_grad = {names[i]: g for i, g in enumerate(trace.got_grad)}
-    for c in chunks:
-        c.eager_reduce = all(got_grad[s.name] for s in c.slots if s.param.requires_grad)
     store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
     _materialise(module, slots, originals, store, init_fn)
     chunk_of_param = [0] * len(names)

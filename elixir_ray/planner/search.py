@@ -74,7 +74,7 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
-                  open_grads=max(1, open_gradient_chunks(profile.trace.grad_order, chunk_of_param)))
+                  open_grads=max(1, open_gradient_chunks(profile.trace.grad_order, chunk_of_param, ordered=world > 1)))
 
 
 def pool_candidates(layout: Layout) -> list[int]:
