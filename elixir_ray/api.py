@@ -49,10 +49,19 @@ class Result:
             *(f"restart: {r.reason}; restored step {r.restored_step} from {r.restored_from} on "
               f"{r.world_size} worker(s)" for r in self.restarts),
             *(f"warning: {e}" for e in self.persist_errors),
-            f"metrics:    {self.metrics_uri}",
-            f"checkpoint: {self.checkpoint_uri or 'none written (see warnings)'}",
-            f"plan:       {os.path.join(self.run_dir, 'plan.json')}",
+            f"metrics:    {_shown(self.metrics_uri)}",
+            f"checkpoint: {_shown(self.checkpoint_uri) if self.checkpoint_uri else _no_checkpoint(self)}",
+            f"plan:       {_shown(os.path.join(self.run_dir, 'plan.json'))}",
         ])
+
+
+def _shown(uri: str) -> str:
+    """A local path in full (a job's working directory is not where it was submitted from)."""
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
+def _no_checkpoint(result: Result) -> str:
+    return "none written" + (" (see the warnings above)" if result.persist_errors else "")
 
 
 def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None) -> RunConfig:
@@ -92,6 +101,11 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(manifest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
+    step = int(manifest.get("step", 0))
+    if step >= cfg.train.steps:
+        raise ConfigError(f"--resume {uri!r}: the checkpoint {candidates[-1]!r} is at step {step}, and "
+                          f"train.steps={cfg.train.steps}: nothing is left to train. Raise train.steps (e.g. "
+                          f"--set train.steps={step + cfg.train.steps}) or resume from an earlier checkpoint")
 
 
 def _ensure_ray(cfg: RunConfig) -> bool:

@@ -42,11 +42,23 @@ def _cmd_plan(args) -> int:
     from elixir_ray.engine import PlanError
     from elixir_ray.planner.for_config import comparison_table, plan_config
     from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+    from elixir_ray.units import parse_bytes
 
     cfg = load_config(args.config, overrides=args.set)
+    for flag, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
+        if value is not None:
+            try:
+                parse_bytes(value)
+            except ValueError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
     if args.hardware:
-        with open(args.hardware) as f:
-            hardware = HardwareProfile.from_json(f.read())
+        try:
+            with open(args.hardware) as f:
+                hardware = HardwareProfile.from_json(f.read())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"--hardware {args.hardware}: not a hardware profile ({type(exc).__name__}: {exc}); "
+                              f"write one with `elixir-ray plan CONFIG --save-hardware FILE` on the machine to "
+                              f"plan for") from None
         source = f"rates from {args.hardware}"
     else:
         hardware = profile_hardware()
@@ -93,6 +105,16 @@ def _cmd_bench(args) -> int:
     return main_args(args)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elixir-ray",
@@ -133,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--device-memory", metavar="BYTES", help="budget, e.g. 24GiB (default: engine.device_memory, "
                                                              "else what the device has free)")
-    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks to plan for (default 1)")
+    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="ranks to plan for (default 1)")
     p.add_argument("--host-memory", metavar="BYTES", help="host RAM per rank for optimizer state "
                                                           "(default: 80%% of free RAM over the ranks)")
     p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware) instead of "

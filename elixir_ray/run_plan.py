@@ -89,6 +89,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
 
     from elixir_ray.model.factory import build_model, sample_batch
     from elixir_ray.planner.api import default_host_budget, search_module
+    from elixir_ray.planner.for_config import config_hints
     from elixir_ray.planner.hardware import HardwareProfile
 
     if not profiles:
@@ -106,10 +107,11 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
     kernels = slowest_kernels(profiles)
-    engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world, rates,
-                                   getattr(torch, dtype), None, accum, host_budget, cfg.engine.search_checkpointing,
-                                   updates_in_backward=updates_in_backward(cfg, dtype),
-                                   kernel_seconds=kernels)
+    with config_hints(cfg):
+        engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world,
+                                       rates, getattr(torch, dtype), None, accum, host_budget,
+                                       cfg.engine.search_checkpointing,
+                                       updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

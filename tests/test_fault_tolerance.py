@@ -105,6 +105,9 @@ def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_p
     other = {**cfg, "model": {**cfg["model"], "d_model": 64}}
     with pytest.raises(ConfigError, match=r"'model/wte.weight' has shape \(257, 128\) in the checkpoint but \(257, 64\)"):
         train(other, progress=False, resume=result.checkpoint_uri)
+    # a checkpoint at or past train.steps leaves nothing to train: refused, not a run of 0 steps
+    with pytest.raises(ConfigError, match=r"is at step 2, and train.steps=2: nothing is left to train"):
+        train(cfg, progress=False, resume=result.checkpoint_uri)
 
 
 def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path):

@@ -195,6 +195,24 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     assert bad.returncode == 2 and "smallest plan needs" in bad.stderr
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--device-memory", "12XB"], "--device-memory: expected a size"),
+    (["--host-memory", "lots"], "--host-memory: expected a size"),
+    (["--world-size", "0"], "--world-size: expected a whole number of at least 1"),
+    (["--hardware", "missing.json"], "--hardware missing.json: not a hardware profile (FileNotFoundError"),
+    (["--hardware", "jobs/configs/tiny.yaml"], "not a hardware profile (JSONDecodeError"),
+])
+def test_cli_plan_refuses_bad_flags_in_one_line_before_planning(flags, message, capsys):
+    from elixir_ray.cli import main
+
+    try:
+        code = main(["plan", "jobs/configs/tiny.yaml", *flags])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
 def test_searched_plan_is_what_its_choice_costs():
     """The plan the search returns (layout, placements, DOS gap, upload copies) re-costs to exactly its
     own prediction: nothing of the winning candidate is lost on the way out. The 4.2B GPT with the H100

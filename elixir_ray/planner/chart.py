@@ -30,8 +30,14 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
         pool.append(min(plan.n_blocks, len(seen)) * block)
     acts = list(trace.live_before) or [0] * len(lay.events)
     n = len(lay.events)
+    # what the plan budgets at its peak beside these: gradient staging, the fetch conversion buffer
+    # and the Deep Optimizer States buffer (drawn flat: the budget holds room for them throughout)
+    others = float(sum(plan.memory.get(k, 0) for k in _BUFFER_PARTS))
     return {"state": np.full(n, fixed), "pool": np.array(pool, dtype=float), "activations": np.array(acts, dtype=float),
-            "first_backward": np.array([first_backward])}
+            "buffers": np.full(n, others), "first_backward": np.array([first_backward])}
+
+
+_BUFFER_PARTS = ("gradient staging", "fetch conversion", "Deep Optimizer States buffer")
 
 
 def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: str) -> None:
@@ -45,21 +51,26 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     gib, unit = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB")
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     x = np.arange(len(t["pool"]))
-    ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["activations"] / gib,
-                 labels=["optimizer state on device + buffers", "pool blocks", "activations"],
-                 colors=["#4c72b0", "#55a868", "#dd8452"], alpha=0.85)
+    ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["buffers"] / gib, t["activations"] / gib,
+                 labels=["optimizer state on device + module buffers", "pool blocks",
+                         "gradient staging + copy buffers (room kept)", "activations"],
+                 colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
     if plan.budget_bytes:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
+    # the curve samples activations at parameter accesses; their peak can fall between two of them
+    ax.axhline(plan.predicted_peak_bytes / gib, color="#c44e52", linestyle=":", linewidth=1, label="predicted peak")
     ax.axvline(int(t["first_backward"][0]), color="grey", linestyle=":", linewidth=1, label="backward starts")
     ax.set_xlabel("traced access (one training step)")
     ax.set_ylabel(unit)
     ax.set_title(f"predicted device memory (peak {plan.predicted_peak_bytes / gib:.2f} {unit})")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, top / gib * 1.55)  # room above the curves for the legend
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
     host = np.array([p != "device" for p in plan.placements])
     dos = dos_mask(host, plan.dos_gap)
     sizes = np.array(plan.chunk_numels, dtype=float) / 1e6
     colors = ["#4c72b0" if not h else ("#c44e52" if d else "#8c8c8c") for h, d in zip(host, dos)]
     bx.barh(np.arange(len(sizes)), sizes, color=colors)
+    bx.set_xlim(0, float(sizes.max(initial=0)) * 2.4 or 1.0)  # room beside the bars for the legend
     bx.invert_yaxis()
     bx.set_xlabel("parameters (millions)")
     bx.set_ylabel("chunk (first-use order)")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from elixir_ray.config import RunConfig
+from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.api import default_host_budget, device_budget, search_module
@@ -16,6 +18,20 @@ from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.planner.op_timing import device_is_here
 from elixir_ray.planner.search import make_layout
 from elixir_ray.units import parse_bytes
+
+
+@contextmanager
+def config_hints(cfg: RunConfig):
+    """A PlanError raised inside names the config keys that act on its advice (the planner itself
+    knows nothing of configs)."""
+    try:
+        yield
+    except PlanError as exc:
+        text = str(exc)
+        if "activation checkpointing" in text and not cfg.engine.search_checkpointing:
+            raise PlanError(f"{text} (in the config: --set engine.search_checkpointing=true lets the planner "
+                            f"choose per block, or --set model.activation_checkpointing=full)") from None
+        raise
 
 
 @dataclass
@@ -39,10 +55,11 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     memory = device_memory or cfg.engine.device_memory
     budget = parse_bytes(memory) if memory is not None else device_budget(device)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
-    plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
-                                 budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
-                                 cfg.engine.search_checkpointing, in_backward,
-                                 time_compute=device_is_here(hardware))
+    with config_hints(cfg):
+        plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
+                                     budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
+                                     cfg.engine.search_checkpointing, in_backward,
+                                     time_compute=device_is_here(hardware))
     layout = make_layout(chosen, plan.chunk_size, world_size)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)
