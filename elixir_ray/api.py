@@ -19,7 +19,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.errors import ConfigError
+from elixir_ray.errors import ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, write_metrics
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
@@ -101,11 +101,14 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(manifest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
-    step = int(manifest.get("step", 0))
+    try:  # the oldest one: the restore takes the newest valid one, which a corrupt file can move back
+        oldest = read_manifest(candidates[0]) if len(candidates) > 1 else manifest
+    except CheckpointError:
+        oldest = manifest
+    step = int(oldest.get("step", 0))
     if step >= cfg.train.steps:
-        raise ConfigError(f"--resume {uri!r}: the checkpoint {candidates[-1]!r} is at step {step}, and "
-                          f"train.steps={cfg.train.steps}: nothing is left to train. Raise train.steps (e.g. "
-                          f"--set train.steps={step + cfg.train.steps}) or resume from an earlier checkpoint")
+        raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
+
 
 
 def _ensure_ray(cfg: RunConfig) -> bool:

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from elixir_ray import ConfigError, train
+from elixir_ray import ClusterError, ConfigError, train
 from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, load_newest_valid
 from elixir_ray.cluster.chaos import WorkerKiller
 
@@ -55,8 +55,6 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
 
 
 def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_path):
-    from elixir_ray import ClusterError
-
     killer = WorkerKiller("worker-1", 2)
     killer.start()
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, fault={"max_restarts": 0})
@@ -78,6 +76,9 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(ray_cluster, tiny_d
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 2, "keep": 3})
     result = train(cfg, progress=False)
     root = os.path.dirname(result.checkpoint_uri)
+    # the restore takes the newest valid checkpoint (step 6): past train.steps=5, refused there
+    with pytest.raises(ClusterError, match=r"is at step 6, and train.steps=5: nothing is left to train"):
+        train({**cfg, "name": "short", "train": {**cfg["train"], "steps": 5}}, progress=False, resume=root)
     newest = os.path.join(root, "step-00000006", "part-00000.safetensors")
     data = bytearray(open(newest, "rb").read())
     data[len(data) // 2] ^= 0x01  # one flipped bit

@@ -30,7 +30,7 @@ from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker
 from elixir_ray.config import RunConfig
-from elixir_ray.errors import ClusterError
+from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
 from elixir_ray.profile import WorkerProfile
 
@@ -236,6 +236,8 @@ class TrainController:
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
             _, manifest, tensors = found
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
+            if step >= self.cfg.train.steps:
+                raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if tensors is not None:
             tensors_ref = ray.put(tensors)
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
