@@ -6,7 +6,9 @@
   copy was evicted; a module forward during backward is recomputation (activation checkpointing),
   and its chunks stay pinned until the next recomputed region starts.
 - Gradients: each parameter's gradient is added into its chunk's fp32 staging buffer and dropped;
-  a chunk whose gradients are all in is reduced across ranks at once, the rest at the end of backward.
+  with one rank a chunk whose gradients are all in is reduced at once, the rest at the end of
+  backward; with several, chunks are reduced in one fixed order, each once the gradients this
+  rank's graph will give it are in (see EngineHooks.__init__).
 """
 
 from __future__ import annotations
@@ -48,6 +50,24 @@ def _tensors_in(out) -> list[torch.Tensor]:
     return []
 
 
+def _parameters_reached(node, slot_by_param: dict) -> set[int]:
+    """Ids of the slots whose parameters the autograd graph from `node` accumulates gradients into
+    (reentrant checkpointed regions hide theirs: the forward records those)."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        variable = getattr(n, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            slot = slot_by_param.get(id(variable))
+            if slot is not None:
+                found.add(id(slot))
+        stack.extend(nxt for nxt, _ in n.next_functions)
+    return found
+
+
 class _FetchParamsMode(TorchFunctionMode):
     """Safety net in forward: any op that receives an evicted parameter gets it fetched first."""
 
@@ -60,8 +80,8 @@ class _FetchParamsMode(TorchFunctionMode):
         used = _slots_used(runtime.slot_by_param, args, kwargs)
         if used:
             store = runtime.store
-            if runtime.ordered:
-                runtime.used.update(id(s) for s in used)
+            if runtime.recording is not None and not torch.is_grad_enabled() and func.__name__ != "__get__":
+                runtime.recording.update(id(s) for s in used)
             if not all(store.usable(store.chunks[s.chunk]) for s in used):
                 runtime.pool.access(tuple(s.chunk for s in used))
         return func(*args, **(kwargs or {}))
@@ -79,11 +99,13 @@ class EngineHooks:
         # Several ranks: every rank must issue the same reductions in the same order, though a step
         # may use different parameters on each (experts routed by the input). Chunks are reduced in
         # one fixed order (highest index first, which is roughly when backward completes them), each
-        # once every parameter this rank used in forward (`used`, ids of slots) has its gradient.
+        # once every parameter this rank's backward will give a gradient (`_expected`) has it.
         self.ordered = store.comm.world > 1
         self.reduce_order = list(range(len(store.chunks) - 1, -1, -1))
-        self.used: set[int] = set()
-        self._backward_used: set[int] = set()
+        self.recording: Optional[set] = None  # ids of slots a forward under way used with gradients off
+        self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
+        self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
+        self._late: set[int] = set()  # chunks that got a gradient after their reduction in this backward
         self._next_reduce = 0
         self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
         self.handles = []
@@ -120,25 +142,40 @@ class EngineHooks:
 
     def forward(self, *args, **kwargs):
         self.phase = "forward"
+        # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
+        # region runs so, and backward gives them gradients all the same); the graph shows the rest
+        self.recording = set() if self.ordered and torch.is_grad_enabled() else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
                 out = self.module(*args, **kwargs)
         finally:
             self.phase = "backward"
             self._recompute_open = False
+            recorded, self.recording = self.recording, None
         for t in _tensors_in(out):
             if t.requires_grad:
-                t.register_hook(self._on_output_grad)
+                t.register_hook(lambda grad, recorded=recorded: self._on_output_grad(recorded))
         return out
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        """The backward through this forward's output begins: open it here, in the outermost backward.
+    def _on_output_grad(self, recorded: Optional[set]) -> None:
+        """A backward through this forward's output begins (or an autograd.grad through it): queue
+        the callback that closes it here, in the outermost graph task.
 
         A parameter's gradient may first arrive inside a nested backward (reentrant activation
-        checkpointing runs one per region), and the end-of-backward callback queued there would
-        fire when that region ends, splitting one backward into several."""
-        if not self._backward_open:
-            self.start_backward()
+        checkpointing runs one per region), and a callback queued there would fire when that region
+        ends, splitting one backward into several. The backward itself opens (and counts, for
+        accumulation_steps) at its first parameter gradient, so autograd.grad is not one. With
+        several ranks, which parameters get gradients is read off the graph from here."""
+        expected = None
+        if self.ordered:
+            expected = set(recorded or ())
+            expected |= _parameters_reached(torch._C._current_autograd_node(), self.slot_by_param)
+        if self._backward_open or self._armed:
+            self._expect_more(expected)
+            return
+        self._armed = True
+        self._expected = expected
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     # -- gradients --------------------------------------------------------------------------------
 
@@ -147,14 +184,28 @@ class EngineHooks:
         if self.optimizer is not None:
             self.optimizer.backward_started()  # may refuse a backward the step did not expect
         self._backward_open = True
+        if not self._armed:  # no hook on an output saw it start: close it with this graph task
+            self._expected = None
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._armed = False
+        expected = self._expected
         for c in self.store.chunks:
-            c.pending = sum(1 for s in c.slots if s.param.requires_grad and (not self.ordered or id(s) in self.used))
+            c.pending = sum(1 for s in c.slots if s.param.requires_grad and (expected is None or id(s) in expected))
             c.reduced = False
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self.ordered:
-            self._backward_used, self.used = self.used, set()  # the next forward's starts empty
-            self._next_reduce, self._deferred = 0, []
-            self._reduce_in_order()  # chunks this rank did not use lead the order: their (zero) turn now
+        self._late = set()
+        self._next_reduce, self._deferred = 0, []
+
+    def _expect_more(self, expected: Optional[set]) -> None:
+        """Another output of the wrapped module (another forward's, summed into one loss) joins the
+        backward under way: its parameters are waited for too."""
+        if self._expected is None or expected is None:
+            return
+        new = expected - self._expected
+        self._expected |= new
+        if self._backward_open:
+            for s in self.slots:
+                if id(s) in new and s.param.requires_grad:
+                    self.store.chunks[s.chunk].pending += 1
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._backward_open:
@@ -162,11 +213,9 @@ class EngineHooks:
         self._recompute_open = False  # gradients arriving: the recomputed region's backward is under way
         slot = self.slot_by_param[id(param)]
         chunk = self.store.chunks[slot.chunk]
-        if chunk.reduced:
-            raise RuntimeError(
-                f"a gradient for {slot.name} arrived after its chunk was reduced across ranks: the parameter was "
-                f"not seen in the wrapped module's forward on this rank (used only outside it?), so its gradient "
-                f"was not waited for. Use every parameter inside the wrapped module's forward")
+        if chunk.reduced:  # a second gradient in one backward (a parameter in two reentrant regions), or unexpected
+            self._late_gradient(slot, chunk, param)
+            return
         self.store.add_grad(slot, param.grad)
         param.grad = None
         slot.has_grad = True
@@ -179,6 +228,19 @@ class EngineHooks:
             self._reduce(chunk)
             if self.optimizer is not None:
                 self.optimizer.gradient_final(chunk)
+
+    def _late_gradient(self, slot: ParamSlot, chunk, param: nn.Parameter) -> None:
+        """A gradient for a chunk already reduced in this backward: reduced again, added to the first,
+        at the end of backward; refused if the chunk's update has already started from the first."""
+        if chunk.updated:
+            raise RuntimeError(
+                f"{slot.name} received a gradient after its chunk's update had started during this backward (a "
+                f"parameter used in two reentrant activation-checkpointed regions gets one gradient per region): "
+                f"use checkpoint(..., use_reentrant=False), or wrap without accumulation_steps")
+        self.store.add_grad(slot, param.grad)
+        param.grad = None
+        slot.has_grad = True
+        self._late.add(chunk.index)
 
     def _reduce(self, c) -> None:
         self.store.reduce(c)
@@ -215,37 +277,48 @@ class EngineHooks:
             chunks = sorted({s.chunk for s in mixed})
             raise RuntimeError(
                 f"{len(mixed)} parameter(s) ({', '.join(s.name for s in mixed[:4])}{', ...' if len(mixed) > 4 else ''}) "
-                f"were used in this step's forward on some ranks but not on others, and their chunks {chunks} are "
-                f"sharded: fetching a sharded chunk is a collective every rank must make, so this step's gathers "
-                f"did not pair up. Give wrap a plan with those chunks replicated (plan.sharded[i] = False), or "
-                f"use every parameter on every rank")
+                f"got gradients in this step on some ranks but not on others, and their chunks {chunks} are "
+                f"sharded: fetching a sharded chunk is a collective every rank must make at the same point, so this "
+                f"step's gathers did not pair up. When ranks use different parameters, give wrap a plan with every "
+                f"chunk replicated (sharded=False), or use every parameter on every rank")
 
     def _end_backward(self) -> None:
         """Reduce every chunk not reduced yet, in the same order on every rank."""
+        if not self._backward_open:  # armed by an output, but no parameter got a gradient (autograd.grad)
+            self._armed = False
+            return
         comm = self.store.comm
         late = []
         if self.ordered:
             self._reduce_in_order(final=True)
             late = self._deferred
-            # a parameter used on any rank has a gradient, as in one-process training; and whether
-            # any parameter was used on some ranks but not all
-            n = len(self.slots)
-            used = [float(id(s) in self._backward_used) for s in self.slots]
-            flags = comm.all_reduce_max(torch.tensor([float(s.has_grad) for s in self.slots] + used +
-                                                     [1.0 - u for u in used])).tolist()
+            # whether each parameter got a gradient on any rank (then it has one, as in one-process
+            # training), whether on every rank, and which chunks got gradients after their reduction
+            n, m = len(self.slots), len(self.store.chunks)
+            got = [float(s.has_grad) for s in self.slots]
+            flags = comm.all_reduce_max(torch.tensor(got + [1.0 - g for g in got] +
+                                                     [float(i in self._late) for i in range(m)])).tolist()
             for s, f in zip(self.slots, flags[:n]):
                 s.has_grad = f > 0
-            self._check_sharded_use(flags[n:2 * n], flags[2 * n:])
+            self._check_sharded_use(flags[:n], flags[n:2 * n])
+            again = [i for i in self.reduce_order if flags[2 * n + i] > 0]
         else:
             for c in self.store.chunks:
                 if not c.reduced and c.staging is not None:
                     self._reduce(c)
                     late.append(c)
                 c.reduced = True
+            again = sorted(self._late)
+        for i in again:  # second gradients: reduced and added to the first (zeros from ranks without one)
+            c = self.store.chunks[i]
+            self._reduce(c)
+            if c not in late:
+                late.append(c)
         if self.optimizer is not None:  # only now are these chunks' "has a gradient" flags final
             for c in late:
                 self.optimizer.gradient_final(c)
         self._backward_open = False
+        self._armed = False
         self.phase = "idle"
         self.pool.release_pins()
 

@@ -88,9 +88,9 @@ def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int], order
     A chunk's fp32 staging buffer is allocated at its first gradient and handed to its reduction
     when every parameter in it has one; with one rank, a chunk holding a parameter that gets no
     gradient (unused, or frozen: the trace cannot tell) keeps its buffer until backward ends.
-    `ordered` (several ranks): a chunk waits only for the parameters used in forward (those with a
-    gradient in the trace), and is reduced only after every chunk of a higher index, so one that
-    completes early keeps its buffer until those have gone. Counted from the traced gradient
+    `ordered` (several ranks): a chunk waits only for the gradients the step's graph gives (those
+    in the trace), and is reduced only after every chunk of a higher index, so one that completes
+    early keeps its buffer until those have gone. Counted from the traced gradient
     order, since the planner must budget these buffers on the device.
     """
     expected: dict[int, int] = {}

@@ -3,8 +3,9 @@
 Memory for the copies comes in equal-size blocks (one chunk each), which the device allocator
 recycles, so the engine's device footprint is fixed by n_blocks. Eviction picks the resident
 chunk whose next use, in the traced access order of a step, is farthest away. Chunks in use by
-the access being served, the most recently used ones, and those recomputed for the checkpointed
-region whose backward is running are never evicted.
+the access being served and those recomputed for the checkpointed region whose backward is running
+are never evicted; the most recently used ones are passed over while another can go. A step that
+needs more chunks at once than the trace did goes over n_blocks (warned once, counted).
 
 Prefetch: after serving an access, the pool looks `prefetch_depth` accesses ahead in the trace
 (never past the end of the step: the next step's weights are not updated yet) and loads what they

@@ -1,0 +1,236 @@
+"""What the engine counts as one backward, and which gradients it waits for, on CPU against torch.
+
+A backward is closed by a callback queued from a hook on the wrapped forward's output (in the
+outermost graph task, whatever nested backwards reentrant checkpointing runs), and opened by its
+first parameter gradient. With several ranks, the gradients a chunk waits for are the ones the
+graph from that output will give (plus the parameters a reentrant region used with gradients off).
+"""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from elixir_ray.engine import manual_plan, wrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import VOCAB, Toy, batches, free_port, param_groups  # noqa: E402
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+class SharedBlock(nn.Module):
+    """One Linear applied twice, each time in its own reentrant checkpointed region (ALBERT-style):
+    its gradient accumulates once per region's nested backward."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.block = nn.Linear(d, d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def _step(self, h):
+        return torch.tanh(self.block(h))
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for _ in range(2):
+            h = h + (checkpoint(self._step, h, use_reentrant=True) if torch.is_grad_enabled() else self._step(h))
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def test_a_parameter_in_two_reentrant_regions_gets_both_gradients():
+    torch.manual_seed(0)
+    base = SharedBlock()
+    data = batches(4, 4, seed=3)
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    plan = manual_plan(base, (data[0],), chunk_size=2048, n_blocks=3)
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(data[0],), plan=plan,
+                      device="cpu")
+    for batch in data:
+        a = model(batch)
+        a.backward()
+        opt.step()
+        opt.zero_grad()
+        b = ref(batch)
+        b.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(a.item() - b.item()) <= 1e-5
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+
+
+def test_a_second_gradient_after_its_update_started_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    base = SharedBlock()
+    batch = batches(1, 4, seed=3)[0]
+    plan = manual_plan(base, (batch,), chunk_size=2048, n_blocks=3)
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(batch,), plan=plan,
+                      device="cpu", accumulation_steps=1)  # updates start as soon as a chunk is reduced
+    with pytest.raises(RuntimeError, match=r"use_reentrant=False"):
+        model(batch).backward()
+
+
+def test_autograd_grad_through_the_output_is_not_a_backward():
+    """A gradient with respect to the input (a penalty, a saliency map) before loss.backward():
+    with accumulation_steps=1 a second backward would be refused, and this is not one."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(8, 16)
+    ref = copy.deepcopy(base)
+    plan = manual_plan(base, (x,), chunk_size=512, n_blocks=2, loss_fn=lambda out: out.pow(2).mean())
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(x,), plan=plan,
+                      device="cpu", accumulation_steps=1, loss_fn=lambda out: out.pow(2).mean())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        xi = x.clone().requires_grad_()
+        loss = model(xi).pow(2).mean()
+        (g,) = torch.autograd.grad(loss, xi, retain_graph=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        xr = x.clone().requires_grad_()
+        ref_loss = ref(xr).pow(2).mean()
+        (g_ref,) = torch.autograd.grad(ref_loss, xr, retain_graph=True)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.allclose(g, g_ref, atol=1e-6)
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+
+
+class Probed(Toy):
+    """Toy with a monitoring head: computed in forward from a detached input, never part of the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = nn.Linear(32, 4)
+        self.last_probe = None
+
+    def forward(self, x):
+        h = self.ln(self.emb(x[:, :-1]))
+        for a, b in ((self.l1, self.l2), (self.l3, self.l4)):
+            h = self._mlp(h, a, b)
+        self.last_probe = self.probe(h.detach())
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def _halves(batch: torch.Tensor, rank: int) -> torch.Tensor:
+    return batch[rank * 4: (rank + 1) * 4]
+
+
+def _case(name: str, model, opt, data: list, rank: int) -> list[float]:
+    """One training loop shape per case; each rank takes its half of every batch of 8 rows."""
+    losses = []
+    if name == "two forwards, two backwards":
+        for first, second in zip(data[::2], data[1::2]):
+            a, b = model(_halves(first, rank)), model(_halves(second, rank))
+            a.backward()
+            b.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(a.item() + b.item())
+    elif name == "backward twice through one graph":
+        for batch in data:
+            loss = model(_halves(batch, rank))
+            loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    else:  # "evaluation forward first": a no_grad forward, then a step
+        for batch in data:
+            with torch.no_grad():
+                model(_halves(batch, rank))
+            loss = model(_halves(batch, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+CASES = ("two forwards, two backwards", "backward twice through one graph", "evaluation forward first")
+
+
+def _reference(name: str, data: list) -> dict:
+    """Plain torch on one process: each rank's loss is the mean over its half, and the ranks'
+    gradients are averaged, so the loss is the mean of the halves' losses."""
+    torch.manual_seed(0)
+    ref = Probed()
+    opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+
+    def both(batch):
+        return (ref(_halves(batch, 0)) + ref(_halves(batch, 1))) / 2
+
+    if name == "two forwards, two backwards":
+        for first, second in zip(data[::2], data[1::2]):
+            (both(first) + both(second)).backward()
+            opt.step()
+            opt.zero_grad()
+    elif name == "backward twice through one graph":
+        for batch in data:
+            loss = both(batch)
+            loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        for batch in data:
+            both(batch).backward()
+            opt.step()
+            opt.zero_grad()
+    return ref.state_dict()
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    data = batches(4, 8, seed=4)
+    results = {}
+    for name in CASES:
+        torch.manual_seed(0)
+        base = Probed()
+        sample = (_halves(data[0], rank),)
+        plan = manual_plan(base, sample, chunk_size=600, n_blocks=3, world_size=world, sharded=False)
+        model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=sample, plan=plan,
+                          device="cpu")
+        store, held = model.store, []
+        add_grad = store.add_grad
+
+        def counting_add_grad(slot, grad, add_grad=add_grad, store=store, held=held):
+            chunk = add_grad(slot, grad)
+            held.append(sum(c.staging is not None for c in store.chunks))
+            return chunk
+
+        store.add_grad = counting_add_grad
+        _case(name, model, opt, data, rank)
+        results[name] = (model.state_dict(), max(held))
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_wait_only_for_the_gradients_their_graph_gives(tmp_path):
+    """Two ranks, replicated chunks: two forwards before their backwards, a backward run twice
+    through one graph, and a no_grad forward before each step all train like torch, and a probe head
+    used in forward but never in the loss does not hold any chunk's gradient buffer open."""
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    results = torch.load(out)
+    data = batches(4, 8, seed=4)
+    for name in CASES:
+        state, held = results[name]
+        assert _max_diff(state, _reference(name, data)) <= 1e-5, name
+        assert held == 1, (name, held)  # every chunk reduced as soon as its gradients are in
