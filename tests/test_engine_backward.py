@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from elixir_ray.engine import manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import VOCAB, Toy, batches, free_port, param_groups  # noqa: E402
+from engine_models import VOCAB, Toy, batches, free_port, param_groups, train_side_by_side  # noqa: E402
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -57,16 +57,7 @@ def test_a_parameter_in_two_reentrant_regions_gets_both_gradients():
     plan = manual_plan(base, (data[0],), chunk_size=2048, n_blocks=3)
     model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(data[0],), plan=plan,
                       device="cpu")
-    for batch in data:
-        a = model(batch)
-        a.backward()
-        opt.step()
-        opt.zero_grad()
-        b = ref(batch)
-        b.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert abs(a.item() - b.item()) <= 1e-5
+    assert max(train_side_by_side(model, opt, ref, ref_opt, data)) <= 1e-5
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
 
 
@@ -92,20 +83,18 @@ def test_autograd_grad_through_the_output_is_not_a_backward():
     model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(x,), plan=plan,
                       device="cpu", accumulation_steps=1, loss_fn=lambda out: out.pow(2).mean())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for _ in range(3):
+
+    def step(net, optimizer):  # the input's gradient first, then the parameters'
         xi = x.clone().requires_grad_()
-        loss = model(xi).pow(2).mean()
+        loss = net(xi).pow(2).mean()
         (g,) = torch.autograd.grad(loss, xi, retain_graph=True)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
-        xr = x.clone().requires_grad_()
-        ref_loss = ref(xr).pow(2).mean()
-        (g_ref,) = torch.autograd.grad(ref_loss, xr, retain_graph=True)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert torch.allclose(g, g_ref, atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+        return g
+
+    for _ in range(3):
+        assert torch.allclose(step(model, opt), step(ref, ref_opt), atol=1e-6)
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
 
 

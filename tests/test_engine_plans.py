@@ -57,17 +57,22 @@ def _n_chunks(base, data, chunk_size, world=1) -> int:
                        world_size=world).n_chunks
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ckpt=st.sampled_from(CHECKPOINTING), chunk_size=st.sampled_from(CHUNK_SIZES), accum=st.sampled_from([1, 2]),
-       promised=st.booleans(), clip=st.sampled_from([None, 0.5, 0.01]), prefetch=st.integers(0, 2),
-       dos_gap=st.integers(0, 3), seed=st.integers(0, 2**16), draw=st.data())
-def test_any_plan_trains_like_torch_adamw(ckpt, chunk_size, accum, promised, clip, prefetch, dos_gap, seed, draw):
+def _drawn_setup(draw, ckpt: str, chunk_size: int, accum: int, seed: int) -> tuple:
+    """The model, its batches, and a placement per chunk and pool size drawn for its chunk count."""
     torch.manual_seed(seed)
     base = Toy(ckpt=ckpt)
     data = batches(STEPS * accum, 8, seed=seed)
     n = _n_chunks(base, data, chunk_size)
     placements = draw.draw(st.lists(st.sampled_from(PLACES), min_size=n, max_size=n), label="placements")
-    n_blocks = draw.draw(st.integers(1, n), label="n_blocks")
+    return base, data, placements, draw.draw(st.integers(1, n), label="n_blocks")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ckpt=st.sampled_from(CHECKPOINTING), chunk_size=st.sampled_from(CHUNK_SIZES), accum=st.sampled_from([1, 2]),
+       promised=st.booleans(), clip=st.sampled_from([None, 0.5, 0.01]), prefetch=st.integers(0, 2),
+       dos_gap=st.integers(0, 3), seed=st.integers(0, 2**16), draw=st.data())
+def test_any_plan_trains_like_torch_adamw(ckpt, chunk_size, accum, promised, clip, prefetch, dos_gap, seed, draw):
+    base, data, placements, n_blocks = _drawn_setup(draw, ckpt, chunk_size, accum, seed)
     ref_losses, ref_state = reference_run(base, data, STEPS, accum, clip)
     losses, state = _train(base, data, accum, chunk_size=chunk_size, n_blocks=n_blocks, placements=placements,
                            dos_gap=dos_gap, clip=clip, promise=accum if promised else None, prefetch=prefetch)
@@ -82,12 +87,8 @@ def test_any_plan_trains_like_torch_adamw(ckpt, chunk_size, accum, promised, cli
        draw=st.data())
 def test_plan_choices_leave_bf16_training_bit_for_bit_the_same(ckpt, chunk_size, accum, promised, clip, prefetch,
                                                                dos_gap, upload_copies, grads_low, seed, draw):
-    torch.manual_seed(seed)
-    base = Toy(ckpt=ckpt)
-    data = batches(STEPS * accum, 8, seed=seed)
-    n = _n_chunks(base, data, chunk_size)
-    placements = draw.draw(st.lists(st.sampled_from(PLACES), min_size=n, max_size=n), label="placements")
-    n_blocks = draw.draw(st.integers(1, n), label="n_blocks")
+    base, data, placements, n_blocks = _drawn_setup(draw, ckpt, chunk_size, accum, seed)
+    n = len(placements)
     common = dict(chunk_size=chunk_size, clip=clip, dtype=torch.bfloat16)
     simplest = _train(base, data, accum, n_blocks=n, placements="host", prefetch=0, **common)
     promise = accum if promised else None
