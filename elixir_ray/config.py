@@ -77,6 +77,7 @@ class ClusterConfig:
 class EngineConfig:
     device_memory: Optional[str] = None  # e.g. "24GiB"; default: what the device has free
     search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
+    replicate: str = "auto"  # several workers: "auto" (searched), "all" chunks whole on every worker, "none"
     time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
 
 
@@ -301,6 +302,8 @@ def validate(cfg: RunConfig) -> None:
             _positive("engine.device_memory", parse_bytes(cfg.engine.device_memory))
         except ValueError as exc:
             raise ConfigError(f"engine.device_memory: {exc}") from None
+    if cfg.engine.replicate not in ("auto", "all", "none"):
+        raise ConfigError(f"engine.replicate must be auto, all or none, got {cfg.engine.replicate!r}")
     ck = cfg.checkpoint
     if ck.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 saves only at the end), got {ck.every_steps}")

@@ -111,7 +111,8 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
         engine_plan, _ = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro),), budget, world,
                                        rates, getattr(torch, dtype), None, accum, host_budget,
                                        cfg.engine.search_checkpointing,
-                                       updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels)
+                                       updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels,
+                                       replicate=cfg.engine.replicate)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

@@ -113,6 +113,34 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
     assert off > minimum
 
 
+def test_several_ranks_replicate_chunks_where_gathers_cost_more_than_the_memory():
+    """With a small pool each chunk is fetched (and its shards gathered) more than once a step;
+    "auto" keeps some chunks whole on every rank where that saves more gather time than the
+    all-reduce adds, if the host holds their whole state; with host RAM only for shards, every
+    chunk stays sharded. "all" and "none" force it (ranks using different parameters need "all")."""
+    import dataclasses
+
+    with torch.device("meta"):
+        model = Stack([256] * 4)
+    sample = _sample(4)
+    links = dataclasses.replace(GPU, collective_gbps=0.05)
+    kw = dict(hardware=links, world_size=2, dtype=torch.float32)
+    tight = _min_budget(model, sample, replicate="none", **kw)
+    budget = int(tight * 1.1)
+    auto = elixir_ray.plan(model, sample, device_memory=budget, **kw)
+    none = elixir_ray.plan(model, sample, device_memory=budget, replicate="none", **kw)
+    whole = elixir_ray.plan(model, sample, device_memory=budget, replicate="all", **kw)
+    assert all(none.sharded) and not any(whole.sharded)
+    assert 0 < sum(not s for s in auto.sharded) < auto.n_chunks  # some chunks, chosen one by one
+    assert auto.predicted_step_seconds < min(none.predicted_step_seconds, whole.predicted_step_seconds)
+    assert auto.predicted_peak_bytes <= budget
+    sharded_host = parse_bytes(re.search(r"on the host: ([\d.]+ \w+) per rank", none.notes[1]).group(1).replace(" ", ""))
+    shards_only = elixir_ray.plan(model, sample, device_memory=budget, host_memory=int(1.05 * sharded_host), **kw)
+    assert all(shards_only.sharded)
+    with pytest.raises(ValueError, match="replicate must be one of auto, all, none"):
+        elixir_ray.plan(model, sample, device_memory="1GiB", replicate="some", **kw)
+
+
 def test_searched_plan_is_predicted_no_slower_than_hand_made_recipes():
     cfg = config_from_dict({"model": {"size": "small"}, "train": {"micro_batch": 4}})
     checked = 0

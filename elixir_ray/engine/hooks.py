@@ -279,8 +279,9 @@ class EngineHooks:
                 f"{len(mixed)} parameter(s) ({', '.join(s.name for s in mixed[:4])}{', ...' if len(mixed) > 4 else ''}) "
                 f"got gradients in this step on some ranks but not on others, and their chunks {chunks} are "
                 f"sharded: fetching a sharded chunk is a collective every rank must make at the same point, so this "
-                f"step's gathers did not pair up. When ranks use different parameters, give wrap a plan with every "
-                f"chunk replicated (sharded=False), or use every parameter on every rank")
+                f"step's gathers did not pair up. When ranks use different parameters, every chunk must be "
+                f"replicated: a plan from elixir_ray.plan(..., replicate='all'), or engine.replicate: all in a "
+                f"config; else use every parameter on every rank")
 
     def _end_backward(self) -> None:
         """Reduce every chunk not reduced yet, in the same order on every rank."""

@@ -43,7 +43,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
                   dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
                   search_checkpointing: bool, updates_in_backward: bool = False,
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
-                  low_host_grads: bool = True) -> tuple[Plan, ModelProfile]:
+                  low_host_grads: bool = True, replicate: str = "auto") -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
@@ -64,7 +64,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
     elem = torch.empty(0, dtype=dtype).element_size()
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
                         host_budget=host_budget, updates_in_backward=updates_in_backward,
-                        low_host_grads=low_host_grads)
+                        low_host_grads=low_host_grads, replicate=replicate)
     chosen = next(p for p in profiles if p.checkpointing == found.activation_checkpointing)
     return found, chosen
 
@@ -73,7 +73,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
          hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
          search_checkpointing: bool = True, updates_in_backward: bool = False,
-         time_compute: Optional[bool] = None, low_host_grads: bool = True) -> Plan:
+         time_compute: Optional[bool] = None, low_host_grads: bool = True, replicate: str = "auto") -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
@@ -86,6 +86,8 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     on the device, a few seconds; otherwise compute is the traced FLOPs at the matmul rate.
     `low_host_grads=False` keeps host chunks' gradients in fp32 even with bf16 and `grad_accum=1`
     (when the loop may call backward() more often than `grad_accum` says).
+    `replicate` (several ranks): "auto" searches which chunks every rank keeps whole, "all"
+    replicates every chunk (when ranks use different parameters in a step), "none" shards them all.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -99,7 +101,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
         time_compute = device_is_here(hardware)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
                          search_checkpointing, updates_in_backward, time_compute,
-                         low_host_grads=low_host_grads)[0]
+                         low_host_grads=low_host_grads, replicate=replicate)[0]
 
 
 def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: HardwareProfile, dtype: torch.dtype,

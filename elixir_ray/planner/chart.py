@@ -16,7 +16,7 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     The pool fills as chunks are first used and then stays full (eviction only swaps); activations
     are those alive at each access, as traced (saved ones, backward's gradients, recomputed blocks).
     """
-    lay = make_layout(profile, plan.chunk_size, plan.world_size)
+    lay = make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
     trace = profile.trace
     block = int(lay.sizes.max()) * elem_bytes
     device = np.array([p == "device" for p in plan.placements])

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from elixir_ray.config import RunConfig
@@ -59,8 +60,8 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
         plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
                                      budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
                                      cfg.engine.search_checkpointing, in_backward,
-                                     time_compute=device_is_here(hardware))
-    layout = make_layout(chosen, plan.chunk_size, world_size)
+                                     time_compute=device_is_here(hardware), replicate=cfg.engine.replicate)
+    layout = make_layout(chosen, plan.chunk_size, world_size, ~np.array(plan.sharded, dtype=bool))
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)

@@ -58,7 +58,12 @@ class Choice:
     grads_low: bool = False  # host chunks' gradients in the compute dtype (Plan.host_grads_low)
 
 
-def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
+REPLICATE_CHOICES = ("auto", "all", "none")
+REPLICATED_FRACTIONS = (0.25, 0.5, 0.75)  # "auto": these shares of the chunks replicated, best first
+
+
+def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: Optional[np.ndarray] = None) -> Layout:
+    """`replicated` (bool per chunk; several ranks only): chunks every rank holds whole, default none."""
     order = profile.trace.order
     slots, sizes = pack([profile.numels[i] for i in order], chunk_size, world)
     chunk_of_param = [0] * len(profile.numels)
@@ -69,7 +74,12 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int) -> Layout:
     events, min_blocks = chunk_events(profile.trace.events, profile.trace.phases, chunk_of_param,
                                        profile.trace.grad_epochs)
     sizes_arr = np.array(sizes, dtype=np.int64)
-    replicated = np.zeros(len(sizes), dtype=bool) if world > 1 else np.ones(len(sizes), dtype=bool)
+    if world == 1:
+        replicated = np.ones(len(sizes), dtype=bool)
+    elif replicated is None:
+        replicated = np.zeros(len(sizes), dtype=bool)
+    else:
+        replicated = np.asarray(replicated, dtype=bool)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
@@ -152,8 +162,11 @@ def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem
     block = size * elem_bytes
     in_flight = MAX_REDUCTIONS_IN_FLIGHT if has_host else 0  # host chunks' gradients on their way out
     cast = shard * grad_bytes if grad_bytes < 4 else 0
-    staging = (lay.open_grads + in_flight) * size * 4 + in_flight * cast + (shard * 4 if world > 1 else 0)
+    any_sharded = world > 1 and not bool(lay.replicated.all())
+    staging = (lay.open_grads + in_flight) * size * 4 + in_flight * cast + (shard * 4 if any_sharded else 0)
     fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
+    if world > 1 and bool(lay.replicated.any()):  # a replicated chunk is fetched as with one rank
+        fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, has_host, upload))
     trace = lay.profile.trace
     activations = trace.activation_peak_bytes
     backward = staging + fetch + activations
@@ -282,8 +295,12 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
 def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
                 dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
                 host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
-                updates_in_backward: bool = False, low_host_grads: bool = True) -> Plan:
+                updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto") -> Plan:
     """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes.
+
+    `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
+    all-gather on each fetch, for world-size times their state), "all" replicates every chunk
+    (needed when ranks use different parameters in a step), "none" shards every chunk.
 
     `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
     caller cannot promise one micro-step per step).
@@ -292,21 +309,49 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden.
     Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
     """
+    if replicate not in REPLICATE_CHOICES:
+        raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {replicate!r}")
     limit = budget * (1 - SAFETY)
     best, smallest = _Best(), {}
     grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
     for profile in profiles:
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
-            lay = make_layout(profile, cs, world_size)
-            for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
-                _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                               updates_in_backward, upload, grads_low)
+            sharded = make_layout(profile, cs, world_size)
+            for lay in replication_layouts(sharded, world_size, elem_bytes, hw, replicate):
+                for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
+                    _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
+                                   updates_in_backward, upload, grads_low)
     if best.choice is None:
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
     return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
                           note="searched: fastest predicted step within the budget",
                           updates_in_backward=updates_in_backward)
+
+
+def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
+    """The layouts to search for one packing: which chunks every rank keeps whole.
+
+    A replicated chunk needs no all-gather at each fetch but holds its whole state on every rank and
+    all-reduces its gradient (twice a reduce-scatter's bytes). "auto" tries none, all, and the
+    chunks that save the most gather time per extra byte of state, a quarter, half and three
+    quarters of them (at the smallest pool, where they are fetched most)."""
+    if world == 1 or replicate == "none":
+        return [lay]
+    n = len(lay.sizes)
+    whole = make_layout(lay.profile, lay.chunk_size, world, np.ones(n, dtype=bool))
+    if replicate == "all":
+        return [whole]
+    gather = lay.sizes * elem_bytes * (world - 1) / world  # bytes each fetch gathers
+    saved = loads_at(lay, lay.min_blocks) * gather
+    extra = (lay.sizes - lay.shards) * STATE_BYTES
+    ranking = np.argsort(-(saved / np.maximum(extra, 1)), kind="stable")
+    out = [lay, whole]
+    for k in sorted({int(round(f * n)) for f in REPLICATED_FRACTIONS} - {0, n}):
+        mask = np.zeros(n, dtype=bool)
+        mask[ranking[:k]] = True
+        out.append(make_layout(lay.profile, lay.chunk_size, world, mask))
+    return out
 
 
 def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
