@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -106,6 +107,7 @@ class EngineHooks:
         self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
         self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
         self._late: set[int] = set()  # chunks that got a gradient after their reduction in this backward
+        self._late_refused: list[str] = []  # parameters whose late gradient came after their update started
         self._next_reduce = 0
         self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
         self.handles = []
@@ -141,6 +143,8 @@ class EngineHooks:
         return t
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and (self._backward_open or self._armed):
+            self._drop_unfinished_backward()
         self.phase = "forward"
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
@@ -152,12 +156,32 @@ class EngineHooks:
             self.phase = "backward"
             self._recompute_open = False
             recorded, self.recording = self.recording, None
-        for t in _tensors_in(out):
-            if t.requires_grad:
-                t.register_hook(lambda grad, recorded=recorded: self._on_output_grad(recorded))
+        outputs = [t for t in _tensors_in(out) if t.requires_grad]
+        expected = None
+        if recorded is not None:  # what a backward from any of the outputs gives gradients, read once here
+            expected = set(recorded)
+            for t in outputs:
+                if t.grad_fn is not None:
+                    expected |= _parameters_reached(t.grad_fn, self.slot_by_param)
+                elif id(t) in self.slot_by_param:  # a parameter returned as it is
+                    expected.add(id(self.slot_by_param[id(t)]))
+        for t in outputs:
+            t.register_hook(lambda grad, expected=expected: self._on_output_grad(expected))
         return out
 
-    def _on_output_grad(self, recorded: Optional[set]) -> None:
+    def _drop_unfinished_backward(self) -> None:
+        """A backward that raised (an out-of-memory error caught by the loop, a refused extra
+        backward) never reached its closing callback: forget its partial gradients, so that the
+        next backward starts clean instead of adding to them."""
+        warnings.warn("the last backward did not finish (an exception inside it): the gradients it had "
+                      "collected but not yet reduced are dropped", stacklevel=3)
+        for c in self.store.chunks:
+            c.staging, c.pending, c.reduced = None, 0, True
+        self._backward_open = self._armed = False
+        self._late, self._late_refused = set(), []
+        self.pool.release_pins()
+
+    def _on_output_grad(self, expected: Optional[set]) -> None:
         """A backward through this forward's output begins (or an autograd.grad through it): queue
         the callback that closes it here, in the outermost graph task.
 
@@ -165,11 +189,8 @@ class EngineHooks:
         checkpointing runs one per region), and a callback queued there would fire when that region
         ends, splitting one backward into several. The backward itself opens (and counts, for
         accumulation_steps) at its first parameter gradient, so autograd.grad is not one. With
-        several ranks, which parameters get gradients is read off the graph from here."""
-        expected = None
-        if self.ordered:
-            expected = set(recorded or ())
-            expected |= _parameters_reached(torch._C._current_autograd_node(), self.slot_by_param)
+        several ranks, `expected` is what the forward read off the graph of all its outputs."""
+        expected = None if expected is None else set(expected)
         if self._backward_open or self._armed:
             self._expect_more(expected)
             return
@@ -192,7 +213,7 @@ class EngineHooks:
         for c in self.store.chunks:
             c.pending = sum(1 for s in c.slots if s.param.requires_grad and (expected is None or id(s) in expected))
             c.reduced = False
-        self._late = set()
+        self._late, self._late_refused = set(), []
         self._next_reduce, self._deferred = 0, []
 
     def _expect_more(self, expected: Optional[set]) -> None:
@@ -232,11 +253,10 @@ class EngineHooks:
     def _late_gradient(self, slot: ParamSlot, chunk, param: nn.Parameter) -> None:
         """A gradient for a chunk already reduced in this backward: reduced again, added to the first,
         at the end of backward; refused if the chunk's update has already started from the first."""
-        if chunk.updated:
-            raise RuntimeError(
-                f"{slot.name} received a gradient after its chunk's update had started during this backward (a "
-                f"parameter used in two reentrant activation-checkpointed regions gets one gradient per region): "
-                f"use checkpoint(..., use_reentrant=False), or wrap without accumulation_steps")
+        if chunk.updated:  # refused at the end of backward, on every rank at once
+            self._late_refused.append(slot.name)
+            param.grad = None
+            return
         self.store.add_grad(slot, param.grad)
         param.grad = None
         slot.has_grad = True
@@ -288,21 +308,37 @@ class EngineHooks:
         if not self._backward_open:  # armed by an output, but no parameter got a gradient (autograd.grad)
             self._armed = False
             return
+        try:
+            self._finish_backward()
+        finally:
+            self._backward_open = self._armed = False
+            self.phase = "idle"
+            self.pool.release_pins()
+
+    def _finish_backward(self) -> None:
         comm = self.store.comm
         late = []
+        refused = list(self._late_refused)
         if self.ordered:
             self._reduce_in_order(final=True)
             late = self._deferred
             # whether each parameter got a gradient on any rank (then it has one, as in one-process
-            # training), whether on every rank, and which chunks got gradients after their reduction
+            # training), whether on every rank, which chunks got gradients after their reduction, and
+            # whether any of those came after its chunk's update started
             n, m = len(self.slots), len(self.store.chunks)
             got = [float(s.has_grad) for s in self.slots]
             flags = comm.all_reduce_max(torch.tensor(got + [1.0 - g for g in got] +
-                                                     [float(i in self._late) for i in range(m)])).tolist()
+                                                     [float(i in self._late) for i in range(m)] +
+                                                     [float(bool(refused))])).tolist()
             for s, f in zip(self.slots, flags[:n]):
                 s.has_grad = f > 0
             self._check_sharded_use(flags[:n], flags[n:2 * n])
             again = [i for i in self.reduce_order if flags[2 * n + i] > 0]
+            started = any(self.store.chunks[i].updated for i in again)
+            if again:  # a rank whose update of such a chunk started cannot add to it: all refuse, or none
+                started = comm.all_reduce_max(torch.tensor([float(started)])).item() > 0
+            if flags[-1] > 0 or started:
+                refused = refused or ["a parameter on another rank"]
         else:
             for c in self.store.chunks:
                 if not c.reduced and c.staging is not None:
@@ -310,6 +346,11 @@ class EngineHooks:
                     late.append(c)
                 c.reduced = True
             again = sorted(self._late)
+        if refused:
+            raise RuntimeError(
+                f"{refused[0]} received a second gradient in this backward after its chunk's update had started "
+                f"(a parameter used in two reentrant activation-checkpointed regions gets one gradient per region): "
+                f"use checkpoint(..., use_reentrant=False), or wrap without accumulation_steps")
         for i in again:  # second gradients: reduced and added to the first (zeros from ranks without one)
             c = self.store.chunks[i]
             self._reduce(c)
@@ -318,10 +359,6 @@ class EngineHooks:
         if self.optimizer is not None:  # only now are these chunks' "has a gradient" flags final
             for c in late:
                 self.optimizer.gradient_final(c)
-        self._backward_open = False
-        self._armed = False
-        self.phase = "idle"
-        self.pool.release_pins()
 
     def remove(self) -> None:
         for h in self.handles:
