@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import multiprocessing.util
 import threading
 import time
 import weakref
@@ -70,6 +71,10 @@ class HostUpdates:
                     name="elixir-cpu-adam", daemon=True)
                 self._thread.start()
                 weakref.finalize(self, _stop, self._wakeup, self._stopping, self._thread)
+                # and when a multiprocessing child (torch.multiprocessing.spawn) exits: its exit
+                # function runs before the interpreter's, with an update perhaps still running
+                multiprocessing.util.Finalize(None, _stop, args=(self._wakeup, self._stopping, self._thread),
+                                              exitpriority=10)
             heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future))
             self._wakeup.notify()
         return future
