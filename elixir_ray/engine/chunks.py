@@ -65,11 +65,19 @@ class Comm:
     """The few collectives the engine needs; a single rank needs none."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
-        self.group = group
+        # the default group is looked up at each use, not held: held, it would outlive
+        # destroy_process_group with the engine and be torn down during interpreter exit, where
+        # gloo's threads abort the process ("terminate called without an active exception")
+        self._default = group is not None and group is dist.group.WORLD
+        self._group = None if self._default else group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         nccl = group is not None and dist.get_backend(group) == "nccl"
         self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return dist.group.WORLD if self._default else self._group
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         # torch 2.13 renamed these collectives (the old names warn); older releases have only the old names
