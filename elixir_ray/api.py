@@ -110,7 +110,6 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
 
 
-
 def _ensure_ray(cfg: RunConfig) -> bool:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here."""
     import ray

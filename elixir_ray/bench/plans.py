@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.bench.run import write_run_log
 from elixir_ray.bench.systems import SHAPES
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.hardware import HardwareProfile
@@ -49,6 +50,8 @@ def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, s
     """`log_dir`: where each run's whole output goes (plan-N.log), a failure's traceback included."""
     rows = []
     plans = candidate_plans(shape_name, cap_bytes, hardware)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, plan) in enumerate(plans.items()):
             if plan is None:
@@ -63,9 +66,7 @@ def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, s
                    "--out", out] + (["--device", device] if device else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if log_dir:
-                os.makedirs(log_dir, exist_ok=True)
-                with open(os.path.join(log_dir, f"plan-{i}.log"), "w") as f:
-                    f.write(f"# {name}\n$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+                write_run_log(os.path.join(log_dir, f"plan-{i}.log"), cmd, proc, title=name)
             result = json.load(open(out)) if os.path.exists(out) else {"skipped": proc.stderr.strip()[-300:]}
             rows.append({"plan": name, "fits": True, "predicted_step_seconds": plan.predicted_step_seconds,
                          "predicted_peak_bytes": plan.predicted_peak_bytes, "device_chunks": plan.placements.count("device"),

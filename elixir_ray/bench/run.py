@@ -33,9 +33,7 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
             if device:
                 cmd += ["--device", device]
             proc = subprocess.run(cmd, capture_output=True, text=True)
-            log = os.path.join(out_dir, f"{system}.log")  # its whole output: a failure's traceback is here
-            with open(log, "w") as f:
-                f.write(f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+            write_run_log(os.path.join(out_dir, f"{system}.log"), cmd, proc)
             if os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
@@ -46,6 +44,13 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
     title = f"{shape}: tokens/s and peak memory" + (f", cap {cap_bytes / 2**30:.0f} GiB" if cap_bytes else "")
     paths = write_report(results, out_dir, title)
     return results, paths
+
+
+def write_run_log(path: str, cmd: list[str], proc: subprocess.CompletedProcess, title: str = "") -> None:
+    """A measured process's whole output beside the report: a failure's traceback is there."""
+    with open(path, "w") as f:
+        f.write((f"# {title}\n" if title else "") +
+                f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
 
 
 def main_args(args) -> int:

@@ -51,10 +51,11 @@ def _tensors_in(out) -> list[torch.Tensor]:
     return []
 
 
-def _parameters_reached(node, slot_by_param: dict) -> set[int]:
-    """Ids of the slots whose parameters the autograd graph from `node` accumulates gradients into
-    (reentrant checkpointed regions hide theirs: the forward records those)."""
-    found, seen, stack = set(), set(), [node]
+def _parameters_reached(nodes: list, slot_by_param: dict) -> set[int]:
+    """Ids of the slots whose parameters the autograd graph from `nodes` accumulates gradients into
+    (reentrant checkpointed regions hide theirs: the forward records those); one walk for all of
+    them, since a forward's outputs share most of their graph."""
+    found, seen, stack = set(), set(), list(nodes)
     while stack:
         n = stack.pop()
         if n is None or id(n) in seen:
@@ -159,12 +160,8 @@ class EngineHooks:
         outputs = [t for t in _tensors_in(out) if t.requires_grad]
         expected = None
         if recorded is not None:  # what a backward from any of the outputs gives gradients, read once here
-            expected = set(recorded)
-            for t in outputs:
-                if t.grad_fn is not None:
-                    expected |= _parameters_reached(t.grad_fn, self.slot_by_param)
-                elif id(t) in self.slot_by_param:  # a parameter returned as it is
-                    expected.add(id(self.slot_by_param[id(t)]))
+            expected = set(recorded) | _parameters_reached([t.grad_fn for t in outputs], self.slot_by_param)
+            expected |= {id(self.slot_by_param[id(t)]) for t in outputs if id(t) in self.slot_by_param}  # returned as is
         for t in outputs:
             t.register_hook(lambda grad, expected=expected: self._on_output_grad(expected))
         return out

@@ -7,7 +7,7 @@ import numpy as np
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
-from elixir_ray.planner.search import make_layout
+from elixir_ray.planner.search import plan_layout
 
 
 def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
@@ -16,7 +16,7 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     The pool fills as chunks are first used and then stays full (eviction only swaps); activations
     are those alive at each access, as traced (saved ones, backward's gradients, recomputed blocks).
     """
-    lay = make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
+    lay = plan_layout(profile, plan)
     trace = profile.trace
     block = int(lay.sizes.max()) * elem_bytes
     device = np.array([p == "device" for p in plan.placements])

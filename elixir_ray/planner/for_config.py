@@ -6,7 +6,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from elixir_ray.config import RunConfig
@@ -17,7 +16,7 @@ from elixir_ray.planner.api import default_host_budget, device_budget, search_mo
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.planner.op_timing import device_is_here
-from elixir_ray.planner.search import make_layout
+from elixir_ray.planner.search import plan_layout
 from elixir_ray.units import parse_bytes
 
 
@@ -61,7 +60,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
                                      budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
                                      cfg.engine.search_checkpointing, in_backward,
                                      time_compute=device_is_here(hardware), replicate=cfg.engine.replicate)
-    layout = make_layout(chosen, plan.chunk_size, world_size, ~np.array(plan.sharded, dtype=bool))
+    layout = plan_layout(chosen, plan)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)

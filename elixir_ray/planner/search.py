@@ -329,6 +329,11 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                           updates_in_backward=updates_in_backward)
 
 
+def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
+    """The layout a plan was chosen on (its chunk size, ranks and replicated chunks)."""
+    return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
+
+
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
     """The layouts to search for one packing: which chunks every rank keeps whole.
 
