@@ -91,8 +91,7 @@ class RankTrainer:
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
             value = value.to(self.model.store.comm.device)
-            dist.all_reduce(value)
-            value /= self.world_size
+            self.model.store.comm.all_reduce_mean(value)
         return float(value)
 
     def step(self) -> dict:

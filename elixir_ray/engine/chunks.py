@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
@@ -59,65 +59,6 @@ def device_scope(device: torch.device):
     context on that device, about half a GiB on GPU 0 for every rank of a node.
     """
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-class Comm:
-    """The few collectives the engine needs; a single rank needs none."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
-        # the default group is looked up at each use, not held: held, it would outlive
-        # destroy_process_group with the engine and be torn down during interpreter exit, where
-        # gloo's threads abort the process ("terminate called without an active exception")
-        self._default = group is not None and group is dist.group.WORLD
-        self._group = None if self._default else group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        nccl = group is not None and dist.get_backend(group) == "nccl"
-        self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
-
-    @property
-    def group(self) -> Optional[dist.ProcessGroup]:
-        return dist.group.WORLD if self._default else self._group
-
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        # torch 2.13 renamed these collectives (the old names warn); older releases have only the old names
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, shard, group=self.group)
-
-    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        full.div_(self.world)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out, full, group=self.group)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> None:
-        t.div_(self.world)
-        dist.all_reduce(t, group=self.group)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return self._small(t, dist.ReduceOp.SUM)
-
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        return self._small(t, dist.ReduceOp.MAX)
-
-    def broadcast_text(self, text: Optional[str]) -> str:
-        """Group rank 0's `text` on every rank (a plan as JSON: sent as bytes, never pickled)."""
-        if self.world == 1:
-            return text
-        src = dist.get_global_rank(self.group, 0)
-        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if self.rank == 0 else None
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src, group=self.group)
-        buf = data.to(self.device) if data is not None else torch.empty(int(size), dtype=torch.uint8,
-                                                                         device=self.device)
-        dist.broadcast(buf, src, group=self.group)
-        return buf.cpu().numpy().tobytes().decode()
-
-    def _small(self, t: torch.Tensor, op) -> torch.Tensor:
-        if self.world == 1:
-            return t
-        moved = t.to(self.device)
-        dist.all_reduce(moved, op=op, group=self.group)
-        return moved.to(t.device)
 
 
 # Tensors are left out of these reprs: a parameter or compute copy whose chunk is evicted has no

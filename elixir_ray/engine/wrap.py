@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from elixir_ray.engine.chunks import Chunk, ChunkStore, Comm, ParamSlot, device_scope, write_slot
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, write_slot
+from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
