@@ -264,3 +264,19 @@ def test_an_engine_on_another_gpu_leaves_gpu_0_alone():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "context on GPU 0: False" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_bare_cuda_device_is_resolved_to_the_current_one():
+    """torch's per-device calls refuse torch.device("cuda"): the benchmark's default --device, a
+    default profile_hardware() and a plan without device_memory all pass one."""
+    from elixir_ray.bench.systems import SHAPES, run_system
+    from elixir_ray.engine.device import resolve_device
+    from elixir_ray.planner.api import device_budget
+    from elixir_ray.planner.hardware import profile_hardware
+
+    assert resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+    assert device_budget(torch.device("cuda")) > 0
+    hw = profile_hardware("cuda", copy_bytes=1 << 20)
+    assert hw.device == f"cuda:{torch.cuda.current_device()}"
+    result = run_system("reference", SHAPES["smoke"], torch.device("cuda"), cap_bytes=None, steps=1, warmup=0)
+    assert result.tokens_per_s > 0

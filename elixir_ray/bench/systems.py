@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from elixir_ray.engine.device import resolve_device
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights
 
 SYSTEMS = ("reference", "fsdp2_offload", "deepspeed_z3_offload", "elixir_ray")
@@ -59,6 +60,10 @@ class SystemResult:
     peak_device_bytes: int
     peak_host_bytes: int
     final_loss: float
+    # CUDA: the allocator's peak reserved bytes, and how often it had to free its cache and retry an
+    # allocation (each retry synchronises the device: under a cap, a cause of slow steps to look for)
+    peak_reserved_bytes: int = 0
+    alloc_retries: int = 0
     # elixir_ray only: mean seconds per step by category, measured in extra steps run with the
     # engine's StepTimer on (its device syncs slow a step, so these are not the steps timed above);
     # the categories add up to breakdown_step_seconds, the mean wall time of those timed steps
@@ -217,6 +222,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
                steps: int = 6, warmup: int = 2, plan=None) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap."""
     torch.manual_seed(0)
+    device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if cap_bytes is not None:
@@ -236,6 +242,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     seconds = statistics.median(times)
     tokens = shape.micro_batch * shape.seq_len
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     peak_host = peak_host_bytes()  # both peaks before the breakdown's extra steps
     breakdown, breakdown_step, background = (step_breakdown(step, batch, device, timer, steps) if timer
                                              else ({}, None, {}))
@@ -244,6 +251,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
+        peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         breakdown=breakdown, breakdown_step_seconds=breakdown_step, background=background,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),

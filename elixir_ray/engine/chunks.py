@@ -105,6 +105,9 @@ class Chunk:
     # CUDA: its prefetch on the copy stream has finished; its gradient's copy to the host has landed
     ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
     grad_ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    # CUDA, host chunks: the last copy out of its host master or upload copy has finished (a fetch
+    # after its gradient was reduced is ordered after nothing the update waits for otherwise)
+    host_read: Optional[torch.cuda.Event] = field(default=None, repr=False)
     # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have landed
     landed: Optional[torch.cuda.Event] = field(default=None, repr=False)
     # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
@@ -202,6 +205,12 @@ class ChunkStore:
             event, c.landed = c.landed, None
             event.synchronize()
 
+    def busy(self, c: Chunk) -> bool:
+        """Its CPU update is queued or running, or its state's copies back from a device update have not
+        landed: a prefetch now would wait for them on the training thread, before it launches the
+        kernels of the access it was called from."""
+        return (c.update is not None and not c.update.done()) or (c.landed is not None and not c.landed.query())
+
     def settle_all(self) -> None:
         """Every chunk's state final and every device copy landed: before reading or writing state wholesale."""
         for c in self.chunks:
@@ -270,6 +279,9 @@ class ChunkStore:
             self.comm.all_gather(c.compute, shard)
         else:
             c.compute.copy_(source, non_blocking=True)
+        if self.copy_stream is not None and source.device.type == "cpu":  # on the stream the copy ran on
+            c.host_read = torch.cuda.Event(blocking=True)
+            c.host_read.record(torch.cuda.current_stream(self.device))
 
     def free(self, c: Chunk) -> None:
         if c.resident:

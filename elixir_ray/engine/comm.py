@@ -43,7 +43,7 @@ class Comm:
         self._group = None if self._default else group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        nccl = group is not None and dist.get_backend(group) == "nccl"
+        nccl = group is not None and "nccl" in str(dist.get_backend(group))  # or "cpu:gloo,cuda:nccl"
         self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
         self._wait_release = not nccl
         self._unreleased: list[torch.Tensor] = []  # what gloo had not let go of after RELEASE_TIMEOUT_S

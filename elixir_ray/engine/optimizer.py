@@ -322,7 +322,8 @@ class ChunkedAdam:
                 if upload is not None:
                     upload.copy_(master)
 
-            c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.ready) if e is not None],
+            # not before the gradient has landed, nor while a fetch still reads the state this job writes
+            c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.host_read) if e is not None],
                                                  priority=c.index)  # the next forward needs low indices first
         else:
             self.store.make_usable(c)  # a prefetch may still be reading the master this update writes

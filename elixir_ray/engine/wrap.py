@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, write_slot
 from elixir_ray.engine.comm import Comm
+from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
@@ -150,9 +151,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
                          f"or None, got {accumulation_steps!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (traced accesses to load ahead), got {prefetch!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
     with device_scope(device):
@@ -180,7 +179,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
 
         plan = _one_plan_for_all_ranks(comm, lambda: search_plan(
-            module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device), dtype, loss_fn,
+            module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device, device_memory), dtype, loss_fn,
             grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
             updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm, dtype == torch.float16)))
     elif plan.world_size != comm.world:

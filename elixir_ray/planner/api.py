@@ -8,6 +8,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
@@ -22,6 +23,7 @@ def available_host_bytes() -> int:
 
 def device_budget(device: torch.device) -> int:
     """What the device has free; on CUDA within `set_per_process_memory_fraction`, on CPU the free RAM."""
+    device = resolve_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -116,8 +118,13 @@ def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: Hardware
     return kernel_table(timed)
 
 
-def quick_hardware(device: torch.device) -> HardwareProfile:
-    """A short measurement for `wrap` without a plan (a second or so on a GPU, less on a CPU)."""
+def quick_hardware(device: torch.device, device_memory=None) -> HardwareProfile:
+    """A short measurement for `wrap` without a plan (a second or so on a GPU, less on a CPU).
+
+    On a GPU its buffers stay within a quarter of `device_memory` (the budget wrap was given): the
+    budget bounds everything the engine does on the device, measuring included."""
     if device.type == "cuda":
-        return profile_hardware(device, copy_bytes=64 * 2**20, adam_numel=16 * 2**20)
+        quarter = (parse_bytes(device_memory) if device_memory is not None else device_budget(device)) // 4
+        return profile_hardware(device, copy_bytes=max(2**20, min(64 * 2**20, quarter)),
+                                adam_numel=max(2**18, min(16 * 2**20, quarter // 16)))  # 16 bytes per element
     return profile_hardware(device, copy_bytes=8 * 2**20, adam_numel=2**20)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_updates import update_threads
 from elixir_ray.engine.optimizer import AdamCall, run_adam
 
@@ -116,7 +117,7 @@ def _adam_rate(device: torch.device, numel: int, grad_dtype: torch.dtype = torch
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                      copy_bytes: int | None = None, adam_numel: int | None = None) -> HardwareProfile:
     """Measure this rank's copy bandwidths, AdamW rates and matmul speed."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     on_gpu = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     copy_bytes = copy_bytes or (256 * 2**20 if on_gpu else 64 * 2**20)

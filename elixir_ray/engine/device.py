@@ -1,0 +1,22 @@
+"""The compute device, named with its index.
+
+torch's per-device CUDA calls (`set_device`, `set_per_process_memory_fraction`,
+`get_per_process_memory_fraction`, `get_device_properties`) refuse a bare `cuda` device, and a
+bare one in a profile or plan does not say which GPU it measured. Everything that takes a device
+from a user, a flag or a default resolves it here first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+
+def resolve_device(device: Union[torch.device, str, None] = None) -> torch.device:
+    """`device`, or CUDA when there is one and else the CPU; a CUDA device without an index gets the
+    current one's."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
