@@ -205,12 +205,6 @@ class ChunkStore:
             event, c.landed = c.landed, None
             event.synchronize()
 
-    def busy(self, c: Chunk) -> bool:
-        """Its CPU update is queued or running, or its state's copies back from a device update have not
-        landed: a prefetch now would wait for them on the training thread, before it launches the
-        kernels of the access it was called from."""
-        return (c.update is not None and not c.update.done()) or (c.landed is not None and not c.landed.query())
-
     def settle_all(self) -> None:
         """Every chunk's state final and every device copy landed: before reading or writing state wholesale."""
         for c in self.chunks:

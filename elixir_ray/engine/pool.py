@@ -148,8 +148,6 @@ class ChunkPool:
                 if chunk.resident:
                     protected.add(cid)
                     continue
-                if self.store.copy_stream is not None and self.store.busy(chunk):
-                    return  # tried again at the next access; the GPU works meanwhile (on a CPU it would wait anyway)
                 if len(resident) >= self.n_blocks:
                     later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
                     if not later:
