@@ -1,7 +1,8 @@
 """Models and a plain-torch reference loop shared by the engine tests (and their spawned ranks)."""
 
 import copy
-import socket
+import os
+import tempfile
 from functools import partial
 
 import torch
@@ -147,11 +148,13 @@ def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, ran
     return losses
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, for a gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_url(directory: str) -> str:
+    """A rendezvous for spawned gloo ranks: a fresh file for torch's FileStore. A TCP port found free
+    before the ranks start can be taken by another process before rank 0 binds it."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="pg-store-")
+    os.close(fd)
+    os.unlink(path)  # the store creates it; a name nobody else will use
+    return f"file://{path}"
 
 
 class CausalLMLoss(nn.Module):

@@ -14,8 +14,8 @@ import torch.nn as nn
 from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import (Routed, Toy, batches, engine_run, free_port, param_groups,  # noqa: E402
-                           reference_run, train_side_by_side)
+from engine_models import (Routed, Toy, batches, engine_run, param_groups, reference_run,  # noqa: E402
+                           store_url, train_side_by_side)
 
 STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
 
@@ -174,9 +174,9 @@ def test_unsupported_optimizer_is_refused():
     assert model.l1.weight.untyped_storage().nbytes() > 0
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, ckpt: str) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)
     data = batches(STEPS * ACCUM, 8)
@@ -195,7 +195,7 @@ def test_sharded_ranks_match_one_process(world, ckpt, tmp_path):
     base = Toy(ckpt=ckpt)
     ref_losses, ref_state = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(world, free_port(), out, ckpt), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, store_url(tmp_path), out, ckpt), nprocs=world, join=True)
     result = torch.load(out)
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
@@ -214,9 +214,9 @@ def _routed_batches() -> tuple[list[torch.Tensor], torch.Tensor]:
     return data, sample
 
 
-def _routed_rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _routed_rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     data, sample = _routed_batches()
     results = {}
     for ckpt in ("", "non-reentrant"):
@@ -238,7 +238,7 @@ def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(
     chunk waiting only for what this rank used), and an expert used on one rank only is updated on
     both with half its gradient, as plain training on the whole batch would."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_routed_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_routed_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
     results = torch.load(out)
     data, _ = _routed_batches()
     for ckpt, (losses, state) in results.items():
@@ -256,9 +256,9 @@ def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(
         assert _max_diff(state, ref.state_dict()) <= 1e-5, ckpt
 
 
-def _searching_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _searching_rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     sample = (batches(1, 8)[0],)
     results = {}
@@ -288,11 +288,11 @@ class SumsAcrossRanks(nn.Module):
         return funcol.all_reduce(self.l(x), "sum", dist.group.WORLD).square().mean()
 
 
-def _collective_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _collective_rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     import datetime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model = SumsAcrossRanks()
@@ -306,7 +306,7 @@ def _collective_rank_main(rank: int, world: int, port: int, out_dir: str) -> Non
 
 
 def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
-    mp.spawn(_collective_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_collective_rank_main, args=(2, store_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
         notes = json.loads((tmp_path / f"rank{r}.json").read_text())["notes"]
         assert any("distinct kernels timed on" in n for n in notes)
@@ -315,7 +315,7 @@ def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
 def test_ranks_without_a_plan_all_run_rank_zeros_search(tmp_path):
     """Measured rates and kernel times differ per rank; one search, broadcast, keeps the chunks alike,
     and rank 0's PlanError reaches every rank instead of leaving the others waiting."""
-    mp.spawn(_searching_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_searching_rank_main, args=(2, store_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert first["4KiB"].startswith("PlanError: ") and "too small" in first["4KiB"]
     assert second["4KiB"].startswith("PlanError: rank 0 could not plan: PlanError: ")

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from elixir_ray.engine import manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import VOCAB, Toy, batches, free_port, param_groups, train_side_by_side  # noqa: E402
+from engine_models import VOCAB, Toy, batches, param_groups, store_url, train_side_by_side  # noqa: E402
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -183,9 +183,9 @@ def _reference(name: str, data: list) -> dict:
     return ref.state_dict()
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     data = batches(4, 8, seed=4)
     results = {}
     for name in CASES:
@@ -217,7 +217,7 @@ def test_ranks_wait_only_for_the_gradients_their_graph_gives(tmp_path):
     through one graph, and a no_grad forward before each step all train like torch, and a probe head
     used in forward but never in the loss does not hold any chunk's gradient buffer open."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
     results = torch.load(out)
     data = batches(4, 8, seed=4)
     for name in CASES:
@@ -288,9 +288,9 @@ class TwoHeads(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1)), self.aux(h).pow(2).mean()
 
 
-def _two_heads_rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _two_heads_rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     base = TwoHeads()
     data = batches(4, 8, seed=4)
@@ -322,7 +322,7 @@ def test_ranks_wait_for_every_output_of_a_forward():
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_two_heads_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+        mp.spawn(_two_heads_rank_main, args=(2, store_url(tmp), out), nprocs=2, join=True)
         state, reduces, n_chunks = torch.load(out)
     assert reduces == [2 * n_chunks] * 2
     torch.manual_seed(0)

@@ -15,14 +15,14 @@ import torch.multiprocessing as mp
 from elixir_ray.engine.comm import Comm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import free_port  # noqa: E402
+from engine_models import store_url  # noqa: E402
 
 ROUNDS = 200
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     __import__("torch._dynamo")  # as a traced forward does: from here on torch holds the group to the end
     comm = Comm(dist.group.WORLD, torch.device("cpu"))
     still_held, sums = 0, []
@@ -47,7 +47,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_gloo_collectives_return_after_gloo_lets_go_of_their_tensors(tmp_path):
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         # without the wait, a few of every hundred calls returned with gloo still holding a tensor

@@ -22,7 +22,7 @@ from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, free_port, param_groups, reference_run  # noqa: E402
+from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
 
 STEPS = 12
 
@@ -167,9 +167,9 @@ def test_low_precision_host_copy_is_the_master_cast():
         assert torch.equal(c.upload, c.master.to(torch.bfloat16))
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     model, opt = _engine(Toy(), 8 // world, world=world, accumulation_steps=2, prefetch=2)
     losses = engine_run(model, opt, batches(STEPS * 2, 8), STEPS, 2, rank=rank, world=world)
@@ -185,7 +185,7 @@ def test_two_ranks_with_updates_in_backward_and_prefetch_match_one_process(tmp_p
     base = Toy()
     ref_losses, ref_state = reference_run(base, batches(STEPS * 2, 8), STEPS, 2, None)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
     result = torch.load(out)
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5

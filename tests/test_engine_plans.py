@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from elixir_ray.engine import manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, free_port, param_groups, reference_run  # noqa: E402
+from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
 
 STEPS = 4
 CHECKPOINTING = ["", "non-reentrant", "reentrant", "selective"]
@@ -113,9 +113,9 @@ def _random_plan(seed: int, world: int) -> tuple:
     return base, data, setup
 
 
-def _rank_main(rank: int, world: int, port: int, seeds: list, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, seeds: list, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     results = {}
     for seed in seeds:
         base, data, setup = _random_plan(seed, world)
@@ -130,7 +130,7 @@ def _rank_main(rank: int, world: int, port: int, seeds: list, out: str) -> None:
 @pytest.mark.slow
 def test_random_mixes_of_sharded_and_replicated_chunks_across_two_ranks_match_torch(tmp_path):
     seeds, out = list(range(8)), str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, free_port(), seeds, out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, store_url(tmp_path), seeds, out), nprocs=2, join=True)
     results = torch.load(out)
     setups = [_random_plan(seed, 2)[2] for seed in seeds]
     # the draws cover what this test is for: chunks sharded and replicated, on the host and the device
