@@ -125,6 +125,8 @@ def quick_hardware(device: torch.device, device_memory=None) -> HardwareProfile:
     budget bounds everything the engine does on the device, measuring included."""
     if device.type == "cuda":
         quarter = (parse_bytes(device_memory) if device_memory is not None else device_budget(device)) // 4
+        side = int((quarter / 6) ** 0.5) // 256 * 256  # three square bf16 matrices
         return profile_hardware(device, copy_bytes=max(2**20, min(64 * 2**20, quarter)),
-                                adam_numel=max(2**18, min(16 * 2**20, quarter // 16)))  # 16 bytes per element
+                                adam_numel=max(2**18, min(16 * 2**20, quarter // 16)),  # 16 bytes per element
+                                matmul_n=max(512, min(4096, side)))
     return profile_hardware(device, copy_bytes=8 * 2**20, adam_numel=2**20)

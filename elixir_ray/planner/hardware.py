@@ -115,8 +115,10 @@ def _adam_rate(device: torch.device, numel: int, grad_dtype: torch.dtype = torch
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                     copy_bytes: int | None = None, adam_numel: int | None = None) -> HardwareProfile:
-    """Measure this rank's copy bandwidths, AdamW rates and matmul speed."""
+                     copy_bytes: int | None = None, adam_numel: int | None = None,
+                     matmul_n: int | None = None) -> HardwareProfile:
+    """Measure this rank's copy bandwidths, AdamW rates and matmul speed (`matmul_n`: the square
+    matmul's side, 4096 on a GPU and 512 on the CPU by default)."""
     device = resolve_device(device)
     on_gpu = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
@@ -135,7 +137,7 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     finally:
         torch.set_num_threads(threads)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
-    n = 4096 if on_gpu else 512
+    n = matmul_n or (4096 if on_gpu else 512)
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the caller's random state alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
