@@ -78,6 +78,30 @@ class Routed(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
+class LearnedRouter(nn.Module):
+    """A mixture of experts whose router is trained: each token goes to the expert its router
+    scores highest, so which experts a step uses depends on the weights (the trace cannot know it
+    on the meta device) and differs between batches and ranks."""
+
+    def __init__(self, d: int = 32, n_experts: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+                                     for _ in range(n_experts))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1]).reshape(-1, self.emb.embedding_dim)
+        weight, choice = self.router(h).softmax(-1).max(-1)
+        out = h
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero(choice == e).flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, weight[rows, None] * expert(h[rows]))
+        return F.cross_entropy(self.head(out), x[:, 1:].reshape(-1))
+
+
 def param_groups(model: nn.Module, wd: float = 0.1) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]

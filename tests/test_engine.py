@@ -12,10 +12,11 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray.engine.trace import ValueReadError, trace_step
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import (Routed, Toy, batches, engine_run, param_groups, reference_run,  # noqa: E402
-                           store_url, train_side_by_side)
+from engine_models import (LearnedRouter, Routed, Toy, batches, engine_run, param_groups,  # noqa: E402
+                           reference_run, store_url, train_side_by_side)
 
 STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
 
@@ -254,6 +255,76 @@ def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(
             ref_losses.append(loss.item())
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, ckpt
         assert _max_diff(state, ref.state_dict()) <= 1e-5, ckpt
+
+
+def test_a_learned_router_is_traced_with_its_weights_and_trains_like_torch():
+    """Which experts run depends on the router's weights, which the meta trace does not have: the
+    step is traced again with the real weights carried beside the meta ones. The engine then trains
+    like torch, with evictions and clipping, though later steps route differently from the traced one."""
+    torch.manual_seed(0)
+    base = LearnedRouter()
+    data = batches(10, 8, seed=3)
+    assert trace_step(base, (data[0],)).weights_read
+    assert not trace_step(Toy(), (data[0],)).weights_read
+    ref_losses, ref_state = reference_run(base, data, 10, 1, MAX_NORM)
+    model = copy.deepcopy(base)
+    plan = manual_plan(model, (data[0],), chunk_size=600, n_blocks=2)
+    plan.placements = ["host", "device"] * (plan.n_chunks // 2) + ["host"] * (plan.n_chunks % 2)
+    model, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=(data[0],), plan=plan,
+                      device="cpu", max_grad_norm=MAX_NORM)
+    losses = engine_run(model, opt, data, 10, 1)
+    assert model.engine_stats()["evictions"] >= 10
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
+def test_a_learned_router_built_on_meta_is_refused_with_what_to_change():
+    with torch.device("meta"):
+        model = LearnedRouter()
+    with pytest.raises(ValueReadError, match="weights are on the meta device.*build it with real weights"):
+        trace_step(model, (batches(1, 8)[0],))
+
+
+def _learned_router_rank_main(rank: int, world: int, store: str, out: str) -> None:
+    import datetime
+
+    torch.set_num_threads(1)  # sharded chunks here would mispair gathers and hang: a timeout turns that into an error
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    base = LearnedRouter(n_experts=8)
+    data = batches(6, 2, seed=3)  # one row of 8 tokens per rank: each rank's tokens miss some experts
+    model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=(data[0][:1],),
+                      device_memory="64MiB", device="cpu", accumulation_steps=1)
+    losses = engine_run(model, opt, data, 6, 1, rank=rank, world=world)
+    state = model.state_dict()
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "sharded": model.plan.sharded, "notes": model.plan.notes}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_with_a_learned_router_get_every_chunk_replicated_and_train_like_torch(tmp_path):
+    """The ranks' halves of a batch route to different experts (in 5 of the 6 steps): the planner, seeing that the trace
+    read values computed from the weights, replicates every chunk, and training matches torch on the
+    whole batch."""
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_learned_router_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    result = torch.load(out)
+    assert not any(result["sharded"])
+    assert any("read values computed from the weights" in n for n in result["notes"])
+    torch.manual_seed(0)
+    ref = LearnedRouter(n_experts=8)
+    opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+    ref_losses = []
+    for b in batches(6, 2, seed=3):
+        loss = (ref(b[:1]) + ref(b[1:])) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
+    assert _max_diff(result["state"], ref.state_dict()) <= 1e-5
 
 
 def _searching_rank_main(rank: int, world: int, store: str, out_dir: str) -> None:

@@ -212,17 +212,28 @@ def test_decisions_on_input_values_are_traced_with_the_real_values():
     assert trace.flops > 0 and all(trace.got_grad)
 
 
-def test_decisions_on_weight_values_say_why_they_cannot_be_traced():
+def test_decisions_on_weight_values_take_the_branch_the_real_weights_take():
     class ReadsAWeight(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.l = torch.nn.Linear(4, 4)
+            self.other = torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.l(x).sum() if bool(self.l.weight.sum() > 0) else x.sum()
+            return self.l(x).sum() if bool(self.l.weight.sum() > 0) else self.other(x).sum()
 
-    with pytest.raises(RuntimeError, match="not values computed from the weights"):
-        trace_step(ReadsAWeight(), (torch.randn(2, 4),))
+    for sign in (1.0, -1.0):
+        module = ReadsAWeight()
+        with torch.no_grad():
+            module.l.weight.fill_(sign)
+        trace = trace_step(module, (torch.randn(2, 4),))
+        assert trace.weights_read
+        assert trace.got_grad == ([True, True, False, False] if sign > 0 else [False, False, True, True])
+        assert torch.equal(module.l.weight, torch.full((4, 4), sign))  # the module is left as it was
+    with torch.device("meta"):
+        module = ReadsAWeight()
+    with pytest.raises(RuntimeError, match="build it with real weights"):
+        trace_step(module, (torch.randn(2, 4),))
 
 
 def test_hugging_face_attention_with_a_padding_mask_is_traced_as_a_real_step_saves():

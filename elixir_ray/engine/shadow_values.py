@@ -14,6 +14,8 @@ random kernels get no shadow (the latter would advance the caller's random state
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -40,16 +42,21 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 class ShadowValues(TorchDispatchMode):
     """Follows real values of meta tensors computed only from the sample inputs."""
 
-    def __init__(self):
+    def __init__(self, max_elements: Optional[int] = MAX_SHADOW_ELEMENTS):
+        """`max_elements`: larger values are not followed (None: all are, as when the weights have shadows)."""
         super().__init__()
+        self.max_elements = max_elements
         self.shadows = WeakIdKeyDictionary()
         # meta storages written by a kernel without real values (held, so that no new storage
         # takes the same key; meta storages cost no memory)
         self._poisoned: dict[int, object] = {}
 
     def add(self, meta: torch.Tensor, real: torch.Tensor) -> None:
-        if real.numel() <= MAX_SHADOW_ELEMENTS and storage_key(meta) not in self._poisoned:
+        if self._small(real) and storage_key(meta) not in self._poisoned:
             self.shadows[meta] = real
+
+    def _small(self, t: torch.Tensor) -> bool:
+        return self.max_elements is None or t.numel() <= self.max_elements
 
     def _has(self, t: torch.Tensor) -> bool:
         return t in self.shadows and t.layout == torch.strided and storage_key(t) not in self._poisoned
@@ -91,7 +98,7 @@ class ShadowValues(TorchDispatchMode):
             return tree_map(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
         metas = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         real = None
-        if metas and all(t.numel() <= MAX_SHADOW_ELEMENTS for t in metas):
+        if metas and all(self._small(t) for t in metas):
             real = self._real(func, args, kwargs)
         if real is None:
             for t in written:  # its memory now holds what no shadow knows: every view of it forgets

@@ -52,6 +52,9 @@ class AccessTrace:
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
     grad_order: list[int] = field(default_factory=list)  # parameter indices in the order their gradients were final
     ops: list[OpCall] = field(default_factory=list)  # the distinct kernel calls of the step, with counts
+    # the step read values computed from the weights (a learned router): traced with the real weights
+    # beside the meta ones, and another step, or another rank, may use other parameters
+    weights_read: bool = False
 
 
 def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -76,7 +79,7 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
         return torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
     stand_in = {id(p): nn.Parameter(meta_like(p), requires_grad=p.requires_grad) for p in params}
-    swapped, buffers = [], []
+    swapped, buffers, originals = [], [], []
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None:
@@ -87,8 +90,9 @@ def _on_meta(module: nn.Module, params: list[nn.Parameter], dtype: Optional[torc
                 swapped.append((mod._buffers, name, buf))
                 mod._buffers[name] = meta_like(buf)
                 buffers.append(mod._buffers[name])
+                originals.append(buf)
     try:
-        yield [stand_in[id(p)] for p in params], buffers
+        yield [stand_in[id(p)] for p in params], list(zip(buffers, originals))
     finally:
         for table, name, original in swapped:
             table[name] = original
@@ -156,6 +160,10 @@ _VALUE_READS = ("cannot be called on meta tensors", "data-independent implementa
                 "no fake impl or Meta kernel", "Cannot copy out of meta tensor")
 
 
+class ValueReadError(RuntimeError):
+    """The step read the values of a tensor the trace has none for."""
+
+
 def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
     try:
         out = module(*inputs)
@@ -163,11 +171,11 @@ def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
     except (RuntimeError, NotImplementedError) as exc:
         if not any(m in str(exc) for m in _VALUE_READS):
             raise
-        raise RuntimeError(
-            f"tracing one step of {type(module).__name__} on the meta device failed: {exc}. The trace has no "
-            f"weights: it can read values computed from sample_inputs alone (masks, positions), not values "
-            f"computed from the weights (.item(), bool() or nonzero() of an activation) or from tensors the "
-            f"step makes on another device") from exc
+        raise ValueReadError(
+            f"tracing one step of {type(module).__name__} on the meta device failed: {exc}. The trace can read "
+            f"values computed from sample_inputs (masks, positions), and from the weights when the module has "
+            f"real ones (not built on the meta device), but not from tensors the step makes on another "
+            f"device") from exc
 
 
 def _backward_with_modes(loss: torch.Tensor) -> None:
@@ -184,6 +192,21 @@ def _backward_with_modes(loss: torch.Tensor) -> None:
 
 def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Optional[torch.dtype] = None
                ) -> AccessTrace:
+    """Trace one step on the meta device. A step that reads values computed from the weights (which
+    experts a learned router picks) is traced again with the weights' real values carried beside
+    the meta tensors: every kernel then also runs on the CPU, so this costs a real step there."""
+    try:
+        return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
+    except ValueReadError as exc:
+        weights = [t for t in [*module.parameters(), *module.buffers()]]
+        if any(t.device.type == "meta" for t in weights):
+            raise ValueReadError(f"{exc}; this module's weights are on the meta device, so there are no values "
+                                 f"to read: build it with real weights") from exc.__cause__
+    return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=True)
+
+
+def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optional[torch.dtype],
+                with_weights: bool) -> AccessTrace:
     named = unique_parameters(module)
     params = [p for _, p in named]
     events: list[tuple[int, ...]] = []
@@ -223,7 +246,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     with _on_meta(module, params, dtype) as (metas, buffer_metas):
         key_to_index = {storage_key(p): i for i, p in enumerate(metas)}
         # buffers stay on the device whole (ModelProfile.buffer_bytes): a saved slice of one is no activation
-        resident = set(key_to_index) | {storage_key(b) for b in buffer_metas if b.layout == torch.strided}
+        resident = set(key_to_index) | {storage_key(b) for b, _ in buffer_metas if b.layout == torch.strided}
         direct = {mod: [key_to_index[storage_key(p)] for p in mod.parameters(recurse=False)]
                   for mod in module.modules()}
 
@@ -254,7 +277,12 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                     for i, p in enumerate(metas) if p.requires_grad]
         recorder = OpRecorder()
         live = LiveBytes(resident)
-        shadows = ShadowValues()
+        shadows = ShadowValues(max_elements=None if with_weights else MAX_SHADOW_ELEMENTS)
+        if with_weights:
+            for meta, p in zip(metas, params):
+                shadows.add(meta, p.detach().to("cpu", meta.dtype, copy=True))
+            for meta, buf in buffer_metas:
+                shadows.add(meta, buf.detach().to("cpu", meta.dtype, copy=True))
         real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(tuple(sample_inputs))[0]]
         try:
             with recorder, live, _FusedAttentionOnMeta(), \
@@ -278,4 +306,4 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
                        largest_saved_bytes=state["largest"], flops=sum(op.flops * op.count for op in ops),
                        forward_flops=sum(op.flops * op.forward_count for op in ops),
                        grad_epochs=grad_epochs, grad_order=grad_order, ops=ops,
-                       activation_peak_bytes=live.peak, live_before=live_before)
+                       activation_peak_bytes=live.peak, live_before=live_before, weights_read=with_weights)

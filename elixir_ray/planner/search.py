@@ -311,6 +311,9 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     """
     if replicate not in REPLICATE_CHOICES:
         raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {replicate!r}")
+    routed = world_size > 1 and replicate == "auto" and any(p.trace.weights_read for p in profiles)
+    if routed:  # which parameters a step uses depends on the weights, so it may differ between ranks
+        replicate = "all"
     limit = budget * (1 - SAFETY)
     best, smallest = _Best(), {}
     grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
@@ -324,9 +327,13 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                                    updates_in_backward, upload, grads_low)
     if best.choice is None:
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
-    return choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
-                          note="searched: fastest predicted step within the budget",
-                          updates_in_backward=updates_in_backward)
+    found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
+                           note="searched: fastest predicted step within the budget",
+                           updates_in_backward=updates_in_backward)
+    if routed:
+        found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
+                           "learned router, say), so ranks may use different parameters in a step")
+    return found
 
 
 def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
