@@ -83,8 +83,9 @@ class LearnedRouter(nn.Module):
     scores highest, so which experts a step uses depends on the weights (the trace cannot know it
     on the meta device) and differs between batches and ranks."""
 
-    def __init__(self, d: int = 32, n_experts: int = 4):
+    def __init__(self, d: int = 32, n_experts: int = 4, dropout: float = 0.0):
         super().__init__()
+        self.dropout = dropout
         self.emb = nn.Embedding(VOCAB, d)
         self.router = nn.Linear(d, n_experts, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
@@ -92,7 +93,7 @@ class LearnedRouter(nn.Module):
         self.head = nn.Linear(d, VOCAB, bias=False)
 
     def forward(self, x):
-        h = self.emb(x[:, :-1]).reshape(-1, self.emb.embedding_dim)
+        h = F.dropout(self.emb(x[:, :-1]), self.dropout, self.training).reshape(-1, self.emb.embedding_dim)
         weight, choice = self.router(h).softmax(-1).max(-1)
         out = h
         for e, expert in enumerate(self.experts):

@@ -278,6 +278,16 @@ def test_a_learned_router_is_traced_with_its_weights_and_trains_like_torch():
     assert _max_diff(model.state_dict(), ref_state) <= 1e-5
 
 
+def test_a_learned_router_after_a_dropout_is_traced_and_the_random_state_is_left_alone():
+    """The router reads a dropout's output, so the dropout runs on real values too, from a fork of
+    the generator: the training's random stream is the same as without the trace."""
+    torch.manual_seed(0)
+    model = LearnedRouter(dropout=0.1)
+    state = torch.get_rng_state()
+    assert trace_step(model, (batches(1, 8)[0],)).weights_read
+    assert torch.equal(state, torch.get_rng_state())
+
+
 def test_a_learned_router_built_on_meta_is_refused_with_what_to_change():
     with torch.device("meta"):
         model = LearnedRouter()

@@ -10,6 +10,11 @@ shadows. A kernel that mixes in a weight has no shadow, so nothing the weights c
 real; and a tensor such a kernel writes into (in place, `out=`) loses its shadow, with every
 other view of its memory, so that no value read later is stale. Uninitialised allocations and
 random kernels get no shadow (the latter would advance the caller's random state).
+
+When a step reads values computed from the weights (a learned router), the trace runs again with
+the weights' real values as shadows too (`max_elements=None`), so every kernel runs on them;
+random kernels (and the allocations they fill) then get shadows, drawn from a fork of the CPU
+generator (`follow_all`).
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 class ShadowValues(TorchDispatchMode):
     """Follows real values of meta tensors computed only from the sample inputs."""
 
-    def __init__(self, max_elements: Optional[int] = MAX_SHADOW_ELEMENTS):
-        """`max_elements`: larger values are not followed (None: all are, as when the weights have shadows)."""
+    def __init__(self, max_elements: Optional[int] = MAX_SHADOW_ELEMENTS, follow_all: bool = False):
+        """`max_elements`: larger values are not followed (None: all are, as when the weights have shadows).
+        `follow_all`: random kernels and the allocations they fill (dropout's mask) get shadows too,
+        drawn from a fork of the CPU generator so the caller's random state is left alone: with the
+        weights' values followed, a router after a dropout needs them."""
         super().__init__()
         self.max_elements = max_elements
+        self.follow_all = follow_all
         self.shadows = WeakIdKeyDictionary()
         # meta storages written by a kernel without real values (held, so that no new storage
         # takes the same key; meta storages cost no memory)
@@ -63,7 +72,8 @@ class ShadowValues(TorchDispatchMode):
 
     def _real(self, func, args, kwargs):
         """`func` on the shadows, or None when a tensor argument has none."""
-        if torch.Tag.nondeterministic_seeded in func.tags or func.name().split(".")[0] in _UNINITIALISED:
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if not self.follow_all and (seeded or func.name().split(".")[0] in _UNINITIALISED):
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if tensors and not all(self._has(t) for t in tensors):
@@ -81,8 +91,8 @@ class ShadowValues(TorchDispatchMode):
             return x
 
         try:
-            with _disable_current_modes():  # the real work is not part of the traced step
-                return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+            with _disable_current_modes(), torch.random.fork_rng(devices=[], enabled=seeded):
+                return func(*tree_map(swap, args), **tree_map(swap, kwargs))  # not part of the traced step
         except Exception:  # a kernel the CPU cannot run on these values: this chain of values ends here
             return None
 

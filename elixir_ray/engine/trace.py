@@ -198,8 +198,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     try:
         return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
     except ValueReadError as exc:
-        weights = [t for t in [*module.parameters(), *module.buffers()]]
-        if any(t.device.type == "meta" for t in weights):
+        if any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]):
             raise ValueReadError(f"{exc}; this module's weights are on the meta device, so there are no values "
                                  f"to read: build it with real weights") from exc.__cause__
     return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=True)
@@ -277,7 +276,7 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
                     for i, p in enumerate(metas) if p.requires_grad]
         recorder = OpRecorder()
         live = LiveBytes(resident)
-        shadows = ShadowValues(max_elements=None if with_weights else MAX_SHADOW_ELEMENTS)
+        shadows = ShadowValues(max_elements=None if with_weights else MAX_SHADOW_ELEMENTS, follow_all=with_weights)
         if with_weights:
             for meta, p in zip(metas, params):
                 shadows.add(meta, p.detach().to("cpu", meta.dtype, copy=True))
