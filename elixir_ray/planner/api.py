@@ -32,6 +32,11 @@ def device_budget(device: torch.device) -> int:
     return available_host_bytes()
 
 
+def budget_bytes(device_memory: Union[int, str, None], device: torch.device) -> int:
+    """The device budget in bytes: `device_memory` ("24GiB", bytes), or what the device has free."""
+    return parse_bytes(device_memory) if device_memory is not None else device_budget(device)
+
+
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state; the rest for the process, data and pinning
 
 
@@ -97,7 +102,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
         hardware = profile_hardware()
     device = torch.device(hardware.device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    budget = parse_bytes(device_memory) if device_memory is not None else device_budget(device)
+    budget = budget_bytes(device_memory, device)
     host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
     if time_compute is None:
         time_compute = device_is_here(hardware)
@@ -124,7 +129,7 @@ def quick_hardware(device: torch.device, device_memory=None) -> HardwareProfile:
     On a GPU its buffers stay within a quarter of `device_memory` (the budget wrap was given): the
     budget bounds everything the engine does on the device, measuring included."""
     if device.type == "cuda":
-        quarter = (parse_bytes(device_memory) if device_memory is not None else device_budget(device)) // 4
+        quarter = budget_bytes(device_memory, device) // 4
         side = int((quarter / 6) ** 0.5) // 256 * 256  # three square bf16 matrices
         return profile_hardware(device, copy_bytes=max(2**20, min(64 * 2**20, quarter)),
                                 adam_numel=max(2**18, min(16 * 2**20, quarter // 16)),  # 16 bytes per element
