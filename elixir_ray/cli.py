@@ -61,12 +61,13 @@ def _cmd_plan(args) -> int:
                               f"plan for") from None
         source = f"rates from {args.hardware}"
     else:
+        _stage("measuring this machine's copy, AdamW and matmul rates")
         hardware = profile_hardware()
         source = "rates measured on this machine"
     if args.save_hardware:
         _write_text(args.save_hardware, hardware.to_json())
     try:
-        result = plan_config(cfg, hardware, args.device_memory, args.world_size, args.host_memory)
+        result = plan_config(cfg, hardware, args.device_memory, args.world_size, args.host_memory, progress=_stage)
     except PlanError as exc:
         print(f"elixir-ray: error: {exc}", file=sys.stderr)
         return 2
@@ -87,6 +88,12 @@ def _cmd_plan(args) -> int:
         _write_text(args.json, json.dumps(result.plan.to_dict(), indent=1))
         print(f"plan: {args.json}")
     return 0
+
+
+def _stage(line: str) -> None:
+    """What the plan command is doing, on stderr (so stdout stays the plan): planning a 10B model takes
+    tens of seconds."""
+    print(f"... {line}", file=sys.stderr, flush=True)
 
 
 def _write_text(path: str, text: str) -> None:

@@ -215,6 +215,10 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
                            "--set", "engine.search_checkpointing=true"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "predicted step time" in proc.stdout and "| searched |" in proc.stdout
+    # what it is doing goes to stderr as it starts each stage, so stdout stays the plan alone
+    stages = [line for line in proc.stderr.splitlines() if line.startswith("... ")]
+    assert any("setting 1 of" in line for line in stages) and "searching" in stages[-1], proc.stderr
+    assert not any(line.startswith("... ") for line in proc.stdout.splitlines())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = elixir_ray.Plan.from_json(out.read_text())
     assert plan.budget_bytes == 8 * 2**20 and plan.predicted_peak_bytes <= plan.budget_bytes

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from elixir_ray.engine.device import resolve_device
+from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
@@ -50,17 +51,26 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
                   dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
                   search_checkpointing: bool, updates_in_backward: bool = False,
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
-                  low_host_grads: bool = True, replicate: str = "auto") -> tuple[Plan, ModelProfile]:
+                  low_host_grads: bool = True, replicate: str = "auto",
+                  progress: Optional[Callable[[str], None]] = None) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
     a kernel whose tensors take more than half the budget is estimated instead of run.
     `kernel_seconds` ({call key: [seconds, replayed]}, measured where the device is, e.g. by the workers of a
-    Ray run) costs compute instead, when it covers every kernel of every setting traced."""
+    Ray run) costs compute instead, when it covers every kernel of every setting traced.
+    `progress` gets a line as each stage starts (tracing a 10B GPT's settings takes tens of seconds)."""
+    say = progress or (lambda line: None)
     variants = checkpointing_variants(module) if search_checkpointing else [None]
-    profiles = [profile_model(module, tuple(sample_inputs), loss_fn, v, dtype) for v in variants]
+    profiles = []
+    for i, v in enumerate(variants):
+        say(f"tracing one step of {type(module).__name__} on the meta device"
+            + (f" (activation checkpointing setting {i + 1} of {len(variants)})" if len(variants) > 1 else ""))
+        profiles.append(profile_model(module, tuple(sample_inputs), loss_fn, v, dtype))
     if time_compute:
         timed: dict = {}  # the checkpointing settings share most of their kernels: each is timed once
+        distinct = len({call_key(op) for p in profiles for op in p.trace.ops})
+        say(f"timing the step's {distinct} distinct kernels on {hardware.device}")
         for p in profiles:
             p.compute = time_ops(p.trace.ops, hardware, max_bytes=budget // 2, cache=timed)
     elif kernel_seconds:
@@ -69,6 +79,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
             for p, c in zip(profiles, computes):
                 p.compute = c
     elem = torch.empty(0, dtype=dtype).element_size()
+    say("searching chunk sizes, pool blocks and placements")
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
                         host_budget=host_budget, updates_in_backward=updates_in_backward,
                         low_host_grads=low_host_grads, replicate=replicate)
@@ -80,7 +91,8 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
          hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
          search_checkpointing: bool = True, updates_in_backward: bool = False,
-         time_compute: Optional[bool] = None, low_host_grads: bool = True, replicate: str = "auto") -> Plan:
+         time_compute: Optional[bool] = None, low_host_grads: bool = True, replicate: str = "auto",
+         progress: Optional[Callable[[str], None]] = None) -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
@@ -95,10 +107,13 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     (when the loop may call backward() more often than `grad_accum` says).
     `replicate` (several ranks): "auto" searches which chunks every rank keeps whole, "all"
     replicates every chunk (when ranks use different parameters in a step), "none" shards them all.
+    `progress` (`print`, say) gets a line as each stage starts.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if hardware is None:
+        if progress:
+            progress("measuring this machine's copy, AdamW and matmul rates")
         hardware = profile_hardware()
     device = torch.device(hardware.device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -108,7 +123,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
         time_compute = device_is_here(hardware)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
                          search_checkpointing, updates_in_backward, time_compute,
-                         low_host_grads=low_host_grads, replicate=replicate)[0]
+                         low_host_grads=low_host_grads, replicate=replicate, progress=progress)[0]
 
 
 def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: HardwareProfile, dtype: torch.dtype,

@@ -43,7 +43,7 @@ class ConfigPlan:
 
 
 def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Optional[str] = None,
-                world_size: int = 1, host_memory: Optional[str] = None) -> ConfigPlan:
+                world_size: int = 1, host_memory: Optional[str] = None, progress=None) -> ConfigPlan:
     from elixir_ray.model.factory import build_model, sample_batch
     from elixir_ray.run_plan import resolve_dtype, updates_in_backward
 
@@ -59,7 +59,8 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
         plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
                                      budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
                                      cfg.engine.search_checkpointing, in_backward,
-                                     time_compute=device_is_here(hardware), replicate=cfg.engine.replicate)
+                                     time_compute=device_is_here(hardware), replicate=cfg.engine.replicate,
+                                     progress=progress)
     layout = plan_layout(chosen, plan)
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
                                    in_backward)
