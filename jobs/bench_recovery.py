@@ -20,6 +20,7 @@ import ray  # noqa: E402
 
 import elixir_ray  # noqa: E402
 from elixir_ray.cluster.chaos import WorkerKiller  # noqa: E402
+from elixir_ray.cluster.worker import worker_actor_name  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}", f"output_dir={tmp}"]
         clean = elixir_ray.train(args.config, overrides=overrides + ["name=clean"], progress=False)
-        killer = WorkerKiller("worker-1", args.kill_at)
+        killer = WorkerKiller(worker_actor_name("killed", 1), args.kill_at)
         killer.start()
         killed = elixir_ray.train(args.config, overrides=overrides + ["name=killed"], progress=False)
         killer.join(timeout=5)

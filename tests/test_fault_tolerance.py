@@ -10,6 +10,7 @@ import pytest
 from elixir_ray import ClusterError, ConfigError, train
 from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, load_newest_valid
 from elixir_ray.cluster.chaos import WorkerKiller
+from elixir_ray.cluster.worker import worker_actor_name
 
 from conftest import tiny_config
 
@@ -34,7 +35,7 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     print(f"killing worker-1 at step {kill_step} (ELIXIR_RAY_TEST_SEED={seed})")
     base = dict(train={"steps": 12}, checkpoint={"every_steps": every}, fault={"max_restarts": 2})
     clean = train(tiny_config(tiny_dataset, tmp_path / "clean", **base), progress=False)
-    killer = WorkerKiller("worker-1", kill_step)
+    killer = WorkerKiller(worker_actor_name("t", 1), kill_step)
     killer.start()
     result = train(tiny_config(tiny_dataset, tmp_path / "killed", **base), progress=False)
     killer.join(timeout=5)
@@ -55,7 +56,7 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
 
 
 def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_path):
-    killer = WorkerKiller("worker-1", 2)
+    killer = WorkerKiller(worker_actor_name("t", 1), 2)
     killer.start()
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, fault={"max_restarts": 0})
     with pytest.raises(ClusterError, match="giving up after 0 restart"):
@@ -148,7 +149,7 @@ def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_d
     """A run of the same name left checkpoints in the directory; this one fails before its first."""
     base = dict(train={"steps": 6}, checkpoint={"every_steps": 5}, fault={"max_restarts": 2})
     first = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
-    killer = WorkerKiller("worker-1", 1)
+    killer = WorkerKiller(worker_actor_name("t", 1), 1)
     killer.start()
     second = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
     killer.join(timeout=5)

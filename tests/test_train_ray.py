@@ -10,6 +10,7 @@ import torch
 from elixir_ray import ClusterError, ConfigError, train
 from elixir_ray.api import as_config, check_data
 from elixir_ray.checkpoint import load_checkpoint
+from elixir_ray.cluster.worker import worker_actor_name
 from elixir_ray.data.dataset import BatchSampler, TokenDataset
 from elixir_ray.config import resolve_model_shape
 from elixir_ray.model.factory import init_reference_model
@@ -83,7 +84,7 @@ def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_datas
     with pytest.raises(ConfigError, match="no GPUs"):
         train(tiny_config(tiny_dataset, tmp_path, cluster={"use_gpu": True}), progress=False)
     with pytest.raises(ValueError):  # no worker actor was ever created
-        ray_cluster.get_actor("worker-0", namespace="elixir_ray")
+        ray_cluster.get_actor(worker_actor_name("t", 0), namespace="elixir_ray")
 
 
 def test_missing_dataset_fails_before_ray(tmp_path):

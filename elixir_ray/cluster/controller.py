@@ -28,13 +28,15 @@ from elixir_ray.checkpoint import load_first_valid, load_newest_valid
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
-from elixir_ray.cluster.worker import TrainWorker
+from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
 from elixir_ray.config import RunConfig
 from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
 from elixir_ray.profile import WorkerProfile
 
 log = logging.getLogger("elixir_ray")
+
+NAME_RELEASE_S = 10.0  # how long a restart waits for a killed worker's actor name to be free again
 
 
 class RunState(enum.Enum):
@@ -162,12 +164,26 @@ class TrainController:
         order = bundle_rank_order(self.pg, ray.get_runtime_context().get_node_id())
         config = self.cfg.to_dict()
         for rank, bundle in enumerate(order):
-            self.workers.append(TrainWorker.options(
-                name=f"worker-{rank}", namespace=self.cfg.cluster.namespace,
-                num_cpus=self.shape.cpus_per_worker, num_gpus=1 if self.shape.use_gpu else 0,
-                max_restarts=0, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(config, rank, self.shape.num_workers))
+            self.workers.append(self._start_worker(config, rank, bundle))
+
+    def _start_worker(self, config: dict, rank: int, bundle: int):
+        name, namespace = worker_actor_name(self.cfg.name, rank), self.cfg.cluster.namespace
+        options = TrainWorker.options(
+            name=name, namespace=namespace, num_cpus=self.shape.cpus_per_worker,
+            num_gpus=1 if self.shape.use_gpu else 0, max_restarts=0, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle))
+        # after a restart the killed rank's name may take a moment to be released
+        deadline = time.monotonic() + (NAME_RELEASE_S if self.outcome.restarts else 0)
+        while True:
+            try:
+                return options.remote(config, rank, self.shape.num_workers)
+            except ray.exceptions.ActorAlreadyExistsError:
+                if time.monotonic() >= deadline:
+                    raise ClusterError(
+                        f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {name!r} in "
+                        f"namespace {namespace!r}): wait for it to end, or give this run another name "
+                        f"(--set name=...)") from None
+                time.sleep(0.2)
 
     def _rendezvous(self) -> None:
         infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info")
@@ -215,7 +231,7 @@ class TrainController:
     def _newest_own_checkpoint(self) -> Optional[tuple[str, dict, dict]]:
         """The newest valid checkpoint this run persisted; never one an earlier run of the same name
         left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
-        return load_first_valid(path for _, path in reversed(self.persister.committed if self.persister else []))
+        return load_first_valid(path for _, path in reversed(list(self.persister.committed if self.persister else [])))
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
@@ -272,7 +288,8 @@ class TrainController:
         self._drain_metrics()
 
     def _drain_metrics(self) -> bool:
-        new = self._get([self.workers[0].poll.remote()], "polling metrics")[0]
+        # bounded: a stalled rank 0 must count as a failure, not hang the driver
+        new = self._get([self.workers[0].poll.remote()], "polling metrics", timeout=self.cfg.fault.detect_timeout_s)[0]
         for m in new:
             self.outcome.metrics.append(m)
             self.on_metrics(m)
@@ -281,18 +298,23 @@ class TrainController:
         return bool(new)
 
     def _snapshot(self) -> None:
-        """Every worker hands its shard to the object store; training waits only for that copy-out."""
+        """Every worker hands its shard to the object store; training waits only for that copy-out.
+
+        Every rank's header is checked: a rank that failed or died here (the last step's snapshot
+        included) is a worker-group failure, restored from the previous snapshot, never a snapshot
+        with a hole queued for the persister. The shards stay on the workers' nodes."""
         start = time.monotonic()
-        refs = [w.state_shard.remote() for w in self.workers]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False)  # shards stay where they were made
+        pairs = [w.state_shard.remote() for w in self.workers]
+        headers = self._get([h for h, _ in pairs], "taking a snapshot", timeout=self.cfg.fault.detect_timeout_s)
+        shards = [s for _, s in pairs]
+        ray.wait(shards, num_returns=len(shards), fetch_local=False)  # ready with their headers; not pulled here
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
-        head = self._get([refs[0]], "taking a snapshot")[0]
+        if len({(h["step"], h["samples_consumed"]) for h in headers}) != 1:
+            raise WorkerGroupFailure("taking a snapshot", f"the ranks are at different steps: {headers}")
         plan = self.outcome.plan
-        snap = Snapshot(step=head["step"], samples_consumed=head["samples_consumed"], worker_refs=refs, extra={
-            "plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
-            "world_size": self.shape.num_workers,
-        })
-        del head
+        snap = Snapshot(step=headers[0]["step"], samples_consumed=headers[0]["samples_consumed"], worker_refs=shards,
+                        extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
+                               "world_size": self.shape.num_workers})
         self.snapshots = self.snapshots[-1:] + [snap]
         self.persister.submit(snap)
         self.outcome.final_step = snap.step
@@ -330,7 +352,7 @@ class TrainController:
             raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, (ValueError, TypeError, AssertionError)):
+            if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
                 raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
             raise WorkerGroupFailure(what, f"a worker failed: {str(cause).splitlines()[0]}") from exc
 

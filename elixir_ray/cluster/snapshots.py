@@ -4,8 +4,10 @@ A snapshot is every worker's shard of the training state, each returned by an ac
 the driver owns them and they outlive the worker processes. The persister thread joins the shards
 into whole tensors, puts that into the driver's own object store (`ray.put`, on the driver's node,
 so it also survives the loss of a worker's node) and writes it durably through pyarrow.fs. A failed
-write is recorded and reported; training never waits for it and a half-written checkpoint is
-never committed.
+write (or any error on the way, such as a full object store) is recorded and reported; training
+never waits for it, the thread goes on with the next snapshot, and a half-written checkpoint is
+never committed. `checkpoint.keep` prunes only the checkpoints this run committed: another run's
+in the same directory (an earlier run of the same name) are never deleted for this one's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Optional
 
 import ray
 
+from elixir_ray import storage
 from elixir_ray.checkpoint import save_checkpoint
 from elixir_ray.engine import assemble
 
@@ -32,6 +35,7 @@ OBJECT_GONE = (
     ray.exceptions.GetTimeoutError,
     ray.exceptions.RayActorError,
 )
+FETCH_TIMEOUT_S = 600.0  # joining a large model's shards across nodes is minutes of copying, not a loss
 
 
 def join_shards(results: list[dict]) -> dict:
@@ -53,16 +57,21 @@ class Snapshot:
     driver_ref: Optional[ray.ObjectRef] = None  # the joined whole tensors, on the driver's node
     taken_at: float = field(default_factory=time.time)
 
-    def fetch(self, timeout_s: float = 30.0) -> Optional[dict]:
+    def fetch(self, timeout_s: float = FETCH_TIMEOUT_S) -> Optional[dict]:
         """Whole tensors, from the driver's copy or else the workers' shards; None if they are gone."""
-        if self.driver_ref is not None:
+        # the persister sets driver_ref and then empties worker_refs: read them in the other order
+        worker_refs = self.worker_refs
+        driver_ref = self.driver_ref
+        if driver_ref is not None:
             try:
-                return ray.get(self.driver_ref, timeout=timeout_s)
+                return ray.get(driver_ref, timeout=timeout_s)
             except OBJECT_GONE:
                 pass
+        if not worker_refs:
+            return None
         try:
-            return join_shards(ray.get(self.worker_refs, timeout=timeout_s))
-        except OBJECT_GONE:
+            return join_shards(ray.get(worker_refs, timeout=timeout_s))
+        except (*OBJECT_GONE, ray.exceptions.RayTaskError):  # a rank failed to make its shard: no snapshot
             return None
 
 
@@ -119,6 +128,8 @@ class CheckpointPersister:
                 snap, self._pending, self._busy = self._pending, None, True
             try:
                 self._persist(snap)
+            except Exception as exc:  # the thread must outlive any one snapshot: flush() waits on it
+                self._report(f"could not persist the checkpoint of step {snap.step}: {type(exc).__name__}: {exc}")
             finally:
                 with self._cond:
                     self._busy = False
@@ -134,12 +145,30 @@ class CheckpointPersister:
             snap.worker_refs = []  # the joined copy supersedes the shards: free them
         try:
             start = time.monotonic()
-            path = save_checkpoint(self.uri, snap.step, tensors,
-                                   {"samples_consumed": snap.samples_consumed, **snap.extra}, keep=self.keep)
-            self.committed.append((snap.step, path))
+            path = save_checkpoint(self.uri, snap.step, tensors, {"samples_consumed": snap.samples_consumed,
+                                                                  **snap.extra})
+            # a step written again after a restart replaces its earlier commit
+            self.committed = [(step, p) for step, p in self.committed if p != path] + [(snap.step, path)]
             log.info("persisted step %d to %s in %.2fs", snap.step, path, time.monotonic() - start)
         except Exception as exc:  # a full disk or an unwritable URI must not stop training
             self._report(f"could not persist the checkpoint of step {snap.step} to {self.uri}: {exc}")
+            return
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep this run's newest `keep` commits (the list of them is what `newest` and restores read)."""
+        if not self.keep:
+            return
+        while len(self.committed) > self.keep:
+            step, path = self.committed[0]
+            try:
+                fs, root = storage.resolve(path)
+                if storage.exists(fs, root):
+                    fs.delete_dir(root)
+            except (OSError, ValueError) as exc:
+                self._report(f"could not delete the old checkpoint of step {step} at {path}: {exc}")
+                return
+            self.committed.pop(0)
 
     def _report(self, message: str) -> None:
         self.errors.append(message)

@@ -25,8 +25,13 @@ from elixir_ray.profile import WorkerProfile, profile_worker
 from elixir_ray.trainer import DTYPES, RankTrainer
 
 
-@ray.remote(max_concurrency=4)
-class TrainWorker:
+def worker_actor_name(run_name: str, rank: int) -> str:
+    """The actor's name in the cluster's namespace: the run's name in it, so that two runs (two `ray job
+    submit`s) can share a cluster, and fault injection can find a rank by name."""
+    return f"{run_name}/worker-{rank}"
+
+
+class RankWorker:
     def __init__(self, config: dict, rank: int, world_size: int):
         self.cfg: RunConfig = config_from_dict(config)
         self.rank, self.world_size = rank, world_size
@@ -121,15 +126,23 @@ class TrainWorker:
         self._use_device()
         self.trainer.load_state_tensors(tensors, step, samples_consumed)
 
-    def state_shard(self) -> dict:
-        """This rank's part of the training state, as numpy arrays (zero-copy in the object store)."""
+    @ray.method(num_returns=2)
+    def state_shard(self) -> tuple[dict, dict]:
+        """(header, shard): this rank's step and data position, and its part of the training state as
+        numpy arrays (zero-copy in the object store). Two objects, so the driver can check every rank's
+        header (a rank that failed here fails both) without pulling any shard to its own node."""
         assert self.trainer is not None
         self._use_device()
-        return {"tensors": self.trainer.state_shard(), "step": self.trainer.state.step,
-                "samples_consumed": self.trainer.state.samples_consumed,
-                "layout": self.trainer.layout() if self.rank == 0 else None}
+        header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
+        return header, {"tensors": self.trainer.state_shard(),
+                        "layout": self.trainer.layout() if self.rank == 0 else None}
 
     def shutdown(self) -> None:
         self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# The actor class the controller places; `RankWorker` stays a plain class, so that fault injection
+# (tests, benchmarks) can subclass it and make its own actor class.
+TrainWorker = ray.remote(max_concurrency=4)(RankWorker)

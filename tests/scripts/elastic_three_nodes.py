@@ -31,7 +31,7 @@ def main(dataset: str, out_dir: str) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                actor = ray.get_actor("worker-2", namespace="elixir_ray")
+                actor = ray.get_actor("elastic/worker-2", namespace="elixir_ray")
                 if ray.get(actor.current_step.remote(), timeout=5) >= 4:
                     node_id = ray.get(actor.node_info.remote(), timeout=5)["node_id"]
                     victim = next(n for n in nodes if n.node_id == node_id)

@@ -1,0 +1,154 @@
+"""Failures at the awkward moments: a rank lost while handing over its snapshot (the last one
+included), a rank that stalls without dying, another run's workers on the same cluster, and
+checkpoints another run left in the same directory.
+
+Faults are injected by real means: a worker subclass that exits its process (`os._exit`) or raises
+once (a marker file says it already did), SIGSTOP of a worker's process, and a real actor holding a
+name. The run then goes through the real controller, Ray cluster and gloo group.
+"""
+
+import os
+import signal
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import ray
+
+import elixir_ray.cluster.controller as controller
+from elixir_ray import ClusterError, train
+from elixir_ray.checkpoint import list_checkpoints, read_manifest
+from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
+from elixir_ray.cluster.worker import RankWorker, worker_actor_name
+
+from conftest import tiny_config
+
+
+def _faulty_workers(monkeypatch, marker, rank: int, at_step: int, how: str) -> None:
+    """Rank `rank`'s state_shard fails once, at step `at_step`: `how` is "exit" (the process dies) or "raise"."""
+
+    class FaultyWorker(RankWorker):
+        @ray.method(num_returns=2)
+        def state_shard(self):
+            if self.rank == rank and self.trainer.state.step == at_step and not os.path.exists(marker):
+                open(marker, "w").close()
+                if how == "exit":
+                    os._exit(1)
+                raise RuntimeError(f"injected: rank {rank} cannot hand over its shard at step {at_step}")
+            return super().state_shard()
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(FaultyWorker))
+
+
+def _steps(result):
+    return result.metrics.column("step").to_pylist()
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_rank_lost_in_the_last_snapshot_restarts_and_the_last_step_is_persisted(
+        ray_cluster, tiny_dataset, tmp_path, monkeypatch, how):
+    """Only rank 0's result used to be checked: the run reported success with step 2 as its checkpoint
+    ("exit"), or the persister thread died on the bad shard and the run hung ("raise")."""
+    _faulty_workers(monkeypatch, tmp_path / "fired", rank=1, at_step=4, how=how)
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
+                      fault={"max_restarts": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+    assert (tmp_path / "fired").exists()
+    (record,) = result.restarts
+    assert "snapshot" in record.reason and record.restored_step == 2, record
+    assert _steps(result) == [1, 2, 3, 4]
+    assert read_manifest(result.checkpoint_uri)["step"] == 4 and not result.persist_errors, result.persist_errors
+
+
+def test_the_persister_outlives_a_snapshot_it_cannot_fetch(ray_cluster, tmp_path):
+    """A snapshot whose shard is a failed task's result is reported, and the next one is still written."""
+
+    @ray.remote
+    def shard():
+        raise RuntimeError("no shard")
+
+    persister = CheckpointPersister(str(tmp_path / "ck"), keep=2)
+    try:
+        persister.submit(Snapshot(step=1, samples_consumed=4, extra={}, worker_refs=[shard.remote()]))
+        assert persister.flush(timeout_s=60)
+        whole = ray.put({"model/w": np.arange(4, dtype=np.float32)})  # as the persister's own joined copy
+        persister.submit(Snapshot(step=2, samples_consumed=8, extra={}, worker_refs=[], driver_ref=whole))
+        assert persister.flush(timeout_s=60), "the persister thread stopped consuming snapshots"
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            persister.close()
+    assert len(persister.errors) == 1 and "step 1" in persister.errors[0], persister.errors
+    assert [step for step, _ in persister.committed] == [2]
+
+
+def test_a_stalled_rank_0_is_a_failure_after_detect_timeout(ray_cluster, tiny_dataset, tmp_path):
+    """A SIGSTOPped rank 0 answers nothing: the driver's metrics poll used to wait for it forever."""
+    name = "stall"
+    stopped = {}
+
+    def stop_rank_0():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stopped:
+            try:
+                actor = ray.get_actor(worker_actor_name(name, 0), namespace="elixir_ray")
+                if ray.get(actor.current_step.remote(), timeout=5) >= 2:
+                    pid = ray.get(actor.node_info.remote(), timeout=5)["pid"]
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped["pid"], stopped["at"] = pid, time.monotonic()
+            except (ValueError, ray.exceptions.RayError):
+                pass
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=stop_rank_0, daemon=True)
+    thread.start()
+    cfg = {**tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, checkpoint={"every_steps": 100},
+                         fault={"max_restarts": 0, "detect_timeout_s": 8}), "name": name}
+    try:
+        with pytest.raises(ClusterError, match="giving up after 0 restart"):
+            train(cfg, progress=False)
+        noticed = time.monotonic()
+    finally:
+        thread.join(timeout=5)
+        if "pid" in stopped:
+            try:
+                os.kill(stopped["pid"], signal.SIGCONT)  # the controller's teardown SIGKILLs it; be sure
+            except ProcessLookupError:
+                pass
+    assert stopped, "rank 0 was never stopped"
+    assert noticed - stopped["at"] < 8 + 30, noticed - stopped["at"]
+
+
+def test_another_runs_workers_on_the_cluster_are_named_in_the_error(ray_cluster, tiny_dataset, tmp_path):
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def ping(self):
+            return True
+
+    holder = Holder.options(name=worker_actor_name("busy", 0), namespace="elixir_ray").remote()
+    ray.get(holder.ping.remote())
+    try:
+        with pytest.raises(ClusterError, match="a run named 'busy' already has workers on this Ray cluster"):
+            train({**tiny_config(tiny_dataset, tmp_path), "name": "busy"}, progress=False)
+    finally:
+        ray.kill(holder)
+    # a run of another name shares the cluster with it
+    other = {**tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), "name": "other"}
+    assert _steps(train(other, progress=False)) == [1]
+
+
+def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, tmp_path):
+    """An earlier run of the same name left higher steps in the directory: pruning by step deleted the
+    new run's own checkpoint, and its result named a directory that no longer existed."""
+    first = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 3, "keep": 2}),
+                  progress=False)
+    second = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 2}, checkpoint={"every_steps": 1, "keep": 1}),
+                   progress=False)
+    assert os.path.isdir(second.checkpoint_uri) and read_manifest(second.checkpoint_uri)["step"] == 2
+    steps = [os.path.basename(p) for p in list_checkpoints(os.path.dirname(first.checkpoint_uri))]
+    # this run kept its newest one (step 2, its step 1 pruned); the earlier run's are left alone
+    assert steps == ["step-00000002", "step-00000003", "step-00000006"], steps
