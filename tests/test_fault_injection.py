@@ -7,6 +7,7 @@ once (a marker file says it already did), SIGSTOP of a worker's process, and a r
 name. The run then goes through the real controller, Ray cluster and gloo group.
 """
 
+import json
 import os
 import signal
 import threading
@@ -152,3 +153,47 @@ def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, 
     steps = [os.path.basename(p) for p in list_checkpoints(os.path.dirname(first.checkpoint_uri))]
     # this run kept its newest one (step 2, its step 1 pruned); the earlier run's are left alone
     assert steps == ["step-00000002", "step-00000003", "step-00000006"], steps
+
+
+def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    """torch's TCPStore listens on every interface whatever address it is given: one node's ranks meet
+    through a file instead. (Ray's own worker port is Ray's, open before the group is formed.) The
+    helpers are defined in here so that Ray ships them to the workers by value."""
+    def _listening_addresses() -> set[tuple[str, int]]:
+        """(address, port) of every TCP socket this process listens on, read from /proc."""
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        found = set()
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                        address, port = fields[1].split(":")
+                        found.add((address, int(port, 16)))
+        return found
+
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    out = str(tmp_path)
+
+    class Watched(RankWorker):
+        def init_process_group(self, *args, **kwargs):
+            before = _listening_addresses()
+            super().init_process_group(*args, **kwargs)
+            import json
+
+            with open(os.path.join(out, f"rank{self.rank}.json"), "w") as f:
+                json.dump(sorted(_listening_addresses() - before), f)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(Watched))
+    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    opened = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
+    wide = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a not in loopback]
+    assert not wide, f"listening beyond loopback: {wide}"
+    assert any(opened.values()), opened  # gloo's own sockets, on loopback: the probe does see sockets

@@ -197,19 +197,24 @@ class TrainController:
             for local_rank, rank in enumerate(ranks):
                 calls.append(self.workers[rank].set_devices.remote(gpus, local_rank))
         self._get(calls, "setting devices")
-        master_addr = "127.0.0.1" if len(by_node) == 1 else infos[0]["node_ip"]
         last_error = None
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
-            port = self._get([self.workers[0].free_port.remote(master_addr)], "probing a port")[0]
+            if len(by_node) == 1:  # through a file on the node: no listening socket at all
+                path = self._get([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
+                init_method = f"file://{path}"
+            else:
+                addr = infos[0]["node_ip"]
+                port = self._get([self.workers[0].free_port.remote(addr)], "probing a port")[0]
+                init_method = f"tcp://{addr}:{port}"
             try:
-                self._get([w.init_process_group.remote(master_addr, port, self.shape.backend,
+                self._get([w.init_process_group.remote(init_method, self.shape.backend,
                                                        self.cfg.fault.detect_timeout_s) for w in self.workers],
                           "initialising the process group", timeout=self.cfg.cluster.init_timeout_s)
                 return
             except WorkerGroupFailure as exc:
                 last_error = exc
-                log.warning("process group on %s:%d failed, retrying with another port: %s", master_addr, port, exc)
-        raise WorkerGroupFailure("initialising the process group", f"no port worked: {last_error}")
+                log.warning("process group through %s failed, retrying: %s", init_method, exc)
+        raise WorkerGroupFailure("initialising the process group", f"three tries failed: {last_error}")
 
     def _profile(self) -> None:
         micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)

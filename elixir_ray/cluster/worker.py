@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import traceback
+import uuid
 from datetime import timedelta
 
 import ray
@@ -63,19 +65,26 @@ class RankWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+    def rendezvous_file(self, run_name: str) -> str:
+        """A fresh path on this node for a FileStore rendezvous: ranks on one node meet through a file
+        and open no listening socket (torch's TCPStore listens on every interface, whatever the
+        address it is given)."""
+        return os.path.join(tempfile.gettempdir(), f"elixir_ray-{run_name}-{uuid.uuid4().hex}.store")
+
     def free_port(self, bind_address: str) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((bind_address, 0))
             return s.getsockname()[1]
 
-    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+    def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:
+        """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes."""
         self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group(
-            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            backend=backend, init_method=init_method, rank=self.rank,
             world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             device_id=self.device if backend == "nccl" else None,
         )
