@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -89,29 +90,50 @@ def check_data(cfg: RunConfig) -> RunConfig:
 
 
 def check_resume(cfg: RunConfig, uri: str) -> None:
-    """Refuse a checkpoint of another model before any worker starts."""
+    """Refuse a checkpoint of another model, or one with nothing left to train, before any worker starts.
+
+    The restore takes the newest checkpoint that verifies and falls back past a damaged one, so this
+    checks the newest one whose manifest reads (warning about the newer ones skipped) and refuses only
+    when none reads. Only manifests are read here; the files' checksums are verified by the restore.
+    """
     from elixir_ray.model.factory import expected_checkpoint_shapes
 
     candidates = list_checkpoints(uri) or [uri]
+    newest, skipped = None, []
+    for path in reversed(candidates):
+        try:
+            newest = read_manifest(path)
+            break
+        except CheckpointError as exc:
+            skipped.append(exc)
+    if newest is None:
+        raise ConfigError(f"--resume {uri!r}: {skipped[0]}") from None
+    for exc in skipped:
+        warnings.warn(f"--resume {uri!r}: skipping checkpoint: {exc}; checking the previous one", stacklevel=2)
     try:
-        manifest = read_manifest(candidates[-1])
+        check_compatible(newest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
-    try:
-        check_compatible(manifest, expected_checkpoint_shapes(cfg))
-    except CheckpointError as exc:
-        raise ConfigError(f"--resume {uri!r}: {exc}") from None
-    try:  # the oldest one: the restore takes the newest valid one, which a corrupt file can move back
-        oldest = read_manifest(candidates[0]) if len(candidates) > 1 else manifest
-    except CheckpointError:
-        oldest = manifest
+    # "nothing left to train" is judged on the oldest readable one: a corrupt file can move the
+    # restore back to any of them, so refuse only when even the oldest leaves no step to train
+    oldest = newest
+    for path in candidates:
+        try:
+            oldest = read_manifest(path)
+            break
+        except CheckpointError:
+            continue
     step = int(oldest.get("step", 0))
     if step >= cfg.train.steps:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
 
 
 def _ensure_ray(cfg: RunConfig) -> bool:
-    """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here."""
+    """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here.
+
+    `address="local"` always starts a new cluster: a bare `ray.init()` would join a cluster that
+    `ray start` left on this machine instead (and refuse the `num_cpus` given here).
+    """
     import ray
 
     if ray.is_initialized():
@@ -119,7 +141,7 @@ def _ensure_ray(cfg: RunConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=cfg.cluster.namespace)
     else:
-        ray.init(num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
+        ray.init(address="local", num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
                  include_dashboard=False, namespace=cfg.cluster.namespace)
     return True
 

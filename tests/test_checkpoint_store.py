@@ -1,8 +1,17 @@
-import numpy as np
-import pytest
+import json
+import os
+import time
+from datetime import datetime, timezone
 
-from elixir_ray.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+from pyarrow._fs import _MockFileSystem
+
+from elixir_ray.checkpoint import (CheckpointError, check_compatible, delete_checkpoint, list_checkpoints,
+                                   load_checkpoint, read_manifest, save_checkpoint)
 from elixir_ray.checkpoint import safetensors_io
+from elixir_ray.checkpoint.store import _list, _load_checkpoint, write_checkpoint
 
 
 def _tensors(seed=0):
@@ -61,3 +70,142 @@ def test_uncommitted_checkpoints_are_invisible(tmp_path):
     (uri / ".tmp-step-00000009-abcd").mkdir(parents=True)
     (uri / "step-00000010").mkdir()  # no manifest: a crash mid-write on a non-atomic store
     assert list_checkpoints(str(uri)) == []
+
+
+def test_a_checkpoint_with_extra_model_tensors_is_refused():
+    """A bigger model's checkpoint (more layers) has every tensor the model needs and then some."""
+    manifest = {"tensors": {"model/w": {"shape": [3, 4]}, "model/b": {"shape": [4]},
+                            "model/blocks.2.w": {"shape": [4]}, "model/blocks.3.w": {"shape": [4]},
+                            "optim/w/exp_avg": {"shape": [3, 4]}, "rng/state": {"shape": [16]}}}
+    with pytest.raises(CheckpointError, match=r"it has tensor 'model/blocks.2.w', which this model does not have"):
+        check_compatible(manifest, {"model/w": (3, 4), "model/b": (4,)})
+    # only the model's own namespace is compared: optimizer moments and RNG state are not model tensors
+    check_compatible(manifest, {"model/w": (3, 4), "model/b": (4,), "model/blocks.2.w": (4,),
+                                "model/blocks.3.w": (4,)})
+
+
+def test_a_manifest_without_its_fields_is_unreadable(tmp_path):
+    uri = str(tmp_path / "ck")
+    path = save_checkpoint(uri, 1, _tensors(), {})
+    (tmp_path / "ck" / "step-00000001" / "manifest.json").write_text(
+        json.dumps({"format": "elixir_ray.checkpoint/1", "step": 1}))
+    with pytest.raises(CheckpointError, match="without its step, files or tensors"):
+        read_manifest(path)
+
+
+class ObjectStoreHandler(pafs.FileSystemHandler):
+    """pyarrow's in-memory filesystem with an object store's `move`: Arrow's S3FileSystem::Move copies
+    one object and deletes it ("We don't implement moving directories", arrow/filesystem/s3fs.cc), so
+    moving a directory fails there; GCS is the same. Everything else is the real mock filesystem."""
+
+    def __init__(self):
+        self.fs = _MockFileSystem(datetime.now(timezone.utc))
+
+    def get_type_name(self):
+        return "object-store"
+
+    def move(self, src, dest):
+        if self.fs.get_file_info(src).type == pafs.FileType.Directory:
+            raise OSError(f"moving directories is not supported: {src}")
+        self.fs.move(src, dest)
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        self.fs.delete_dir_contents("", accept_root_dir=True)
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path):
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path):
+        return self.fs.open_input_file(path)
+
+    def open_output_stream(self, path, metadata):
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+
+def test_object_store_commits_by_writing_the_manifest_last():
+    """No directory rename on an object store: the parts go into step-*/ and the manifest commits them."""
+    fs = pafs.PyFileSystem(ObjectStoreHandler())
+    root = "bucket/run/checkpoints"
+    fs.create_dir(root, recursive=True)
+    for step in (1, 2):
+        path = write_checkpoint(fs, root, step, _tensors(step), {"samples_consumed": step * 8}, part_bytes=40)
+        assert path == f"{root}/step-{step:08d}"
+    # the same step written again replaces the earlier one (its parts, not only its manifest)
+    write_checkpoint(fs, root, 2, {"model/w": np.ones((2, 2), np.float32)}, {"samples_consumed": 99})
+    assert _list(fs, root) == [f"{root}/step-00000001", f"{root}/step-00000002"]
+    manifest, tensors = _load_checkpoint(fs, f"{root}/step-00000002", "step 2")
+    assert manifest["samples_consumed"] == 99 and list(tensors) == ["model/w"]
+    assert sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{root}/step-00000002"))) == \
+        ["manifest.json", "part-00000.safetensors"]
+    manifest, tensors = _load_checkpoint(fs, f"{root}/step-00000001", "step 1")
+    for k, v in _tensors(1).items():
+        np.testing.assert_array_equal(tensors[k], v)
+    assert not [i for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name.startswith(".tmp")]
+
+
+def test_a_failed_object_store_write_leaves_no_checkpoint():
+    fs = pafs.PyFileSystem(ObjectStoreHandler())
+    # the first part is written, the second cannot be encoded (safetensors has no complex dtype)
+    bad = {"model/a": np.zeros(3, np.float32), "model/z": np.zeros(3, np.complex64)}
+    with pytest.raises(TypeError, match="safetensors cannot store"):
+        write_checkpoint(fs, "bucket/ck", 3, bad, {}, part_bytes=8)
+    assert _list(fs, "bucket/ck") == []
+    assert fs.get_file_info("bucket/ck/step-00000003").type == pafs.FileType.NotFound
+
+
+def test_stale_temporary_directories_are_removed_on_save(tmp_path):
+    """A crashed save's `.tmp-step-*` is removed once it is old; one being written right now is kept."""
+    root = tmp_path / "ck"
+    crashed = root / ".tmp-step-00000009-abcd1234"
+    crashed.mkdir(parents=True)
+    (crashed / "part-00000.safetensors").write_bytes(b"half")
+    busy = root / ".tmp-step-00000010-abcd1234"  # an old directory whose part is being written now
+    busy.mkdir()
+    (busy / "part-00000.safetensors").write_bytes(b"being written")
+    two_hours_ago = time.time() - 2 * 3600
+    for p in (crashed / "part-00000.safetensors", crashed, busy):
+        os.utime(p, (two_hours_ago, two_hours_ago))
+    save_checkpoint(str(root), 11, _tensors(), {})
+    assert not crashed.exists(), "a crashed save's leftover stays forever"
+    assert busy.exists(), "a save in progress lost its directory"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp")] == [busy.name]
+    assert [os.path.basename(p) for p in list_checkpoints(str(root))] == ["step-00000011"]
+
+
+def test_checkpoint_uris_keep_their_scheme(tmp_path):
+    """Listed checkpoints of a URI are URIs: an object store's path (bucket/key) is not a local path."""
+    uri = f"file://{tmp_path}/ck"
+    saved = save_checkpoint(uri, 1, _tensors(), {})
+    found = list_checkpoints(uri)
+    assert found == [saved] == [f"{uri}/step-00000001"]
+    manifest, _ = load_checkpoint(found[0])
+    assert manifest["step"] == 1
+    delete_checkpoint(found[0])
+    assert list_checkpoints(uri) == [] and not (tmp_path / "ck" / "step-00000001").exists()

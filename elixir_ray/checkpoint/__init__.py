@@ -3,6 +3,7 @@
 from elixir_ray.checkpoint.store import (
     CheckpointError,
     check_compatible,
+    delete_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_first_valid,
@@ -11,5 +12,5 @@ from elixir_ray.checkpoint.store import (
     save_checkpoint,
 )
 
-__all__ = ["CheckpointError", "check_compatible", "list_checkpoints", "load_checkpoint", "load_first_valid",
-           "load_newest_valid", "read_manifest", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_compatible", "delete_checkpoint", "list_checkpoints", "load_checkpoint",
+           "load_first_valid", "load_newest_valid", "read_manifest", "save_checkpoint"]

@@ -6,9 +6,12 @@ Layout under the checkpoint URI:
     step-00000100/part-00000.safetensors full tensors, split into files of at most ~1 GiB
 
 Tensors are whole (not per-rank shards), so a checkpoint restores onto any number of workers.
-A checkpoint is written into a hidden temporary directory, manifest last, then renamed into
-place; readers only pick up `step-*` directories that hold a manifest, so a crash or a full disk
-mid-write never yields a checkpoint that looks complete.
+The manifest is written last and is the commit marker: readers only pick up `step-*` directories
+that hold one, so a crash or a full disk mid-write never yields a checkpoint that looks complete.
+On a local filesystem a checkpoint is written into a hidden `.tmp-step-*` directory and renamed
+into place. Object stores (s3://, gs://) cannot rename a directory (Arrow's S3 and GCS `move`
+handle single objects only), so there the parts go straight into `step-*/` and the manifest,
+one object written in a single atomic upload, commits them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import uuid
 import warnings
 from typing import Optional
@@ -28,6 +32,10 @@ from elixir_ray.checkpoint import safetensors_io
 
 FORMAT = "elixir_ray.checkpoint/1"
 PART_BYTES = 2**30
+TMP_PREFIX = ".tmp-step-"
+# A `.tmp-step-*` directory untouched for this long is a crashed save's leftover: a save in progress
+# writes one part file (at most ~1 GiB) after another, so its newest file is never nearly that old.
+STALE_TMP_SECONDS = 3600
 
 
 class CheckpointError(RuntimeError):
@@ -56,41 +64,105 @@ def save_checkpoint(uri: str, step: int, tensors: dict[str, np.ndarray], extra: 
     """Write the tensors and the manifest; returns the committed checkpoint's path."""
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
+    remove_stale_temporaries(fs, root)  # first: on a full disk, a crashed save's leftovers free the space
+    write_checkpoint(fs, root, step, tensors, extra, part_bytes)
+    if keep:
+        for old in _list(fs, root)[:-keep]:
+            _remove_checkpoint(fs, old)
+    return _as_uri(uri, root, f"{root}/{_step_dir(step)}")
+
+
+def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: dict[str, np.ndarray], extra: dict,
+                     part_bytes: int = PART_BYTES) -> str:
+    """Write and commit one checkpoint under `root` on `fs`; returns its path on `fs`.
+
+    A local filesystem renames a finished temporary directory into place. Elsewhere the directory
+    cannot be renamed, so the parts are written in place after the old manifest (if this step was
+    saved before) is deleted, and the manifest last: until it exists the directory is not a checkpoint.
+    """
     final = f"{root}/{_step_dir(step)}"
-    tmp = f"{root}/.tmp-{_step_dir(step)}-{uuid.uuid4().hex[:8]}"
-    fs.create_dir(tmp, recursive=True)
+    local = fs.type_name == "local"
+    work = f"{root}/{TMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}" if local else final
+    if not local:
+        _remove_checkpoint(fs, final)
+    fs.create_dir(work, recursive=True)
     try:
         files, entries = {}, {}
         for i, part in enumerate(_split(tensors, part_bytes)):
             name = f"part-{i:05d}.safetensors"
             payload = safetensors_io.encode(part)
-            with fs.open_output_stream(f"{tmp}/{name}") as out:
+            with fs.open_output_stream(f"{work}/{name}") as out:
                 out.write(payload)
             files[name] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
             for key, arr in part.items():
                 entries[key] = {"file": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
         manifest = {"format": FORMAT, "step": step, "files": files, "tensors": entries, **extra}
-        with fs.open_output_stream(f"{tmp}/manifest.json") as out:
+        with fs.open_output_stream(f"{work}/manifest.json") as out:
             out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-        if storage.exists(fs, final):
-            fs.delete_dir(final)
-        fs.move(tmp, final)
+        if local:
+            _remove_checkpoint(fs, final)
+            fs.move(work, final)
     except BaseException:
         try:
-            if storage.exists(fs, tmp):
-                fs.delete_dir(tmp)
+            if storage.exists(fs, work):
+                fs.delete_dir(work)
         except OSError:
-            pass  # the original error matters more; the temporary name is never picked up
+            pass  # the original error matters more; a directory without a manifest is never picked up
         raise
-    if keep:
-        for old in list_checkpoints(uri)[:-keep]:
-            fs.delete_dir(old)
-    return final if "://" not in uri else f"{uri.rstrip('/')}/{_step_dir(step)}"
+    return final
+
+
+def delete_checkpoint(path: str) -> None:
+    """Delete one committed checkpoint (a path or URI as `save_checkpoint` returns), manifest first."""
+    fs, root = storage.resolve(path)
+    _remove_checkpoint(fs, root)
+
+
+def _remove_checkpoint(fs: pafs.FileSystem, path: str) -> None:
+    """Delete one checkpoint directory, manifest first, so that no reader sees it half-deleted as committed
+    (deleting a directory is file by file, on an object store object by object in no set order)."""
+    if storage.exists(fs, f"{path}/manifest.json"):
+        fs.delete_file(f"{path}/manifest.json")
+    if storage.exists(fs, path):
+        fs.delete_dir(path)
+
+
+def remove_stale_temporaries(fs: pafs.FileSystem, root: str, max_age_s: float = STALE_TMP_SECONDS) -> list[str]:
+    """Delete the `.tmp-step-*` directories under `root` that crashed saves left behind; returns them.
+
+    Only one whose newest entry (the directory or any file in it) was modified more than `max_age_s`
+    ago: another process may be saving into the same root right now, and its directory is fresh.
+    Where the filesystem reports no modification times the directory is left alone. Failures are
+    ignored: a leftover is never read as a checkpoint, it only takes space.
+    """
+    cutoff_ns = time.time_ns() - int(max_age_s * 1e9)
+    removed = []
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError:
+        return removed
+    for info in infos:
+        if info.type != pafs.FileType.Directory or not os.path.basename(info.path).startswith(TMP_PREFIX):
+            continue
+        try:
+            inside = fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+            mtimes = [i.mtime_ns for i in (info, *inside) if i.mtime_ns is not None]
+            if mtimes and max(mtimes) < cutoff_ns:
+                fs.delete_dir(info.path)
+                removed.append(info.path)
+        except OSError:
+            continue  # e.g. another save removed it first
+    return removed
 
 
 def list_checkpoints(uri: str) -> list[str]:
-    """Committed checkpoints under uri, oldest first."""
+    """Committed checkpoints under uri, oldest first, as paths or URIs that the readers here accept."""
     fs, root = storage.resolve(uri)
+    return [_as_uri(uri, root, path) for path in _list(fs, root)]
+
+
+def _list(fs: pafs.FileSystem, root: str) -> list[str]:
+    """Committed checkpoints under root, as paths on fs."""
     if not storage.exists(fs, root):
         return []
     found = []
@@ -102,35 +174,56 @@ def list_checkpoints(uri: str) -> list[str]:
     return sorted(found)
 
 
+def _as_uri(uri: str, root: str, path: str) -> str:
+    """`path` (under `root`, as the filesystem names it) in the form of `uri`: a URI keeps its scheme,
+    since an object store's path (`bucket/key`) would otherwise be read back as a local path."""
+    if "://" not in uri:
+        return path
+    base, sep, query = uri.partition("?")  # s3://bucket/key?region=...: the options stay at the end
+    return base.rstrip("/") + path[len(root.rstrip("/")):] + sep + query
+
+
 def read_manifest(path: str) -> dict:
     fs, root = storage.resolve(path)
+    return _read_manifest(fs, root, path)
+
+
+def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
     try:
         with fs.open_input_stream(f"{root}/manifest.json") as f:
             manifest = json.loads(f.read())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path!r} has no readable manifest: {exc}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r} has format {manifest.get('format')!r}, expected {FORMAT}")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"checkpoint {shown!r} has format {found!r}, expected {FORMAT}")
+    if not (isinstance(manifest.get("files"), dict) and isinstance(manifest.get("tensors"), dict)
+            and isinstance(manifest.get("step"), int)):
+        raise CheckpointError(f"checkpoint {shown!r} has a manifest without its step, files or tensors")
     return manifest
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """Read and verify one checkpoint: every file's checksum must match its manifest entry."""
-    manifest = read_manifest(path)
     fs, root = storage.resolve(path)
+    return _load_checkpoint(fs, root, path)
+
+
+def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, dict[str, np.ndarray]]:
+    manifest = _read_manifest(fs, root, shown)
     tensors: dict[str, np.ndarray] = {}
     for name, info in manifest["files"].items():
         try:
             with fs.open_input_stream(f"{root}/{name}") as f:
                 payload = f.read()
         except OSError as exc:
-            raise CheckpointError(f"checkpoint {path!r}: cannot read {name}: {exc}") from None
+            raise CheckpointError(f"checkpoint {shown!r}: cannot read {name}: {exc}") from None
         if hashlib.sha256(payload).hexdigest() != info["sha256"]:
-            raise CheckpointError(f"checkpoint {path!r}: {name} does not match its checksum")
+            raise CheckpointError(f"checkpoint {shown!r}: {name} does not match its checksum")
         try:
             part, _ = safetensors_io.decode(payload)
         except ValueError as exc:
-            raise CheckpointError(f"checkpoint {path!r}: {name} is malformed: {exc}") from None
+            raise CheckpointError(f"checkpoint {shown!r}: {name} is malformed: {exc}") from None
         tensors.update(part)
     return manifest, tensors
 
@@ -160,7 +253,10 @@ def _is_checkpoint(uri: str) -> bool:
 
 
 def check_compatible(manifest: dict, expected: dict[str, tuple]) -> None:
-    """Refuse a checkpoint of another model: name the first tensor whose shape differs or is missing."""
+    """Refuse a checkpoint of another model: name the first tensor whose shape differs, that is missing,
+    or that the model does not have (a bigger model's extra layers would otherwise fail every worker's
+    restore). Only the namespaces `expected` covers (`model/` for `expected_checkpoint_shapes`) are
+    compared; optimizer moments and other state in the manifest are not the model's tensors."""
     found = manifest["tensors"]
     for name, shape in expected.items():
         if name not in found:
@@ -169,4 +265,11 @@ def check_compatible(manifest: dict, expected: dict[str, tuple]) -> None:
             raise CheckpointError(
                 f"checkpoint does not fit this model: {name!r} has shape {tuple(found[name]['shape'])} "
                 f"in the checkpoint but {tuple(shape)} in the model"
+            )
+    namespaces = {name.split("/", 1)[0] + "/" for name in expected}
+    for name in sorted(found):
+        if name.startswith(tuple(namespaces)) and name not in expected:
+            raise CheckpointError(
+                f"checkpoint does not fit this model: it has tensor {name!r}, which this model does not have "
+                f"(a checkpoint of a bigger model?)"
             )

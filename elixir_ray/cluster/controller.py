@@ -101,6 +101,7 @@ class TrainController:
         self.snapshots: list[Snapshot] = []  # newest last; older ones are dropped to free the store
         self.outcome = ControllerOutcome()
         self.persister: Optional[CheckpointPersister] = None
+        self._rendezvous_files: list[str] = []  # FileStore files of one-node groups, removed at teardown
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -201,6 +202,7 @@ class TrainController:
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
             if len(by_node) == 1:  # through a file on the node: no listening socket at all
                 path = self._get([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
+                self._rendezvous_files.append(path)
                 init_method = f"file://{path}"
             else:
                 addr = infos[0]["node_ip"]
@@ -363,6 +365,14 @@ class TrainController:
 
     def _teardown(self) -> None:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""
+        if self._rendezvous_files:  # best effort: any live worker of the node can remove them
+            for w in self.workers:
+                try:
+                    ray.get(w.remove_files.remote(self._rendezvous_files), timeout=5)
+                    self._rendezvous_files = []
+                    break
+                except Exception:  # that worker is gone: try the next
+                    continue
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

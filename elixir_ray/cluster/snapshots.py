@@ -21,8 +21,7 @@ from typing import Callable, Optional
 
 import ray
 
-from elixir_ray import storage
-from elixir_ray.checkpoint import save_checkpoint
+from elixir_ray.checkpoint import delete_checkpoint, save_checkpoint
 from elixir_ray.engine import assemble
 
 log = logging.getLogger("elixir_ray")
@@ -162,9 +161,7 @@ class CheckpointPersister:
         while len(self.committed) > self.keep:
             step, path = self.committed[0]
             try:
-                fs, root = storage.resolve(path)
-                if storage.exists(fs, root):
-                    fs.delete_dir(root)
+                delete_checkpoint(path)  # manifest first: never listed as committed half-deleted
             except (OSError, ValueError) as exc:
                 self._report(f"could not delete the old checkpoint of step {step} at {path}: {exc}")
                 return

@@ -71,6 +71,15 @@ class RankWorker:
         address it is given)."""
         return os.path.join(tempfile.gettempdir(), f"elixir_ray-{run_name}-{uuid.uuid4().hex}.store")
 
+    def remove_files(self, paths: list[str]) -> None:
+        """Delete rendezvous files of this node that no group uses any more (a group reads its file
+        until it is destroyed: the controller calls this before killing the workers)."""
+        for path in paths:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
     def free_port(self, bind_address: str) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((bind_address, 0))

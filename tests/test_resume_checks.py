@@ -1,0 +1,139 @@
+"""The driver's checks before a run starts: `--resume` (check_resume) and the embedded Ray cluster (_ensure_ray)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+
+from elixir_ray import ConfigError, train
+from elixir_ray.api import as_config, check_resume
+from elixir_ray.checkpoint import list_checkpoints, save_checkpoint
+from elixir_ray.model.factory import init_reference_model
+
+from conftest import tiny_config
+
+NO_DATA = "/nonexistent/tiny.arrow"  # check_resume reads only the model section; the data is not opened
+
+
+def _cfg(tmp_path, n_layers=2, steps=8, data=NO_DATA, **sections):
+    return as_config(tiny_config(data, tmp_path, model={"n_layers": n_layers}, train={"steps": steps}, **sections))
+
+
+def _save_model(uri, step, cfg):
+    """A real checkpoint of the configured model's initial weights, named as the trainer names them."""
+    tensors = {f"model/{k}": v.detach().numpy() for k, v in init_reference_model(cfg).state_dict().items()}
+    return save_checkpoint(uri, step, tensors, {"samples_consumed": step * 8})
+
+
+def _damage_manifest(checkpoint_path):
+    with open(os.path.join(checkpoint_path, "manifest.json"), "r+b") as f:
+        f.truncate(50)
+
+
+def test_a_damaged_newest_manifest_checks_the_previous_checkpoint(tmp_path):
+    """The restore falls back past a damaged checkpoint, so the driver's check must not refuse the directory."""
+    cfg = _cfg(tmp_path, steps=8)
+    root = str(tmp_path / "ck")
+    _save_model(root, 2, cfg)
+    _damage_manifest(_save_model(root, 4, cfg))
+    with pytest.warns(UserWarning, match=r"skipping checkpoint: .*step-00000004' has no readable manifest"):
+        check_resume(cfg, root)
+    # the previous one is the one checked: a checkpoint of another model there is refused
+    bigger = _cfg(tmp_path, n_layers=4)
+    shutil.rmtree(os.path.join(root, "step-00000002"))
+    _save_model(root, 2, bigger)
+    with pytest.warns(UserWarning, match="skipping checkpoint"), pytest.raises(ConfigError, match="blocks.2"):
+        check_resume(cfg, root)
+
+
+def test_a_directory_without_any_readable_manifest_is_refused(tmp_path):
+    cfg = _cfg(tmp_path)
+    root = str(tmp_path / "ck")
+    for step in (2, 4):
+        _damage_manifest(_save_model(root, step, cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the refusal says it all: no warnings beside it
+        with pytest.raises(ConfigError, match=r"step-00000004' has no readable manifest"):
+            check_resume(cfg, root)
+        with pytest.raises(ConfigError, match="has no readable manifest"):
+            check_resume(cfg, str(tmp_path / "nothing-here"))
+
+
+def test_nothing_left_to_train_is_judged_on_the_oldest_readable_checkpoint(tmp_path):
+    """A corrupt file can move the restore back to any readable checkpoint: refuse only if even the oldest
+    readable one leaves nothing to train, and name its step."""
+    cfg = _cfg(tmp_path, steps=4)
+    root = str(tmp_path / "ck")
+    _damage_manifest(_save_model(root, 2, cfg))
+    _save_model(root, 4, cfg)
+    _save_model(root, 6, cfg)
+    with pytest.raises(ConfigError, match=r"the checkpoint is at step 4, and train.steps=4"):
+        check_resume(cfg, root)
+    check_resume(_cfg(tmp_path, steps=5), root)  # step 4 leaves a step to train
+
+
+def test_a_checkpoint_of_a_bigger_model_is_refused_naming_its_extra_tensor(tmp_path):
+    """Every tensor of the 2-layer model is in a 4-layer checkpoint; the extra layers must still refuse it,
+    here, rather than fail every worker's restore."""
+    root = str(tmp_path / "ck")
+    _save_model(root, 2, _cfg(tmp_path, n_layers=4))
+    with pytest.raises(ConfigError, match=r"it has tensor 'model/blocks\.2\.[\w.]+', which this model does not have"):
+        check_resume(_cfg(tmp_path, n_layers=2), root)
+    # and a smaller model's checkpoint, as before, by the first tensor it lacks
+    with pytest.raises(ConfigError, match=r"it has no tensor 'model/blocks\.4\."):
+        check_resume(_cfg(tmp_path, n_layers=6), root)
+    check_resume(_cfg(tmp_path, n_layers=4), root)  # the same model fits
+
+
+ENSURE_RAY = """
+import json, ray
+from elixir_ray.api import _ensure_ray
+from elixir_ray.config import config_from_dict
+cfg = config_from_dict({"data": {"path": "x.arrow"}, "cluster": {"local_num_cpus": 1}})
+started = _ensure_ray(cfg)
+print(json.dumps({"started": started, "gcs": ray.get_runtime_context().gcs_address}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_without_ray_address_a_new_local_cluster_starts_beside_an_existing_one(ray_cluster):
+    """With RAY_ADDRESS unset a bare ray.init() joins the cluster `ray start` recorded on this machine and
+    refuses num_cpus there. A `ray start` cluster is recorded in <RAY_TMPDIR>/ray/ray_current_cluster:
+    a private RAY_TMPDIR naming the test session's cluster stands for one, touching no one else's."""
+    existing = ray_cluster.get_runtime_context().gcs_address
+    tmpdir = tempfile.mkdtemp(prefix="er-", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
+    try:
+        os.makedirs(os.path.join(tmpdir, "ray"))
+        with open(os.path.join(tmpdir, "ray", "ray_current_cluster"), "w") as f:
+            f.write(existing)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_TMPDIR"] = tmpdir
+        proc = subprocess.run([sys.executable, "-c", ENSURE_RAY], env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["started"] is True
+        assert out["gcs"] != existing
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_resume_past_a_damaged_newest_manifest_trains_from_the_previous_one(ray_cluster, tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "keep": 3})
+    first = train(cfg, progress=False)
+    root = os.path.dirname(first.checkpoint_uri)
+    assert [p[-8:] for p in list_checkpoints(root)] == ["00000002", "00000004"]
+    _damage_manifest(first.checkpoint_uri)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = train({**cfg, "name": "resumed", "train": {**cfg["train"], "steps": 6}}, progress=False,
+                        resume=root)
+    assert any("no readable manifest" in str(w.message) for w in caught)
+    assert resumed.metrics.column("step").to_pylist() == [3, 4, 5, 6]
