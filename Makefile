@@ -12,10 +12,16 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 PYTEST_ARGS ?=
+# The torch spec the venv was built with: a different TORCH_SPEC=... reinstalls.
+TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test clean FORCE
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(VENV)/.installed: pyproject.toml Makefile $(TORCH_STAMP)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

@@ -20,7 +20,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.errors import ConfigError, nothing_left_to_train
+from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, write_metrics
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
@@ -139,7 +139,13 @@ def _ensure_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(namespace=cfg.cluster.namespace)
+        try:
+            ray.init(namespace=cfg.cluster.namespace)
+        except (ValueError, ConnectionError) as exc:  # a bad or unreachable address: one line, not a traceback
+            first = str(exc).splitlines()[0]
+            raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}: {first} "
+                               f"(give the head's GCS address, host:6379, or unset RAY_ADDRESS for a local "
+                               f"cluster)") from None
     else:
         ray.init(address="local", num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
                  include_dashboard=False, namespace=cfg.cluster.namespace)

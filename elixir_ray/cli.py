@@ -56,7 +56,8 @@ def _cmd_plan(args) -> int:
             with open(args.hardware) as f:
                 hardware = HardwareProfile.from_json(f.read())
         except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"--hardware {args.hardware}: not a hardware profile ({type(exc).__name__}: {exc}); "
+            what = "cannot read it" if isinstance(exc, OSError) else "not a hardware profile"
+            raise ConfigError(f"--hardware {args.hardware}: {what} ({type(exc).__name__}: {exc}); "
                               f"write one with `elixir-ray plan CONFIG --save-hardware FILE` on the machine to "
                               f"plan for") from None
         source = f"rates from {args.hardware}"
@@ -75,7 +76,7 @@ def _cmd_plan(args) -> int:
           f"CPU AdamW {hardware.cpu_adam_params_per_s / 1e6:,.0f} M params/s"
           + (f" ({hardware.cpu_adam_low_grad_params_per_s / 1e6:,.0f} M from bf16 gradients)"
              if hardware.cpu_adam_low_grad_params_per_s else "")
-          + f", matmul {hardware.matmul_tflops:.1f} TFLOPS")
+          + f", matmul {hardware.matmul_tflops:.3g} TFLOPS")
     print(result.plan.explain())
     print()
     print(comparison_table(result))

@@ -15,5 +15,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Train under `ray job submit`.")
     parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--resume", metavar="CKPT_URI",
+                        help="continue a stopped run from a checkpoint, or the newest valid one in a directory")
     args = parser.parse_args()
-    sys.exit(main(["train", args.config, *sum((["--set", s] for s in args.set), [])]))
+    argv = ["train", args.config, *sum((["--set", s] for s in args.set), [])]
+    sys.exit(main(argv + (["--resume", args.resume] if args.resume else [])))

@@ -231,7 +231,7 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     (["--device-memory", "12XB"], "--device-memory: expected a size"),
     (["--host-memory", "lots"], "--host-memory: expected a size"),
     (["--world-size", "0"], "--world-size: expected a whole number of at least 1"),
-    (["--hardware", "missing.json"], "--hardware missing.json: not a hardware profile (FileNotFoundError"),
+    (["--hardware", "missing.json"], "--hardware missing.json: cannot read it (FileNotFoundError"),
     (["--hardware", "jobs/configs/tiny.yaml"], "not a hardware profile (JSONDecodeError"),
 ])
 def test_cli_plan_refuses_bad_flags_in_one_line_before_planning(flags, message, capsys):

@@ -97,3 +97,18 @@ def test_vocabulary_smaller_than_the_data_is_refused(ray_cluster, tiny_dataset, 
     cfg = tiny_config(tiny_dataset, tmp_path)
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train({**cfg, "model": {**cfg["model"], "vocab_size": 100}}, progress=False)
+
+
+def test_a_ray_address_that_is_not_a_cluster_is_one_line(tiny_dataset, tmp_path):
+    """RAY_ADDRESS set to the job server's http:// address (as for `ray job submit`): one line naming
+    the variable, not Ray's traceback."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_ADDRESS": "http://127.0.0.1:8265"}
+    proc = subprocess.run([sys.executable, "-m", "elixir_ray", "train", "jobs/configs/tiny.yaml", "--quiet",
+                           "--set", f"data.path={tiny_dataset}", "--set", f"output_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot join the Ray cluster at RAY_ADDRESS='http://127.0.0.1:8265'" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -49,7 +49,7 @@ class HardwareProfile:
         return (f"rates ({self.device_name or self.device}): host->device {self.h2d_gbps:.1f} GB/s, "
                 f"device->host {self.d2h_gbps:.1f} GB/s, CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G "
                 f"params/s{low} ({self.cpu_threads} CPU threads), device AdamW "
-                f"{self.device_adam_params_per_s / 1e9:.1f} G params/s, matmul {self.matmul_tflops:.1f} TFLOPS"
+                f"{self.device_adam_params_per_s / 1e9:.1f} G params/s, matmul {self.matmul_tflops:.3g} TFLOPS"
                 + (f", between ranks {self.collective_gbps:.1f} GB/s" if self.collective_gbps else ""))
 
     def to_json(self) -> str:

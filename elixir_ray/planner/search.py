@@ -382,7 +382,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
                      (f", {len(timing.estimated)} estimated from FLOPs or bytes ({', '.join(estimated[:4])})"
                       if estimated else ""))
     else:
-        notes.append(f"compute: traced FLOPs at {hw.matmul_tflops:.1f} TFLOPS (planned away from the device; "
+        notes.append(f"compute: traced FLOPs at {hw.matmul_tflops:.3g} TFLOPS (planned away from the device; "
                      f"memory-bound kernels not counted)")
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
