@@ -12,7 +12,8 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 PYTEST_ARGS ?=
-# The torch spec the venv was built with: a different TORCH_SPEC=... reinstalls.
+# The torch spec the venv was built with: a different pinned TORCH_SPEC=torch==X reinstalls (an
+# unpinned `torch` keeps whatever torch is installed: pip sees it satisfied).
 TORCH_STAMP := $(VENV)/.torch-spec
 
 .PHONY: venv demo test clean FORCE

@@ -197,3 +197,13 @@ def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_datase
     wide = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a not in loopback]
     assert not wide, f"listening beyond loopback: {wide}"
     assert any(opened.values()), opened  # gloo's own sockets, on loopback: the probe does see sockets
+
+
+def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():
+    """A '#' or '?' in the name would end the file:// URL's path, and every try would share one file."""
+    from urllib.parse import urlparse
+
+    paths = {RankWorker.rendezvous_file(None, "exp#1?x=y") for _ in range(2)}
+    assert len(paths) == 2
+    for path in paths:
+        assert urlparse(f"file://{path}").path == path and "exp_1_x_y" in path

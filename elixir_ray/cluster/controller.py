@@ -37,6 +37,11 @@ from elixir_ray.profile import WorkerProfile
 log = logging.getLogger("elixir_ray")
 
 NAME_RELEASE_S = 10.0  # how long a restart waits for a killed worker's actor name to be free again
+NAME_GRACE_S = 2.0  # a first attempt's wait: a resubmitted run's crashed driver may still hold the names
+# The slowest a rank is granted for copying its training state out at a snapshot (12 bytes per
+# parameter: fp32 weights and two AdamW moments), on top of fault.detect_timeout_s: a large model's
+# copy-out is minutes of work, not a stall.
+SNAPSHOT_BYTES_PER_S = 256 * 2**20
 
 
 class RunState(enum.Enum):
@@ -174,7 +179,7 @@ class TrainController:
             num_gpus=1 if self.shape.use_gpu else 0, max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle))
         # after a restart the killed rank's name may take a moment to be released
-        deadline = time.monotonic() + (NAME_RELEASE_S if self.outcome.restarts else 0)
+        deadline = time.monotonic() + (NAME_RELEASE_S if self.outcome.restarts else NAME_GRACE_S)
         while True:
             try:
                 return options.remote(config, rank, self.shape.num_workers)
@@ -312,7 +317,7 @@ class TrainController:
         with a hole queued for the persister. The shards stay on the workers' nodes."""
         start = time.monotonic()
         pairs = [w.state_shard.remote() for w in self.workers]
-        headers = self._get([h for h, _ in pairs], "taking a snapshot", timeout=self.cfg.fault.detect_timeout_s)
+        headers = self._get([h for h, _ in pairs], "taking a snapshot", timeout=self._snapshot_timeout())
         shards = [s for _, s in pairs]
         ray.wait(shards, num_returns=len(shards), fetch_local=False)  # ready with their headers; not pulled here
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
@@ -325,6 +330,13 @@ class TrainController:
         self.snapshots = self.snapshots[-1:] + [snap]
         self.persister.submit(snap)
         self.outcome.final_step = snap.step
+
+    def _snapshot_timeout(self) -> float:
+        """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S
+        (every parameter counted on every rank: replicated chunks are whole on each)."""
+        engine = (self.outcome.plan.engine if self.outcome.plan else None) or {}
+        params = sum(engine.get("chunk_numels") or []) or engine.get("chunk_size", 0) * len(engine.get("placements", []))
+        return self.cfg.fault.detect_timeout_s + 12 * params / SNAPSHOT_BYTES_PER_S
 
     def _wait_for_workers(self) -> WorkerShape:
         """Wait for the full set of workers; with fault.elastic, settle for as many as fit."""
@@ -365,13 +377,18 @@ class TrainController:
 
     def _teardown(self) -> None:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""
-        if self._rendezvous_files:  # best effort: any live worker of the node can remove them
-            for w in self.workers:
+        if self._rendezvous_files and self.workers:  # best effort: any live worker of the node can remove them
+            calls = [w.remove_files.remote(self._rendezvous_files) for w in self.workers]
+            remaining = calls
+            deadline = time.monotonic() + 5
+            while remaining and time.monotonic() < deadline:  # the first that succeeds is enough
+                done, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                 try:
-                    ray.get(w.remove_files.remote(self._rendezvous_files), timeout=5)
-                    self._rendezvous_files = []
-                    break
-                except Exception:  # that worker is gone: try the next
+                    if done:
+                        ray.get(done)
+                        self._rendezvous_files = []
+                        break
+                except Exception:  # that worker is gone: wait for another
                     continue
         for w in self.workers:
             try:

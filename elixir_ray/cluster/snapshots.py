@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import ray
 
-from elixir_ray.checkpoint import delete_checkpoint, save_checkpoint
+from elixir_ray.checkpoint import CheckpointError, delete_checkpoint, read_manifest, save_checkpoint
 from elixir_ray.engine import assemble
 
 log = logging.getLogger("elixir_ray")
@@ -35,6 +35,14 @@ OBJECT_GONE = (
     ray.exceptions.RayActorError,
 )
 FETCH_TIMEOUT_S = 600.0  # joining a large model's shards across nodes is minutes of copying, not a loss
+
+
+def _readable(path: str) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
 
 
 def join_shards(results: list[dict]) -> dict:
@@ -150,6 +158,8 @@ class CheckpointPersister:
             self.committed = [(step, p) for step, p in self.committed if p != path] + [(snap.step, path)]
             log.info("persisted step %d to %s in %.2fs", snap.step, path, time.monotonic() - start)
         except Exception as exc:  # a full disk or an unwritable URI must not stop training
+            # a failed rewrite of a step committed before (after a restart) may have deleted that commit
+            self.committed = [(step, p) for step, p in self.committed if step != snap.step or _readable(p)]
             self._report(f"could not persist the checkpoint of step {snap.step} to {self.uri}: {exc}")
             return
         self._prune()

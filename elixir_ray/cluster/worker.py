@@ -10,6 +10,7 @@ device 0, about half a GiB of another rank's GPU).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -25,6 +26,9 @@ from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.profile import WorkerProfile, profile_worker
 from elixir_ray.trainer import DTYPES, RankTrainer
+
+
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
 
 def worker_actor_name(run_name: str, rank: int) -> str:
@@ -69,7 +73,8 @@ class RankWorker:
         """A fresh path on this node for a FileStore rendezvous: ranks on one node meet through a file
         and open no listening socket (torch's TCPStore listens on every interface, whatever the
         address it is given)."""
-        return os.path.join(tempfile.gettempdir(), f"elixir_ray-{run_name}-{uuid.uuid4().hex}.store")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)  # a '#' or '?' would end the file:// URL's path
+        return os.path.join(tempfile.gettempdir(), f"elixir_ray-{safe}-{uuid.uuid4().hex}.store")
 
     def remove_files(self, paths: list[str]) -> None:
         """Delete rendezvous files of this node that no group uses any more (a group reads its file
@@ -92,6 +97,11 @@ class RankWorker:
             dist.destroy_process_group()
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if init_method.startswith("file://"):
+            # one node: gloo's pairs and NCCL's bootstrap listen where the hostname resolves (the
+            # container's or the machine's address) unless told the interface; loopback is enough
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=self.rank,
             world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
