@@ -121,9 +121,10 @@ class RankTrainer:
             "samples_consumed": self.state.samples_consumed,
         }
 
-    def state_shard(self) -> dict[str, np.ndarray]:
-        """This rank's part of the training state: its chunk slices, step counts and RNG."""
-        out = engine_shard(self.model, self.optimizer)
+    def state_shard(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """This rank's part of the training state: its chunk slices, step counts and RNG (views of the
+        host state with `copy=False`, see `engine_shard`)."""
+        out = engine_shard(self.model, self.optimizer, copy=copy)
         out["rng/torch_cpu"] = torch.get_rng_state().numpy()
         if self.device.type == "cuda":
             out["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()

@@ -22,7 +22,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -46,20 +46,24 @@ def _step_dir(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _split(tensors: dict[str, np.ndarray], part_bytes: int) -> list[dict[str, np.ndarray]]:
-    parts: list[dict[str, np.ndarray]] = [{}]
+def _split(tensors: Mapping[str, np.ndarray], part_bytes: int) -> list[list[str]]:
+    """Tensor names, in files of at most `part_bytes` (or one tensor). A mapping that joins each
+    tensor when it is read (`engine.JoinedState`) says its sizes through `nbytes_of`, so that only one
+    part's tensors are ever in memory at once."""
+    nbytes_of = getattr(tensors, "nbytes_of", None) or (lambda name: tensors[name].nbytes)
+    parts: list[list[str]] = [[]]
     size = 0
     for name in sorted(tensors):
-        arr = tensors[name]
-        if parts[-1] and size + arr.nbytes > part_bytes:
-            parts.append({})
+        nbytes = nbytes_of(name)
+        if parts[-1] and size + nbytes > part_bytes:
+            parts.append([])
             size = 0
-        parts[-1][name] = arr
-        size += arr.nbytes
+        parts[-1].append(name)
+        size += nbytes
     return parts
 
 
-def save_checkpoint(uri: str, step: int, tensors: dict[str, np.ndarray], extra: dict,
+def save_checkpoint(uri: str, step: int, tensors: Mapping[str, np.ndarray], extra: dict,
                     keep: Optional[int] = None, part_bytes: int = PART_BYTES) -> str:
     """Write the tensors and the manifest; returns the committed checkpoint's path."""
     fs, root = storage.resolve(uri)
@@ -72,7 +76,7 @@ def save_checkpoint(uri: str, step: int, tensors: dict[str, np.ndarray], extra: 
     return _as_uri(uri, root, f"{root}/{_step_dir(step)}")
 
 
-def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: dict[str, np.ndarray], extra: dict,
+def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping[str, np.ndarray], extra: dict,
                      part_bytes: int = PART_BYTES) -> str:
     """Write and commit one checkpoint under `root` on `fs`; returns its path on `fs`.
 
@@ -88,14 +92,17 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: dict[st
     fs.create_dir(work, recursive=True)
     try:
         files, entries = {}, {}
-        for i, part in enumerate(_split(tensors, part_bytes)):
+        for i, names in enumerate(_split(tensors, part_bytes)):
             name = f"part-{i:05d}.safetensors"
+            part = {key: tensors[key] for key in names}
+            for key, arr in part.items():
+                entries[key] = {"file": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
             payload = safetensors_io.encode(part)
+            part = arr = None  # this part's tensors go before the next part's are joined
             with fs.open_output_stream(f"{work}/{name}") as out:
                 out.write(payload)
             files[name] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
-            for key, arr in part.items():
-                entries[key] = {"file": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
+            payload = None
         manifest = {"format": FORMAT, "step": step, "files": files, "tensors": entries, **extra}
         with fs.open_output_stream(f"{work}/manifest.json") as out:
             out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())

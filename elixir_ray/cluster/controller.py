@@ -107,6 +107,7 @@ class TrainController:
         self.outcome = ControllerOutcome()
         self.persister: Optional[CheckpointPersister] = None
         self._rendezvous_files: list[str] = []  # FileStore files of one-node groups, removed at teardown
+        self._on_driver_node = False  # every worker runs on the driver's node (set at rendezvous)
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -193,6 +194,8 @@ class TrainController:
 
     def _rendezvous(self) -> None:
         infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info")
+        driver_node = ray.get_runtime_context().get_node_id()
+        self._on_driver_node = all(info["node_id"] == driver_node for info in infos)
         # Every rank on a node sees all of that node's GPUs; local rank = order within the node.
         by_node: dict[str, list[int]] = {}
         for rank, info in enumerate(infos):
@@ -325,9 +328,12 @@ class TrainController:
             raise WorkerGroupFailure("taking a snapshot", f"the ranks are at different steps: {headers}")
         plan = self.outcome.plan
         snap = Snapshot(step=headers[0]["step"], samples_consumed=headers[0]["samples_consumed"], worker_refs=shards,
+                        on_driver_node=self._on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
                                "world_size": self.shape.num_workers})
-        self.snapshots = self.snapshots[-1:] + [snap]
+        # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
+        # driver's node both would be lost together, so one is enough (a whole state less in memory)
+        self.snapshots = [snap] if self._on_driver_node else self.snapshots[-1:] + [snap]
         self.persister.submit(snap)
         self.outcome.final_step = snap.step
 

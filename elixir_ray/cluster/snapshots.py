@@ -17,12 +17,12 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import ray
 
 from elixir_ray.checkpoint import CheckpointError, delete_checkpoint, read_manifest, save_checkpoint
-from elixir_ray.engine import assemble
+from elixir_ray.engine import JoinedState
 
 log = logging.getLogger("elixir_ray")
 
@@ -45,14 +45,14 @@ def _readable(path: str) -> bool:
         return False
 
 
-def join_shards(results: list[dict]) -> dict:
-    """Whole tensors from the workers' `state_shard` results (rank order)."""
-    tensors = assemble([r["tensors"] for r in results], results[0]["layout"])
+def join_shards(results: list[dict]) -> JoinedState:
+    """Whole tensors from the workers' `state_shard` results (rank order), each joined when read."""
+    rng = {}
     for rank, r in enumerate(results):  # each rank's random streams, restored per rank
         for key in ("rng/torch_cpu", "rng/torch_cuda"):
             if key in r["tensors"]:
-                tensors[f"rng/rank{rank}/{key.split('/')[1]}"] = r["tensors"][key]
-    return tensors
+                rng[f"rng/rank{rank}/{key.split('/')[1]}"] = r["tensors"][key]
+    return JoinedState([r["tensors"] for r in results], results[0]["layout"], extra=rng)
 
 
 @dataclass
@@ -61,25 +61,26 @@ class Snapshot:
     samples_consumed: int
     extra: dict  # what the manifest records beside the tensors (plan, config, world size)
     worker_refs: list  # each worker's state_shard result: driver-owned, stored on that worker's node
-    driver_ref: Optional[ray.ObjectRef] = None  # the joined whole tensors, on the driver's node
+    # the same shards copied to the driver's node (so the snapshot outlives a worker's node); None
+    # until the persister makes them, and never when every shard is on the driver's node already
+    driver_refs: Optional[list] = None
+    on_driver_node: bool = False  # every worker ran on the driver's node: no copy is worth making
     taken_at: float = field(default_factory=time.time)
 
-    def fetch(self, timeout_s: float = FETCH_TIMEOUT_S) -> Optional[dict]:
-        """Whole tensors, from the driver's copy or else the workers' shards; None if they are gone."""
-        # the persister sets driver_ref and then empties worker_refs: read them in the other order
+    def fetch(self, timeout_s: float = FETCH_TIMEOUT_S) -> Optional[Mapping]:
+        """Whole tensors (joined as each is read), from the driver's copies or else the workers'
+        shards; None if they are gone."""
+        # the persister sets driver_refs and then empties worker_refs: read them in the other order
         worker_refs = self.worker_refs
-        driver_ref = self.driver_ref
-        if driver_ref is not None:
+        driver_refs = self.driver_refs
+        for refs in (driver_refs, worker_refs):
+            if not refs:
+                continue
             try:
-                return ray.get(driver_ref, timeout=timeout_s)
-            except OBJECT_GONE:
-                pass
-        if not worker_refs:
-            return None
-        try:
-            return join_shards(ray.get(worker_refs, timeout=timeout_s))
-        except (*OBJECT_GONE, ray.exceptions.RayTaskError):  # a rank failed to make its shard: no snapshot
-            return None
+                return join_shards(ray.get(refs, timeout=timeout_s))
+            except (*OBJECT_GONE, ray.exceptions.RayTaskError):  # gone, or a rank failed to make its shard
+                continue
+        return None
 
 
 class CheckpointPersister:
@@ -143,13 +144,19 @@ class CheckpointPersister:
                     self._cond.notify_all()
 
     def _persist(self, snap: Snapshot) -> None:
+        if snap.driver_refs is None and not snap.on_driver_node:
+            # one shard at a time, so the driver's node holds at most one shard beyond the copies
+            try:
+                copies = [ray.put(ray.get(ref, timeout=FETCH_TIMEOUT_S)) for ref in snap.worker_refs]
+            except (*OBJECT_GONE, ray.exceptions.RayTaskError):
+                copies = None
+            if copies is not None:
+                snap.driver_refs = copies
+                snap.worker_refs = []  # the copies supersede the shards: free them
         tensors = snap.fetch()
         if tensors is None:
             self._report(f"checkpoint of step {snap.step} was lost from the object store before it was persisted")
             return
-        if snap.driver_ref is None:
-            snap.driver_ref = ray.put(tensors)
-            snap.worker_refs = []  # the joined copy supersedes the shards: free them
         try:
             start = time.monotonic()
             path = save_checkpoint(self.uri, snap.step, tensors, {"samples_consumed": snap.samples_consumed,

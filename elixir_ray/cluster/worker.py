@@ -162,7 +162,10 @@ class RankWorker:
         assert self.trainer is not None
         self._use_device()
         header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
-        return header, {"tensors": self.trainer.state_shard(),
+        # views of the host state, not copies (12 bytes per parameter): Ray serialises the returns
+        # into the object store before this call completes, and no step runs until the driver has
+        # read the header, which is only after that
+        return header, {"tensors": self.trainer.state_shard(copy=False),
                         "layout": self.trainer.layout() if self.rank == 0 else None}
 
     def shutdown(self) -> None:

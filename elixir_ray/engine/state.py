@@ -9,6 +9,9 @@ joins the ranks' shards into whole tensors named as the trainer's checkpoints na
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -35,16 +38,25 @@ def layout_of(model: ChunkedModule) -> dict:
 
 
 @torch.no_grad()
-def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam) -> dict[str, np.ndarray]:
-    """This rank's slices; no collective, so every rank can hand its own part over independently."""
+def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam, copy: bool = True) -> dict[str, np.ndarray]:
+    """This rank's slices; no collective, so every rank can hand its own part over independently.
+
+    `copy=False` returns views of the live host state where it is on the host (12 bytes per
+    parameter not duplicated): only for a caller that is done with them before training goes on,
+    such as an actor method whose return Ray serialises before the call completes."""
     with model.store.on_device():
         model.store.settle_all()  # updates still running on the background thread finish first
+
+    def host(t: torch.Tensor) -> np.ndarray:
+        array = t.detach().cpu().numpy()  # a device tensor's .cpu() is a copy already
+        return array.copy() if copy and t.device.type == "cpu" else array
+
     out: dict[str, np.ndarray] = {}
     for c in model.store.chunks:
-        out[f"chunk/{c.index}/master"] = c.master.detach().cpu().numpy().copy()
+        out[f"chunk/{c.index}/master"] = host(c.master)
         if c.exp_avg is not None:
-            out[f"chunk/{c.index}/exp_avg"] = c.exp_avg.detach().cpu().numpy().copy()
-            out[f"chunk/{c.index}/exp_avg_sq"] = c.exp_avg_sq.detach().cpu().numpy().copy()
+            out[f"chunk/{c.index}/exp_avg"] = host(c.exp_avg)
+            out[f"chunk/{c.index}/exp_avg_sq"] = host(c.exp_avg_sq)
     out["slots/step"] = np.asarray([s.step for s in model.slots], dtype=np.int64)
     if model.store.comm.rank == 0:
         for key, t in model.module.state_dict(keep_vars=True).items():
@@ -53,33 +65,80 @@ def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam) -> dict[str, np.n
     return out
 
 
+class JoinedState(Mapping):
+    """Whole tensors from every rank's shard (rank order), each joined only when it is read.
+
+    A checkpoint of a large model is several times the memory at hand if every tensor is joined at
+    once (12 bytes per parameter, beside the state training keeps): the writer reads one file's
+    worth at a time instead, and `nbytes_of` gives its sizes without joining. Every value read is a
+    fresh array, never a view of a shard (shards may be read-only object-store memory). `extra`
+    entries (per-rank random states) are served as they are.
+    """
+
+    def __init__(self, shards: list[dict[str, np.ndarray]], layout: dict, extra: Optional[dict] = None):
+        self.shards, self.layout, self.extra = shards, layout, dict(extra or {})
+        self._where: dict[str, tuple] = {}  # name -> ("slot", slot, kind) | ("step", value) | ("buffer", key)
+        steps = shards[0]["slots/step"]
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            for slot, step in zip(layout["slots"], steps):
+                if f"chunk/{slot['chunk']}/{kind}" not in shards[0]:
+                    continue
+                if kind == "master":
+                    for key in slot["keys"]:
+                        self._where[f"model/{key}"] = ("slot", slot, kind)
+                elif step > 0:
+                    self._where[f"optim/{slot['name']}/{kind}"] = ("slot", slot, kind)
+        for slot, step in zip(layout["slots"], steps):
+            if step > 0:
+                self._where[f"optim/{slot['name']}/step"] = ("step", float(step))
+        for key in layout["buffers"]:
+            self._where[f"model/{key}"] = ("buffer", key)
+
+    def __iter__(self):
+        yield from self._where
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return len(self._where) + len(self.extra)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where or name in self.extra
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.extra:
+            return self.extra[name]
+        where = self._where[name]
+        if where[0] == "step":
+            return np.asarray([where[1]], dtype=np.float32)
+        if where[0] == "buffer":
+            return np.array(self.shards[0][f"model/{where[1]}"])
+        return self._slot(where[1], where[2])
+
+    def nbytes_of(self, name: str) -> int:
+        if name in self.extra:
+            return self.extra[name].nbytes
+        where = self._where[name]
+        if where[0] == "step":
+            return 4
+        if where[0] == "buffer":
+            return self.shards[0][f"model/{where[1]}"].nbytes
+        return where[1]["numel"] * self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].itemsize
+
+    def _slot(self, slot: dict, kind: str) -> np.ndarray:
+        key = f"chunk/{slot['chunk']}/{kind}"
+        lo, hi = slot["offset"], slot["offset"] + slot["numel"]
+        info, world = self.layout["chunks"][slot["chunk"]], self.layout["world"]
+        if not (info["sharded"] and world > 1) or hi == lo:
+            return np.array(self.shards[0][key][lo:hi]).reshape(slot["shape"])
+        n = info["size"] // world  # each rank holds elements [rank * n, (rank + 1) * n)
+        pieces = [self.shards[r][key][max(lo, r * n) - r * n: min(hi, (r + 1) * n) - r * n]
+                  for r in range(lo // n, (hi - 1) // n + 1)]
+        return np.concatenate(pieces).reshape(slot["shape"])
+
+
 def assemble(shards: list[dict[str, np.ndarray]], layout: dict) -> dict[str, np.ndarray]:
     """Whole tensors from every rank's shard (rank order), for a world-size-independent checkpoint."""
-    out: dict[str, np.ndarray] = {}
-    steps = shards[0]["slots/step"]
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
-        full = {}
-        for i, info in enumerate(layout["chunks"]):
-            key = f"chunk/{i}/{kind}"
-            if key not in shards[0]:
-                continue
-            parts = [s[key] for s in shards] if info["sharded"] and layout["world"] > 1 else [shards[0][key]]
-            full[i] = np.concatenate(parts)
-        for slot, step in zip(layout["slots"], steps):
-            if slot["chunk"] not in full:
-                continue
-            value = full[slot["chunk"]][slot["offset"]: slot["offset"] + slot["numel"]].reshape(slot["shape"])
-            if kind == "master":
-                for key in slot["keys"]:
-                    out[f"model/{key}"] = value.copy()
-            elif step > 0:
-                out[f"optim/{slot['name']}/{kind}"] = value.copy()
-    for slot, step in zip(layout["slots"], steps):
-        if step > 0:
-            out[f"optim/{slot['name']}/step"] = np.asarray([float(step)], dtype=np.float32)
-    for key in layout["buffers"]:
-        out[f"model/{key}"] = shards[0][f"model/{key}"]
-    return out
+    return dict(JoinedState(shards, layout))
 
 
 @torch.no_grad()
