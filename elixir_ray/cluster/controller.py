@@ -250,18 +250,19 @@ class TrainController:
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
-        source, tensors, step, consumed = "scratch", None, 0, 0
+        source, tensors, step, consumed, shard_refs = "scratch", None, 0, 0, None
         for snap in reversed(self.snapshots):
-            tensors = snap.fetch()
-            if tensors is not None:
-                source, step, consumed = "object_store", snap.step, snap.samples_consumed
+            found = snap.live_shards()
+            if found is not None:  # the workers read the shards themselves: no second copy of the state
+                source, step, consumed, shard_refs = "object_store", snap.step, snap.samples_consumed, found[0]
+                del found
                 break
-        if tensors is None and (self.snapshots or self.outcome.restarts):
+        if shard_refs is None and (self.snapshots or self.outcome.restarts):
             found = self._newest_own_checkpoint()
             if found is not None:
                 _, manifest, tensors = found
                 source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
-        if tensors is None and self.resume is not None:
+        if shard_refs is None and tensors is None and self.resume is not None:
             found = load_newest_valid(self.resume.uri)
             if found is None:
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
@@ -269,7 +270,9 @@ class TrainController:
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
-        if tensors is not None:
+        if shard_refs is not None:
+            self._get([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers], "restoring state")
+        elif tensors is not None:
             tensors_ref = ray.put(tensors)
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step

@@ -70,6 +70,12 @@ class Snapshot:
     def fetch(self, timeout_s: float = FETCH_TIMEOUT_S) -> Optional[Mapping]:
         """Whole tensors (joined as each is read), from the driver's copies or else the workers'
         shards; None if they are gone."""
+        found = self.live_shards(timeout_s)
+        return join_shards(found[1]) if found is not None else None
+
+    def live_shards(self, timeout_s: float = FETCH_TIMEOUT_S) -> Optional[tuple[list, list]]:
+        """(refs, shards) of a copy that can still be read, the driver's first; None if both are gone.
+        A restore hands the refs to the workers, so the state is not put in the store once more."""
         # the persister sets driver_refs and then empties worker_refs: read them in the other order
         worker_refs = self.worker_refs
         driver_refs = self.driver_refs
@@ -77,7 +83,7 @@ class Snapshot:
             if not refs:
                 continue
             try:
-                return join_shards(ray.get(refs, timeout=timeout_s))
+                return refs, ray.get(refs, timeout=timeout_s)
             except (*OBJECT_GONE, ray.exceptions.RayTaskError):  # gone, or a rank failed to make its shard
                 continue
         return None

@@ -154,6 +154,13 @@ class RankWorker:
         self._use_device()
         self.trainer.load_state_tensors(tensors, step, samples_consumed)
 
+    def load_shards(self, shard_refs: list, step: int, samples_consumed: int) -> None:
+        """Restore from a snapshot's shards (any number of ranks made them), read from the object
+        store here rather than joined and put there again by the driver."""
+        from elixir_ray.cluster.snapshots import join_shards
+
+        self.load_state(join_shards(ray.get(shard_refs)), step, samples_consumed)
+
     @ray.method(num_returns=2)
     def state_shard(self) -> tuple[dict, dict]:
         """(header, shard): this rank's step and data position, and its part of the training state as
