@@ -211,3 +211,19 @@ def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():
     assert len(paths) == 2
     for path in paths:
         assert urlparse(f"file://{path}").path == path and "exp_1_x_y" in path
+
+
+def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_cluster, tiny_dataset, tmp_path,
+                                                                           monkeypatch, caplog):
+    """Workers in containers of their own (a Ray image_uri) have a /tmp each: rank 1 here does not see
+    rank 0's rendezvous file, so the group forms through a TCP store on 127.0.0.1 instead of timing out."""
+
+    class OwnTmp(RankWorker):
+        def sees_file(self, path):
+            return self.rank == 0 and super().sees_file(path)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(OwnTmp))
+    with caplog.at_level("WARNING", logger="elixir_ray"):
+        result = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    assert "meeting through a TCP store on 127.0.0.1" in caplog.text
+    assert _steps(result) == [1] and not result.restarts

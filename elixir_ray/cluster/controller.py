@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -212,6 +213,12 @@ class TrainController:
                 path = self._get([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
                 self._rendezvous_files.append(path)
                 init_method = f"file://{path}"
+                if not all(self._get([w.sees_file.remote(path) for w in self.workers], "checking the file")):
+                    # ranks in containers of their own share no temp directory: a TCP store on loopback
+                    port = self._get([self.workers[0].free_port.remote("127.0.0.1")], "probing a port")[0]
+                    init_method = f"tcp://127.0.0.1:{port}"
+                    log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
+                                "(it listens on every interface)", os.path.dirname(path), port)
             else:
                 addr = infos[0]["node_ip"]
                 port = self._get([self.workers[0].free_port.remote(addr)], "probing a port")[0]

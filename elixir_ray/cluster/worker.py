@@ -74,7 +74,13 @@ class RankWorker:
         and open no listening socket (torch's TCPStore listens on every interface, whatever the
         address it is given)."""
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)  # a '#' or '?' would end the file:// URL's path
-        return os.path.join(tempfile.gettempdir(), f"elixir_ray-{safe}-{uuid.uuid4().hex}.store")
+        path = os.path.join(tempfile.gettempdir(), f"elixir_ray-{safe}-{uuid.uuid4().hex}.store")
+        open(path, "x").close()  # made here, so the other ranks can tell whether they see this directory
+        return path
+
+    def sees_file(self, path: str) -> bool:
+        """Whether this rank sees `path` (ranks in containers of their own have a /tmp each)."""
+        return os.path.exists(path)
 
     def remove_files(self, paths: list[str]) -> None:
         """Delete rendezvous files of this node that no group uses any more (a group reads its file
