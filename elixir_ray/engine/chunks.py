@@ -74,6 +74,7 @@ class ParamSlot:
     group: int = 0  # optimizer param group
     step: int = 0  # AdamW updates applied to this parameter
     has_grad: bool = False  # received a gradient since the last zero_grad (on any rank)
+    had_grad: bool = False  # updated since the last zero_grad(set_to_none=True): torch would keep a zero .grad
 
 
 @dataclass

@@ -36,16 +36,30 @@ from elixir_ray.engine.pool import ChunkPool
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 HYPER = ("lr", "betas", "eps", "weight_decay")
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
 
 
 def check_optimizer(optimizer) -> None:
+    """Refuse, before anything is built, what the engine would otherwise train differently from torch."""
     if not isinstance(optimizer, SUPPORTED):
         raise TypeError(f"elixir_ray.wrap supports torch.optim.AdamW and torch.optim.Adam, "
                         f"got {type(optimizer).__name__}")
     for group in optimizer.param_groups:
-        for key in ("amsgrad", "maximize"):
+        for key in UNSUPPORTED_FLAGS:
             if group.get(key):
-                raise TypeError(f"elixir_ray.wrap does not support {type(optimizer).__name__}({key}=True)")
+                raise TypeError(f"elixir_ray.wrap does not support {type(optimizer).__name__}({key}=True): "
+                                f"pass {key}=False (the default)")
+    if optimizer.state:
+        raise ValueError(f"the optimizer already has state for {len(optimizer.state)} parameter(s) (it has "
+                         f"stepped, or loaded a state dict): the engine keeps its own AdamW state and would start "
+                         f"it afresh. Wrap a new optimizer, and restore a run with load_engine_state")
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is listed twice in the optimizer's param "
+                                 f"groups (torch would update it twice per step): list each parameter once")
+            seen.add(id(p))
 
 
 def updates_start_in_backward(accumulation_steps: Optional[int], max_grad_norm: Optional[float],
@@ -138,6 +152,12 @@ class ChunkedAdam:
         group_of = {id(p): i for i, g in enumerate(base.param_groups) for p in g["params"]}
         for s in slots:
             s.group = group_of.get(id(s.param), -1)  # -1: not in the optimizer, never updated
+        self._n_groups = len(base.param_groups)
+        # gradients are collected only for parameters trainable at wrap (their hooks are set then)
+        self._frozen_at_wrap = [s for s in slots if not s.param.requires_grad]
+        # zero_grad(set_to_none=False) keeps zero gradients, which torch's AdamW still applies to a
+        # parameter that gets no gradient in a step; the engine refuses that step instead
+        self._zeros_kept = False
         host = [c.index for c in store.chunks if c.placement == "host"]
         self.dos_chunks = {i for k, i in enumerate(host) if dos_gap > 0 and k % dos_gap == dos_gap - 1}
         self.last_grad_norm: Optional[float] = None
@@ -165,7 +185,38 @@ class ChunkedAdam:
         for c in self.store.chunks:
             c.grad = None  # a running update holds its own reference to the gradient it reads
         for s in self.slots:
+            if set_to_none:
+                s.had_grad = False
             s.has_grad = False
+        self._zeros_kept = not set_to_none
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("elixir_ray's optimizer cannot take a param group after wrap (its parameters are "
+                           "already packed into chunks): build the optimizer with every group, then wrap")
+
+    def _check_unchanged(self) -> None:
+        """What changed since wrap that the engine would silently train differently from torch."""
+        if len(self.param_groups) != self._n_groups:
+            raise RuntimeError(f"the optimizer has {len(self.param_groups)} param groups, but it had {self._n_groups} "
+                               f"at wrap: build the optimizer with every group, then wrap")
+        for group in self.param_groups:
+            for key in UNSUPPORTED_FLAGS:
+                if group.get(key):
+                    raise RuntimeError(f"{key}=True was set on a param group after wrap, which elixir_ray does not "
+                                       f"support: keep {key}=False")
+        for s in self._frozen_at_wrap:
+            if s.param.requires_grad:
+                raise RuntimeError(f"parameter {s.name!r} was frozen (requires_grad=False) at wrap and is trainable "
+                                   f"now: the engine collects gradients only for parameters trainable at wrap. Set "
+                                   f"requires_grad before wrap (freeze after wrap instead, which works)")
+        if self._zeros_kept:
+            for s in self.slots:
+                if s.had_grad and not s.has_grad and s.group >= 0 and s.param.requires_grad:
+                    raise RuntimeError(
+                        f"parameter {s.name!r} got no gradient in this step but kept a zero one from "
+                        f"zero_grad(set_to_none=False): torch's AdamW would still move it (momentum, weight decay), "
+                        f"elixir_ray updates only parameters with a gradient. Use zero_grad() (set_to_none=True, "
+                        f"torch's default)")
 
     # -- called by the engine's hooks -------------------------------------------------------------
 
@@ -193,7 +244,12 @@ class ChunkedAdam:
     # -- the step ---------------------------------------------------------------------------------
 
     def _hyper_parameters(self) -> tuple:
-        return tuple(tuple(tuple(g[k]) if k == "betas" else g[k] for k in HYPER) for g in self.param_groups)
+        """The values now (a tensor lr that a scheduler changes in place is the same object, so it is read)."""
+        def value(v):
+            return float(v) if isinstance(v, torch.Tensor) else v
+
+        return tuple(tuple(tuple(map(value, g[k])) if k == "betas" else value(g[k]) for k in HYPER)
+                     for g in self.param_groups)
 
     def _grad_norm_sq(self) -> float:
         """Sum of squared gradients over the whole model: sharded parts add up across ranks.
@@ -246,6 +302,7 @@ class ChunkedAdam:
             # asynchronously: wait until they have landed. Otherwise each update waits for its own
             # chunk's copy (the background thread on its event, a device update on the stream).
             self.store.wait_for_copies()
+        self._check_unchanged()
         if self._started_with is not None and self._started_with != self._hyper_parameters():
             raise RuntimeError(
                 "the learning rate (or another Adam hyper-parameter) changed between backward() and "
@@ -302,6 +359,7 @@ class ChunkedAdam:
         for slot in c.slots:  # every rank counts every parameter's steps, whichever ranks hold its slices
             if slot.group >= 0 and slot.has_grad and slot.param.requires_grad:
                 slot.step += 1
+                slot.had_grad = True
         return calls
 
     def _start(self, c: Chunk) -> None:

@@ -133,6 +133,20 @@ def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
     write_slot(c, c.master, slot, flat)
 
 
+def _check_parameter_dtypes(module: nn.Module) -> None:
+    """Every parameter becomes a view of a chunk in one compute dtype (fp32 masters beside it): a model
+    whose parameters differ in dtype, or are float64, would silently run in another precision."""
+    counts: dict = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    if len(counts) > 1 or torch.float64 in counts:
+        found = ", ".join(f"{n} {str(d).replace('torch.', '')}" for d, n in counts.items())
+        raise ValueError(f"the module's parameters are {found}: the engine keeps every parameter in one compute "
+                         f"dtype (wrap's dtype=) with fp32 master weights. Convert the module first "
+                         f"(module.float()), and choose the compute precision with dtype=")
+
+
 def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Optional[tuple] = None,
          device_memory: Union[int, str, None] = None, plan: Optional[Plan] = None,
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
@@ -146,6 +160,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     is how many traced accesses ahead the pool loads chunks (0: only on demand).
     """
     check_optimizer(optimizer)
+    _check_parameter_dtypes(module)
     if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
                          f"or None, got {accumulation_steps!r}")

@@ -1,0 +1,128 @@
+"""What the engine would otherwise train differently from plain torch, silently: each is refused with
+what to change, at wrap when it can be seen there, else at the optimizer step where it matters.
+
+Found by training the engine beside torch AdamW on the kinds of loops users write (fp32 on the CPU,
+evictions forced): before these checks each case trained on without an error and drifted from torch
+by 0.02 to 0.5 in the parameters.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from elixir_ray.engine import manual_plan, wrap
+from engine_models import Routed, Toy, batches
+
+
+def _wrapped(module, optimizer, data, **kwargs):
+    sample = (data[0],)
+    return wrap(module, optimizer, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu",
+                **kwargs)
+
+
+def test_an_optimizer_that_has_stepped_is_refused_at_wrap():
+    """Its AdamW moments and step counts would be dropped: bias correction would start again."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    module(data[0]).backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"already has state for \d+ parameter\(s\).*Wrap a new optimizer"):
+        _wrapped(module, opt, data)
+
+
+def test_a_parameter_listed_twice_is_refused_at_wrap():
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    params = list(module.parameters())
+    opt = torch.optim.AdamW([{"params": params + params[:1]}])
+    with pytest.raises(ValueError, match="listed twice in the optimizer's param groups"):
+        _wrapped(module, opt, data)
+
+
+@pytest.mark.parametrize("change", ["float64", "mixed"])
+def test_parameters_of_another_dtype_are_refused_at_wrap(change):
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    if change == "float64":
+        module.double()
+    else:
+        module.l1.double()
+    with pytest.raises(ValueError, match=r"float64.*Convert the module first \(module.float\(\)\)"):
+        _wrapped(module, torch.optim.AdamW(module.parameters()), data)
+
+
+def test_amsgrad_is_refused_with_what_to_pass():
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    with pytest.raises(TypeError, match=r"AdamW\(amsgrad=True\): pass amsgrad=False \(the default\)"):
+        _wrapped(module, torch.optim.AdamW(module.parameters(), amsgrad=True), data)
+
+
+def _one_step(model, opt, batch):
+    model(batch).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "add_group", "maximize"])
+def test_changes_after_wrap_that_torch_would_honour_are_refused_at_the_step(change):
+    torch.manual_seed(0)
+    module, data = Toy(), batches(3, 4)
+    module.l1.weight.requires_grad_(False)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    base = torch.optim.AdamW(trainable[:-1], lr=1e-2)
+    model, opt = _wrapped(module, base, data)
+    _one_step(model, opt, data[0])
+    opt.zero_grad()
+    if change == "unfreeze":
+        module.l1.weight.requires_grad_(True)
+        message = "'l1.weight' was frozen .* at wrap and is trainable now"
+    elif change == "add_group":
+        base.add_param_group({"params": trainable[-1:]})
+        message = "has 2 param groups, but it had 1 at wrap"
+    else:
+        base.param_groups[0]["maximize"] = True
+        message = "maximize=True was set on a param group after wrap"
+    with pytest.raises(RuntimeError, match=message):
+        _one_step(model, opt, data[1])
+    with pytest.raises(RuntimeError, match="cannot take a param group after wrap"):
+        opt.add_param_group({"params": []})
+
+
+def test_kept_zero_gradients_of_a_parameter_unused_in_a_step_are_refused():
+    """torch keeps a zero .grad after zero_grad(set_to_none=False), so AdamW still moves a parameter that
+    got no gradient (momentum, weight decay); the engine updates only parameters with a gradient."""
+    torch.manual_seed(0)
+    module = Routed()
+    data = batches(3, 8, seed=6)
+    data[0][0, :4] = data[0][0, :4] // 2 * 2  # every expert in the first step
+    data[1][0, :4] = torch.tensor([2, 1, 1, 1])  # expert 0 only in the second
+    data[2] = data[0].clone()
+    reference = copy.deepcopy(module)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # every parameter used: kept zero gradients change nothing, and the engine trains like torch
+    _one_step(model, opt, data[0])
+    opt.zero_grad(set_to_none=False)
+    _one_step(reference, ref_opt, data[0])
+    ref_opt.zero_grad(set_to_none=False)
+    _one_step(model, opt, data[2])
+    _one_step(reference, ref_opt, data[2])
+    ref_state = reference.state_dict()
+    assert max((v - ref_state[k]).abs().max().item() for k, v in model.state_dict().items()) < 1e-5
+    opt.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match=r"'experts\.1\..*' got no gradient in this step but kept a zero one"):
+        _one_step(model, opt, data[1])
+
+
+def test_a_tensor_learning_rate_changed_in_place_after_backward_is_refused():
+    """A scheduler edits a tensor lr in place: the same object, so the value is what is compared."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    base = torch.optim.AdamW(module.parameters(), lr=torch.tensor(1e-2))
+    model, opt = _wrapped(module, base, data, accumulation_steps=1)
+    model(data[0]).backward()  # the host chunks' updates start here, with lr 1e-2
+    base.param_groups[0]["lr"].fill_(5e-3)
+    with pytest.raises(RuntimeError, match="changed between backward"):
+        opt.step()
