@@ -126,3 +126,18 @@ def test_a_tensor_learning_rate_changed_in_place_after_backward_is_refused():
     base.param_groups[0]["lr"].fill_(5e-3)
     with pytest.raises(RuntimeError, match="changed between backward"):
         opt.step()
+
+
+def test_stepping_the_original_optimizer_is_refused():
+    """It would find no gradients (they live in chunks) and silently do nothing."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    base = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    model, opt = _wrapped(module, base, data)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(base, lambda step: 0.5)  # schedulers keep working on it
+    model(data[0]).backward()
+    with pytest.raises(RuntimeError, match="step the optimizer wrap returned"):
+        base.step()
+    opt.step()
+    scheduler.step()
+    assert base.param_groups[0]["lr"] == pytest.approx(5e-3)

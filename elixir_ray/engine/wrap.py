@@ -244,7 +244,15 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
+    optimizer.register_step_pre_hook(_refuse_original_step)
     return model, chunked_optimizer
+
+
+def _refuse_original_step(optimizer, args, kwargs):
+    """The original optimizer's step would find no gradients (they live in chunks) and do nothing."""
+    raise RuntimeError(f"this {type(optimizer).__name__} was given to elixir_ray.wrap: step the optimizer wrap "
+                       f"returned (model, optimizer = elixir_ray.wrap(...)); this one only holds the param groups "
+                       f"it reads (learning-rate schedulers may keep using it)")
 
 
 @torch.no_grad()
