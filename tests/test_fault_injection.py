@@ -208,9 +208,10 @@ def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():
     from urllib.parse import urlparse
 
     paths = {RankWorker.rendezvous_file(None, "exp#1?x=y") for _ in range(2)}
+    RankWorker.remove_files(None, list(paths))
     assert len(paths) == 2
     for path in paths:
-        assert urlparse(f"file://{path}").path == path and "exp_1_x_y" in path
+        assert urlparse(f"file://{path}").path == path and "exp_1_x_y" in path and not os.path.exists(path)
 
 
 def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_cluster, tiny_dataset, tmp_path,
