@@ -394,18 +394,17 @@ class TrainController:
     def _teardown(self) -> None:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""
         if self._rendezvous_files and self.workers:  # best effort: any live worker of the node can remove them
-            calls = [w.remove_files.remote(self._rendezvous_files) for w in self.workers]
-            remaining = calls
+            remaining = [w.remove_files.remote(self._rendezvous_files) for w in self.workers]
             deadline = time.monotonic() + 5
             while remaining and time.monotonic() < deadline:  # the first that succeeds is enough
                 done, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                 try:
-                    if done:
-                        ray.get(done)
-                        self._rendezvous_files = []
-                        break
+                    ray.get(done)
                 except Exception:  # that worker is gone: wait for another
                     continue
+                if done:
+                    self._rendezvous_files = []
+                    break
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

@@ -39,16 +39,20 @@ HYPER = ("lr", "betas", "eps", "weight_decay")
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
 
 
+def unsupported_flag(param_groups: list) -> Optional[str]:
+    """The first of UNSUPPORTED_FLAGS set on any group, else None."""
+    return next((key for group in param_groups for key in UNSUPPORTED_FLAGS if group.get(key)), None)
+
+
 def check_optimizer(optimizer) -> None:
     """Refuse, before anything is built, what the engine would otherwise train differently from torch."""
     if not isinstance(optimizer, SUPPORTED):
         raise TypeError(f"elixir_ray.wrap supports torch.optim.AdamW and torch.optim.Adam, "
                         f"got {type(optimizer).__name__}")
-    for group in optimizer.param_groups:
-        for key in UNSUPPORTED_FLAGS:
-            if group.get(key):
-                raise TypeError(f"elixir_ray.wrap does not support {type(optimizer).__name__}({key}=True): "
-                                f"pass {key}=False (the default)")
+    key = unsupported_flag(optimizer.param_groups)
+    if key:
+        raise TypeError(f"elixir_ray.wrap does not support {type(optimizer).__name__}({key}=True): "
+                        f"pass {key}=False (the default)")
     if optimizer.state:
         raise ValueError(f"the optimizer already has state for {len(optimizer.state)} parameter(s) (it has "
                          f"stepped, or loaded a state dict): the engine keeps its own AdamW state and would start "
@@ -199,11 +203,10 @@ class ChunkedAdam:
         if len(self.param_groups) != self._n_groups:
             raise RuntimeError(f"the optimizer has {len(self.param_groups)} param groups, but it had {self._n_groups} "
                                f"at wrap: build the optimizer with every group, then wrap")
-        for group in self.param_groups:
-            for key in UNSUPPORTED_FLAGS:
-                if group.get(key):
-                    raise RuntimeError(f"{key}=True was set on a param group after wrap, which elixir_ray does not "
-                                       f"support: keep {key}=False")
+        key = unsupported_flag(self.param_groups)
+        if key:
+            raise RuntimeError(f"{key}=True was set on a param group after wrap, which elixir_ray does not "
+                               f"support: keep {key}=False")
         for s in self._frozen_at_wrap:
             if s.param.requires_grad:
                 raise RuntimeError(f"parameter {s.name!r} was frozen (requires_grad=False) at wrap and is trainable "
