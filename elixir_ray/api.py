@@ -39,6 +39,7 @@ class Result:
     restarts: list = dataclasses.field(default_factory=list)  # RestartRecord per recovery
     persist_errors: list = dataclasses.field(default_factory=list)
     snapshot_stalls: list = dataclasses.field(default_factory=list)
+    checkpoint_via: str = ""  # "object_store" or "storage" (checkpoint.via, resolved)
 
     def summary(self) -> str:
         losses = self.metrics.column("loss").to_pylist()
@@ -191,4 +192,5 @@ def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
     storage.write_bytes_atomic(fs, f"{run_path}/plan.json", outcome.plan.to_json().encode())
     return Result(metrics=table, checkpoint_uri=outcome.checkpoint_uri, plan=outcome.plan, run_dir=run_dir,
                   metrics_uri=metrics_uri, seconds=seconds, restarts=outcome.restarts,
-                  persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls)
+                  persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
+                  checkpoint_via=outcome.checkpoint_via)

@@ -81,11 +81,18 @@ class EngineConfig:
     time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
 
 
+CHECKPOINT_VIA = ("auto", "object_store", "storage")
+
+
 @dataclass
 class CheckpointConfig:
     uri: Optional[str] = None  # default: <output_dir>/<name>/checkpoints
     every_steps: int = 0  # 0: only the final checkpoint
     keep: int = 2
+    # how a checkpoint leaves the workers: "object_store" (a snapshot there, persisted in the
+    # background), "storage" (each worker writes its shard straight to `uri`), "auto" (the object
+    # store unless the state is more than half of it)
+    via: str = "auto"
 
 
 @dataclass
@@ -308,6 +315,9 @@ def validate(cfg: RunConfig) -> None:
     if ck.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 saves only at the end), got {ck.every_steps}")
     _positive("checkpoint.keep", ck.keep)
+    if ck.via not in CHECKPOINT_VIA:
+        raise ConfigError(f"checkpoint.via must be {', '.join(CHECKPOINT_VIA[:-1])} or {CHECKPOINT_VIA[-1]}, "
+                          f"got {ck.via!r}")
     f = cfg.fault
     if f.max_restarts < 0:
         raise ConfigError(f"fault.max_restarts must be >= 0, got {f.max_restarts}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -21,13 +22,21 @@ def exists(fs: pafs.FileSystem, path: str) -> bool:
 
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
     """Write under a temporary name in the same directory, then rename over the target."""
+    with atomic_output(fs, path) as out:
+        out.write(payload)
+
+
+@contextlib.contextmanager
+def atomic_output(fs: pafs.FileSystem, path: str):
+    """An output stream to a temporary name in the same directory, renamed over `path` when the
+    block completes; on any error the temporary is removed and `path` is untouched."""
     parent = os.path.dirname(path)
     if parent:
         fs.create_dir(parent, recursive=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temp_sibling(path)
     try:
         with fs.open_output_stream(tmp) as out:
-            out.write(payload)
+            yield out
         fs.move(tmp, path)
     except BaseException:
         if exists(fs, tmp):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.engine import Plan, engine_shard, layout_of, load_engine_state, wrap
+from elixir_ray.engine import EngineShard, Plan, engine_shard, layout_of, load_engine_state, wrap
 from elixir_ray.model.factory import build_model, init_fn_for, sample_batch
 from elixir_ray.run_plan import RunPlan
 
@@ -121,10 +121,11 @@ class RankTrainer:
             "samples_consumed": self.state.samples_consumed,
         }
 
-    def state_shard(self, copy: bool = True) -> dict[str, np.ndarray]:
+    def state_shard(self, copy: bool = True, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """This rank's part of the training state: its chunk slices, step counts and RNG (views of the
-        host state with `copy=False`, see `engine_shard`)."""
-        out = engine_shard(self.model, self.optimizer, copy=copy)
+        host state with `copy=False`, see `engine_shard`; with `lazy`, each chunk's arrays are made
+        when read, see `EngineShard`)."""
+        out = EngineShard(self.model, copy=copy) if lazy else engine_shard(self.model, self.optimizer, copy=copy)
         out["rng/torch_cpu"] = torch.get_rng_state().numpy()
         if self.device.type == "cuda":
             out["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device).numpy()

@@ -272,3 +272,83 @@ def test_a_joined_state_is_written_one_part_at_a_time(tmp_path):
     _, back = load_checkpoint(path)
     assert sorted(back) == [f"t{i}" for i in range(6)] and all((back[f"t{i}"] == i).all() for i in range(6))
     assert len(read_manifest(path)["files"]) == 3
+
+
+def _two_rank_shards():
+    """Two ranks' shards of a sharded chunk (a [2, 3] weight across the boundary, a bias) and a
+    replicated one, as `engine_shard` gives them, with their layout."""
+    whole = np.arange(8, dtype=np.float32)
+    layout = {"world": 2, "chunks": [{"size": 8, "sharded": True}, {"size": 4, "sharded": False}],
+              "buffers": ["running"],
+              "slots": [{"name": "w", "keys": ["w"], "chunk": 0, "offset": 0, "numel": 6, "shape": [2, 3]},
+                        {"name": "b", "keys": ["b"], "chunk": 0, "offset": 6, "numel": 2, "shape": [2]},
+                        {"name": "v", "keys": ["v", "tied.v"], "chunk": 1, "offset": 0, "numel": 4, "shape": [4]}]}
+    shards = [{"chunk/0/master": whole[r * 4:(r + 1) * 4].copy(), "chunk/0/exp_avg": -whole[r * 4:(r + 1) * 4],
+               "chunk/0/exp_avg_sq": whole[r * 4:(r + 1) * 4] ** 2, "chunk/1/master": np.full(4, 7.0, np.float32),
+               "slots/step": np.array([3, 3, 0]), "rng/torch_cpu": np.full(5, r, dtype=np.uint8)}
+              for r in range(2)]
+    shards[0]["model/running"] = np.ones(2, dtype=np.float32)
+    return shards, layout
+
+
+def test_a_checkpoint_the_ranks_write_reads_back_as_whole_tensors(tmp_path):
+    """checkpoint.via=storage: each rank writes its own files (tiny parts, so several each), the driver
+    commits them; a reader gets the same whole tensors as joining the shards in memory, each read
+    from the files only when used, and the same after pickling (as it reaches a restore's workers)."""
+    import pickle
+
+    from elixir_ray.checkpoint.shards import SHARDS_FORMAT, join_rank_shards, write_rank_shard
+    from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
+
+    shards, layout = _two_rank_shards()
+    uri = str(tmp_path / "ck")
+    work = begin_checkpoint(uri, 4)
+    assert os.path.basename(work).startswith(".tmp-step-") and list_checkpoints(uri) == []
+    files = {}
+    for rank, shard in enumerate(shards):
+        files.update(write_rank_shard(work, rank, shard, part_bytes=16))
+    assert len(files) > 4 and {info["rank"] for info in files.values()} == {0, 1}
+    path = commit_checkpoint(uri, 4, work, files, layout, 2, {"samples_consumed": 8})
+    assert list_checkpoints(uri) == [path] and not os.path.exists(work)
+    manifest = read_manifest(path)
+    assert manifest["format"] == SHARDS_FORMAT and manifest["samples_consumed"] == 8
+    assert manifest["tensors"]["model/w"] == {"shape": [2, 3], "dtype": "float32"}
+    expected = join_rank_shards(shards, layout)
+    _, back = load_checkpoint(path)
+    again = pickle.loads(pickle.dumps(back))
+    assert set(back) == set(expected) == set(again) and "rng/rank1/torch_cpu" in back
+    for name in expected:
+        np.testing.assert_array_equal(back[name], expected[name])
+        np.testing.assert_array_equal(again[name], expected[name])
+    assert set(manifest["tensors"]) == set(expected)
+
+
+def test_a_worker_written_checkpoint_is_refused_when_damaged_or_incomplete(tmp_path):
+    """A shard file that does not match its checksum is refused on load; a commit that cannot find a
+    rank's file where the driver reads (a rank on another node writing to its own disk) commits
+    nothing and names the fix."""
+    from elixir_ray.checkpoint.shards import write_rank_shard
+    from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
+
+    shards, layout = _two_rank_shards()
+    uri = str(tmp_path / "ck")
+    work = begin_checkpoint(uri, 2)
+    files = {}
+    for rank, shard in enumerate(shards):
+        files.update(write_rank_shard(work, rank, shard))
+    path = commit_checkpoint(uri, 2, work, files, layout, 2, {"samples_consumed": 4})
+    victim = os.path.join(path, sorted(files)[-1])
+    data = bytearray(open(victim, "rb").read())
+    data[-1] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        load_checkpoint(path)
+
+    work = begin_checkpoint(uri, 3)
+    files = write_rank_shard(work, 0, shards[0])
+    elsewhere = str(tmp_path / "other-node")
+    os.makedirs(elsewhere)
+    files.update(write_rank_shard(elsewhere, 1, shards[1]))  # rank 1 wrote to a disk of its own
+    with pytest.raises(CheckpointError, match="not where the driver reads .*shared filesystem"):
+        commit_checkpoint(uri, 3, work, files, layout, 2, {"samples_consumed": 6})
+    assert [os.path.basename(p) for p in list_checkpoints(uri)] == ["step-00000002"] and not os.path.exists(work)

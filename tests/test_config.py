@@ -35,6 +35,7 @@ def test_explicit_fields_override_named_size():
     ({"cluster": {"num_workers": 0}}, "cluster.num_workers must be a positive number"),
     ({"model": {"activation_checkpointing": "some"}}, "model.activation_checkpointing must be true, false, selective"),
     ({"model": {"activation_checkpointing": None}}, "model.activation_checkpointing: expected true or false or a string"),
+    ({"checkpoint": {"via": "disk"}}, "checkpoint.via must be auto, object_store or storage, got 'disk'"),
 ])
 def test_bad_values_name_the_field(data, needle):
     with pytest.raises(ConfigError) as exc:

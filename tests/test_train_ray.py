@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from elixir_ray import ClusterError, ConfigError, train
+from elixir_ray import ConfigError, train
 from elixir_ray.api import as_config, check_data
 from elixir_ray.checkpoint import load_checkpoint
 from elixir_ray.cluster.worker import worker_actor_name

@@ -17,10 +17,14 @@ def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
     if found is None:
         raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}")
     path, manifest, tensors = found
-    model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-    if not model:
+    names = [k[len("model/"):] for k in tensors if k.startswith("model/")]
+    if not names:
         raise CheckpointError(f"checkpoint {path!r} holds no model tensors")
     metadata = {"format": "pt", "step": str(manifest["step"]), "source": path}
+    spec = safetensors_io.spec_of_mapping(tensors)
     fs, out_path = storage.resolve(out_uri)
-    storage.write_bytes_atomic(fs, out_path, safetensors_io.encode(model, metadata))
-    return path, len(model)
+    # streamed one tensor at a time (a large model's weights are never all in memory), under a
+    # temporary name renamed into place when complete
+    with storage.atomic_output(fs, out_path) as out:
+        safetensors_io.write(out, names, lambda k: tensors[f"model/{k}"], lambda k: spec(f"model/{k}"), metadata)
+    return path, len(names)

@@ -5,8 +5,11 @@ Loading can never run code (no pickle), and the files open in any safetensors re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from collections.abc import Mapping
+from typing import BinaryIO, Callable, Optional
 
 import numpy as np
 
@@ -18,24 +21,112 @@ _TO_CODE = {
 _FROM_CODE = {code: dtype for dtype, code in _TO_CODE.items()}
 
 
-def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+def _code(name: str, dtype: np.dtype) -> str:
+    if np.dtype(dtype) not in _TO_CODE:
+        raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+    return _TO_CODE[np.dtype(dtype)]
+
+
+def _head(specs: dict[str, tuple[tuple, np.dtype]], metadata: Optional[dict]) -> bytes:
     header: dict = {}
     offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _TO_CODE:
-            raise TypeError(f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot store")
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        header[name] = {"dtype": _TO_CODE[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
+    for name in sorted(specs):
+        shape, dtype = specs[name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _code(name, dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return b"".join([struct.pack("<Q", len(head)), head] + [a.tobytes() for a in arrays])
+    return struct.pack("<Q", len(head)) + head
+
+
+def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    arrays = {name: np.asarray(tensors[name]) for name in tensors}
+    head = _head({name: (a.shape, a.dtype) for name, a in arrays.items()}, metadata)
+    return b"".join([head] + [_little_endian(arrays[name]).tobytes() for name in sorted(arrays)])
+
+
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr)
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+
+
+def write(out: BinaryIO, names: list[str], get: Callable[[str], np.ndarray],
+          spec_of: Callable[[str], tuple[tuple, np.dtype]], metadata: Optional[dict] = None) -> tuple[str, int]:
+    """Stream one file of `names` to `out`, fetching each tensor with `get` only when its bytes are
+    written, so that a file's tensors are never all in memory at once (or joined before they are
+    needed). `spec_of` gives (shape, dtype) without the data, for the header. Returns the file's
+    sha256 (hex) and size in bytes."""
+    digest = hashlib.sha256()
+    specs = {name: (tuple(spec_of(name)[0]), np.dtype(spec_of(name)[1])) for name in names}
+    head = _head(specs, metadata)
+    digest.update(head)
+    out.write(head)
+    size = len(head)
+    for name in sorted(specs):
+        arr = _little_endian(np.asarray(get(name)))
+        if tuple(arr.shape) != specs[name][0] or arr.dtype != specs[name][1].newbyteorder("<"):
+            raise ValueError(f"tensor {name!r} is {arr.dtype}{list(arr.shape)}, but its header said "
+                             f"{specs[name][1]}{list(specs[name][0])}")
+        view = memoryview(arr.reshape(-1).view(np.uint8))
+        digest.update(view)
+        out.write(view)
+        size += arr.nbytes
+        arr = view = None
+    return digest.hexdigest(), size
+
+
+def spec_of_mapping(tensors: Mapping) -> Callable[[str], tuple[tuple, np.dtype]]:
+    """(shape, dtype) of each tensor, without joining it where the mapping can say (`spec_of`)."""
+    own = getattr(tensors, "spec_of", None)
+    if own is not None:
+        return own
+
+    def spec(name: str):
+        arr = np.asarray(tensors[name])
+        return arr.shape, arr.dtype
+    return spec
+
+
+def read_header(read_at: Callable[[int, int], bytes], size: int) -> tuple[dict, int]:
+    """A safetensors file's header through `read_at(nbytes, offset)`, and where its data starts;
+    bounds-checked like `decode`, so a lazy reader can trust the offsets."""
+    if size < 8:
+        raise ValueError("truncated safetensors file: no header length")
+    (n,) = struct.unpack("<Q", read_at(8, 0))
+    if 8 + n > size:
+        raise ValueError("truncated safetensors file: header runs past the end")
+    try:
+        header = json.loads(read_at(n, 8))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError("corrupt safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_entry(name, info, size - 8 - n)
+    return header, 8 + n
+
+
+def dtype_of(code: str) -> np.dtype:
+    return _FROM_CODE[code]
+
+
+def _check_entry(name: str, info: dict, data_len: int) -> np.dtype:
+    try:
+        start, end = info["data_offsets"]
+        dtype = _FROM_CODE.get(info["dtype"])
+        shape = [int(d) for d in info["shape"]]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"tensor {name!r} has a malformed header entry") from None
+    if dtype is None:
+        raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+    count = int(np.prod(shape)) if shape else 1
+    if not 0 <= start <= end <= data_len or end - start != count * dtype.itemsize:
+        raise ValueError(f"tensor {name!r} has offsets outside the file")
+    return dtype
 
 
 def decode(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -53,12 +144,7 @@ def decode(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     data = memoryview(payload)[8 + n:]
     out = {}
     for name, info in header.items():
+        dtype = _check_entry(name, info, len(data))
         start, end = info["data_offsets"]
-        dtype = _FROM_CODE.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
-        count = int(np.prod(info["shape"])) if info["shape"] else 1
-        if not 0 <= start <= end <= len(data) or end - start != count * dtype.itemsize:
-            raise ValueError(f"tensor {name!r} has offsets outside the file")
         out[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"])
     return out, metadata

@@ -12,6 +12,11 @@ On a local filesystem a checkpoint is written into a hidden `.tmp-step-*` direct
 into place. Object stores (s3://, gs://) cannot rename a directory (Arrow's S3 and GCS `move`
 handle single objects only), so there the parts go straight into `step-*/` and the manifest,
 one object written in a single atomic upload, commits them.
+
+A second kind of checkpoint (format 2, see `shards.py`) holds each rank's shard in files the
+workers wrote themselves, with the layout to join them; it is committed the same way (`begin_checkpoint`,
+then `commit_checkpoint` writes the manifest), and `load_checkpoint` serves it as whole tensors too,
+each read from the files only when it is used.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import pyarrow.fs as pafs
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
+from elixir_ray.checkpoint.shards import SHARDS_FORMAT, open_shards, split_parts, tensor_entries, verify_files
 
-FORMAT = "elixir_ray.checkpoint/1"
+FORMAT = "elixir_ray.checkpoint/1"  # whole tensors
+FORMATS = (FORMAT, SHARDS_FORMAT)
 PART_BYTES = 2**30
 TMP_PREFIX = ".tmp-step-"
 # A `.tmp-step-*` directory untouched for this long is a crashed save's leftover: a save in progress
@@ -44,23 +51,6 @@ class CheckpointError(RuntimeError):
 
 def _step_dir(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _split(tensors: Mapping[str, np.ndarray], part_bytes: int) -> list[list[str]]:
-    """Tensor names, in files of at most `part_bytes` (or one tensor). A mapping that joins each
-    tensor when it is read (`engine.JoinedState`) says its sizes through `nbytes_of`, so that only one
-    part's tensors are ever in memory at once."""
-    nbytes_of = getattr(tensors, "nbytes_of", None) or (lambda name: tensors[name].nbytes)
-    parts: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = nbytes_of(name)
-        if parts[-1] and size + nbytes > part_bytes:
-            parts.append([])
-            size = 0
-        parts[-1].append(name)
-        size += nbytes
-    return parts
 
 
 def save_checkpoint(uri: str, step: int, tensors: Mapping[str, np.ndarray], extra: dict,
@@ -92,17 +82,16 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
     fs.create_dir(work, recursive=True)
     try:
         files, entries = {}, {}
-        for i, names in enumerate(_split(tensors, part_bytes)):
+        spec = safetensors_io.spec_of_mapping(tensors)
+        for i, names in enumerate(split_parts(tensors, part_bytes)):
             name = f"part-{i:05d}.safetensors"
-            part = {key: tensors[key] for key in names}
-            for key, arr in part.items():
-                entries[key] = {"file": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
-            payload = safetensors_io.encode(part)
-            part = arr = None  # this part's tensors go before the next part's are joined
+            for key in names:
+                shape, dtype = spec(key)
+                entries[key] = {"file": name, "shape": list(shape), "dtype": str(np.dtype(dtype))}
+            # each tensor is joined (if `tensors` joins) just before its bytes are written
             with fs.open_output_stream(f"{work}/{name}") as out:
-                out.write(payload)
-            files[name] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
-            payload = None
+                sha256, nbytes = safetensors_io.write(out, names, tensors.__getitem__, spec)
+            files[name] = {"sha256": sha256, "bytes": nbytes}
         manifest = {"format": FORMAT, "step": step, "files": files, "tensors": entries, **extra}
         with fs.open_output_stream(f"{work}/manifest.json") as out:
             out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -117,6 +106,69 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
             pass  # the original error matters more; a directory without a manifest is never picked up
         raise
     return final
+
+
+def begin_checkpoint(uri: str, step: int) -> str:
+    """The directory (a path or URI the workers can open) into which the ranks write a step's shard
+    files; nothing there is a checkpoint until `commit_checkpoint`, and `abort_checkpoint` removes it."""
+    fs, root = storage.resolve(uri)
+    fs.create_dir(root, recursive=True)
+    remove_stale_temporaries(fs, root)
+    if fs.type_name == "local":
+        work = f"{root}/{TMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+    else:  # no directory rename: the parts go in place, the old manifest (a step written again) first
+        work = f"{root}/{_step_dir(step)}"
+        _remove_checkpoint(fs, work)
+    fs.create_dir(work, recursive=True)
+    return _as_uri(uri, root, work)
+
+
+def commit_checkpoint(uri: str, step: int, work_uri: str, files: dict[str, dict], layout: dict, world: int,
+                      extra: dict) -> str:
+    """Commit the shard files the ranks wrote into `work_uri` (`begin_checkpoint`): check that every
+    file is there at the size its rank wrote (ranks on another node writing to a local path of their
+    own would not be), list the whole tensors they hold, write the manifest last, and on a local
+    filesystem rename the directory into place. Returns the committed checkpoint's path or URI; on
+    any error nothing is committed and the directory is removed."""
+    fs, root = storage.resolve(uri)
+    _, work = storage.resolve(work_uri)
+    final = f"{root}/{_step_dir(step)}"
+    local = fs.type_name == "local"
+    try:
+        for name, info in sorted(files.items()):
+            found = fs.get_file_info(f"{work}/{name}")
+            if found.type == pafs.FileType.NotFound or found.size != info["bytes"]:
+                raise CheckpointError(
+                    f"rank {info['rank']}'s file {name} is not where the driver reads {uri!r}"
+                    + ("" if found.type == pafs.FileType.NotFound else f" at the size written ({found.size} of "
+                                                                        f"{info['bytes']} bytes)")
+                    + ": every worker must write to storage the driver reads too (a shared filesystem, or an "
+                      "object store URI such as s3://...)")
+        manifest = {"format": SHARDS_FORMAT, "step": step, "files": files,
+                    "shards": {"world": world, "layout": layout}, **extra}
+        try:
+            manifest["tensors"] = tensor_entries(open_shards(work_uri, manifest))
+        except ValueError as exc:
+            raise CheckpointError(f"the shard files of step {step} do not make a checkpoint: {exc}") from None
+        with fs.open_output_stream(f"{work}/manifest.json") as out:
+            out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+        if local:
+            _remove_checkpoint(fs, final)
+            fs.move(work, final)
+    except BaseException:
+        abort_checkpoint(work_uri)
+        raise
+    return _as_uri(uri, root, final)
+
+
+def abort_checkpoint(work_uri: str) -> None:
+    """Remove a directory `begin_checkpoint` made that will not be committed (best effort: a leftover
+    without a manifest is never read as a checkpoint, and stale temporaries are removed later)."""
+    try:
+        fs, work = storage.resolve(work_uri)
+        _remove_checkpoint(fs, work)
+    except OSError:
+        pass
 
 
 def delete_checkpoint(path: str) -> None:
@@ -201,23 +253,39 @@ def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
             manifest = json.loads(f.read())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"checkpoint {shown!r} has format {found!r}, expected {FORMAT}")
+        raise CheckpointError(f"checkpoint {shown!r} has format {found!r}, expected one of {', '.join(FORMATS)}")
     if not (isinstance(manifest.get("files"), dict) and isinstance(manifest.get("tensors"), dict)
             and isinstance(manifest.get("step"), int)):
         raise CheckpointError(f"checkpoint {shown!r} has a manifest without its step, files or tensors")
+    shards = manifest.get("shards")
+    if manifest["format"] == SHARDS_FORMAT and not (
+            isinstance(shards, dict) and isinstance(shards.get("world"), int) and shards["world"] >= 1
+            and isinstance(shards.get("layout"), dict)):
+        raise CheckpointError(f"checkpoint {shown!r} has a manifest without its shards' world size or layout")
     return manifest
 
 
-def load_checkpoint(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read and verify one checkpoint: every file's checksum must match its manifest entry."""
+def load_checkpoint(path: str) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """Read and verify one checkpoint: every file's checksum must match its manifest entry. Whole
+    tensors either way: a shards checkpoint's are joined from the files as each is read."""
     fs, root = storage.resolve(path)
     return _load_checkpoint(fs, root, path)
 
 
-def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, dict[str, np.ndarray]]:
+def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, Mapping[str, np.ndarray]]:
     manifest = _read_manifest(fs, root, shown)
+    if manifest["format"] == SHARDS_FORMAT:
+        # checked whole, streamed through sha256; then each tensor is read from the files when used
+        where = shown if "://" in shown else root  # absolute: the workers that read it have their own cwd
+        problem = verify_files(where, manifest["files"])
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {shown!r}: {problem}")
+        try:
+            return manifest, open_shards(where, manifest)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {shown!r}: its shard files are malformed: {exc}") from None
     tensors: dict[str, np.ndarray] = {}
     for name, info in manifest["files"].items():
         try:

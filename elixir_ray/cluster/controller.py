@@ -7,9 +7,11 @@
 
 Each state is one method; `run()` walks them and records every transition. Training runs in
 segments that end at checkpoint steps: a snapshot of the state goes to the object store (owned by
-the driver) and is persisted in the background. On a worker-group failure the group is killed,
-not drained, re-formed (fewer workers if `fault.elastic` allows), restored from the newest
-snapshot (object store first, durable storage when those objects are gone), and continues.
+the driver) and is persisted in the background, or, for a state too large for the object store
+(`checkpoint.via`), every worker writes its shard straight to durable storage while training waits.
+On a worker-group failure the group is killed, not drained, re-formed (fewer workers if
+`fault.elastic` allows), restored from the newest snapshot (object store first, durable storage
+when those objects are gone or were never made), and continues.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elixir_ray.checkpoint import load_first_valid, load_newest_valid
+from elixir_ray.checkpoint import CheckpointError, load_first_valid, load_newest_valid
+from elixir_ray.checkpoint.shards import SHARDS_FORMAT
+from elixir_ray.checkpoint.store import abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -43,6 +47,10 @@ NAME_GRACE_S = 2.0  # a first attempt's wait: a resubmitted run's crashed driver
 # parameter: fp32 weights and two AdamW moments), on top of fault.detect_timeout_s: a large model's
 # copy-out is minutes of work, not a stall.
 SNAPSHOT_BYTES_PER_S = 256 * 2**20
+STATE_BYTES_PER_PARAM = 12  # fp32 master weights and two AdamW moments
+# checkpoint.via=auto snapshots through the object store while the state is at most this share of
+# the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
+OBJECT_STORE_SHARE = 0.5
 
 
 class RunState(enum.Enum):
@@ -87,6 +95,7 @@ class ControllerOutcome:
     persist_errors: list[str] = field(default_factory=list)
     restarts: list[RestartRecord] = field(default_factory=list)
     snapshot_stalls: list[float] = field(default_factory=list)  # seconds training paused per snapshot
+    checkpoint_via: str = ""  # "object_store" or "storage": how the checkpoints left the workers
     transitions: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -247,13 +256,81 @@ class TrainController:
         except ValueError as exc:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         self.outcome.plan = plan
+        self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
         self._get([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
+
+    def _checkpoint_via(self) -> str:
+        """`checkpoint.via`, with `auto` resolved from the state's size and the object store's; a
+        worker-written checkpoint needs storage every worker shares with the driver."""
+        via, state = self.cfg.checkpoint.via, self._state_bytes()
+        if via == "auto":
+            capacity = self._object_store_bytes()
+            via = "storage" if capacity and state > OBJECT_STORE_SHARE * capacity else "object_store"
+            log.info("checkpoints via %s: the training state is %.2f GiB, the object store %.2f GiB",
+                     via.replace("_", " "), state / 2**30, capacity / 2**30)
+        if via == "storage" and not self._workers_see(self.checkpoint_uri, create=True):
+            if self.cfg.checkpoint.via == "auto":
+                log.warning("the training state (%.2f GiB) is large for the object store, but the workers on other "
+                            "nodes do not see %s to write their shards there: snapshots go through the object "
+                            "store (set checkpoint.uri to shared storage to have the workers write them)",
+                            state / 2**30, self.checkpoint_uri)
+                return "object_store"
+            raise ClusterError(
+                f"checkpoint.via=storage: the workers on other nodes do not see {self.checkpoint_uri!r}, so they "
+                f"cannot write their shards there; set checkpoint.uri to a filesystem every node mounts or to an "
+                f"object store URI (s3://..., gs://...), or set checkpoint.via=object_store")
+        return via
+
+    def _state_bytes(self) -> int:
+        """The training state every rank hands over at a checkpoint, all ranks together (a replicated
+        chunk is whole on each)."""
+        engine = (self.outcome.plan.engine if self.outcome.plan else None) or {}
+        numels = engine.get("chunk_numels") or [engine.get("chunk_size", 0)] * len(engine.get("placements", []))
+        sharded = engine.get("sharded") or [False] * len(numels)
+        world = self.shape.num_workers
+        return STATE_BYTES_PER_PARAM * sum(n * (1 if s and world > 1 else world) for n, s in zip(numels, sharded))
+
+    def _object_store_bytes(self) -> float:
+        """The driver node's object store capacity (where a one-node run's snapshot lives, and where
+        every snapshot is copied on a cluster)."""
+        node = ray.get_runtime_context().get_node_id()
+        for info in ray.nodes():
+            if info.get("NodeID") == node and info.get("Alive"):
+                return float(info.get("Resources", {}).get("object_store_memory", 0))
+        return float(ray.cluster_resources().get("object_store_memory", 0))
+
+    def _workers_see(self, uri: str, create: bool = False) -> bool:
+        """Whether every worker sees `uri` as the driver does: an object store URI always; a local path
+        when every worker is on the driver's node or finds a file the driver just made there."""
+        if ("://" in uri and not uri.startswith("file://")) or self._on_driver_node:
+            return True
+        path = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(os.path.expanduser(uri))
+        probe = os.path.join(path, f".elixir_ray-probe-{os.getpid()}-{time.time_ns()}")
+        try:
+            if create:
+                os.makedirs(path, exist_ok=True)
+            open(probe, "x").close()
+        except OSError:  # not even the driver can write there: the checkpoint's write will say why
+            return True
+        try:
+            return all(self._get([w.sees_file.remote(probe) for w in self.workers], "checking the checkpoint path"))
+        finally:
+            os.remove(probe)
 
     def _newest_own_checkpoint(self) -> Optional[tuple[str, dict, dict]]:
         """The newest valid checkpoint this run persisted; never one an earlier run of the same name
         left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
         return load_first_valid(path for _, path in reversed(list(self.persister.committed if self.persister else [])))
+
+    def _check_workers_read(self, path: str, manifest: dict) -> None:
+        """A shards checkpoint is read by the workers themselves: refuse, before they fail on it one
+        restart after another, one they cannot see."""
+        if manifest.get("format") == SHARDS_FORMAT and not self._workers_see(path):
+            raise ClusterError(
+                f"checkpoint {path!r} was written by workers (checkpoint.via=storage) and is read by them too, but "
+                f"the workers on other nodes do not see it: put it on a filesystem every node mounts or in an "
+                f"object store (s3://...)")
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
@@ -267,19 +344,22 @@ class TrainController:
         if shard_refs is None and (self.snapshots or self.outcome.restarts):
             found = self._newest_own_checkpoint()
             if found is not None:
-                _, manifest, tensors = found
+                path, manifest, tensors = found
+                self._check_workers_read(path, manifest)
                 source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
         if shard_refs is None and tensors is None and self.resume is not None:
             found = load_newest_valid(self.resume.uri)
             if found is None:
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
-            _, manifest, tensors = found
+            path, manifest, tensors = found
+            self._check_workers_read(path, manifest)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
             self._get([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers], "restoring state")
         elif tensors is not None:
+            # a shards checkpoint goes to the workers as its file names: each reads the tensors itself
             tensors_ref = ray.put(tensors)
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step
@@ -328,6 +408,9 @@ class TrainController:
         Every rank's header is checked: a rank that failed or died here (the last step's snapshot
         included) is a worker-group failure, restored from the previous snapshot, never a snapshot
         with a hole queued for the persister. The shards stay on the workers' nodes."""
+        if self.outcome.checkpoint_via == "storage":
+            self._write_checkpoint()
+            return
         start = time.monotonic()
         pairs = [w.state_shard.remote() for w in self.workers]
         headers = self._get([h for h, _ in pairs], "taking a snapshot", timeout=self._snapshot_timeout())
@@ -347,12 +430,55 @@ class TrainController:
         self.persister.submit(snap)
         self.outcome.final_step = snap.step
 
+    def _write_checkpoint(self) -> None:
+        """checkpoint.via=storage: every rank streams its shard from its live state into a checkpoint
+        directory while training waits; the driver then commits it with the manifest. A storage error
+        is reported and training goes on (as a failed background write would); a rank that dies or
+        fails otherwise is a worker-group failure, restored from the previous checkpoint."""
+        start = time.monotonic()
+        try:
+            work = begin_checkpoint(self.checkpoint_uri, self.step)
+        except (OSError, CheckpointError) as exc:
+            self.persister.report(f"could not persist the checkpoint of step {self.step} to {self.checkpoint_uri}: "
+                                  f"{exc}")
+            return
+        try:
+            results = self._get([w.write_shard.remote(work) for w in self.workers], "writing a checkpoint",
+                                timeout=self._snapshot_timeout())
+        except BaseException:
+            abort_checkpoint(work)
+            raise
+        self.outcome.snapshot_stalls.append(time.monotonic() - start)
+        if len({(r["step"], r["samples_consumed"]) for r in results}) != 1:
+            abort_checkpoint(work)
+            raise WorkerGroupFailure("writing a checkpoint", f"the ranks are at different steps: "
+                                     f"{[(r['step'], r['samples_consumed']) for r in results]}")
+        step = results[0]["step"]
+        if step != self.step:  # the directory was made for self.step
+            abort_checkpoint(work)
+            raise WorkerGroupFailure("writing a checkpoint", f"the ranks are at step {step}, not {self.step}")
+        self.outcome.final_step = step
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            abort_checkpoint(work)
+            self.persister.report(f"could not persist the checkpoint of step {step}: {'; '.join(errors)}")
+            return
+        plan = self.outcome.plan
+        try:
+            path = commit_checkpoint(
+                self.checkpoint_uri, step, work, {k: v for r in results for k, v in r["files"].items()},
+                results[0]["layout"], self.shape.num_workers,
+                {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
+                 "config": self.cfg.to_dict(), "world_size": self.shape.num_workers})
+        except (OSError, CheckpointError) as exc:
+            self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")
+            return
+        log.info("checkpoint of step %d written by the workers to %s in %.2fs", step, path, time.monotonic() - start)
+        self.persister.record(step, path)
+
     def _snapshot_timeout(self) -> float:
-        """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S
-        (every parameter counted on every rank: replicated chunks are whole on each)."""
-        engine = (self.outcome.plan.engine if self.outcome.plan else None) or {}
-        params = sum(engine.get("chunk_numels") or []) or engine.get("chunk_size", 0) * len(engine.get("placements", []))
-        return self.cfg.fault.detect_timeout_s + 12 * params / SNAPSHOT_BYTES_PER_S
+        """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S."""
+        return self.cfg.fault.detect_timeout_s + self._state_bytes() / SNAPSHOT_BYTES_PER_S
 
     def _wait_for_workers(self) -> WorkerShape:
         """Wait for the full set of workers; with fault.elastic, settle for as many as fit."""

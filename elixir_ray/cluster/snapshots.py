@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Optional
 import ray
 
 from elixir_ray.checkpoint import CheckpointError, delete_checkpoint, read_manifest, save_checkpoint
+from elixir_ray.checkpoint.shards import join_rank_shards
 from elixir_ray.engine import JoinedState
 
 log = logging.getLogger("elixir_ray")
@@ -47,12 +48,7 @@ def _readable(path: str) -> bool:
 
 def join_shards(results: list[dict]) -> JoinedState:
     """Whole tensors from the workers' `state_shard` results (rank order), each joined when read."""
-    rng = {}
-    for rank, r in enumerate(results):  # each rank's random streams, restored per rank
-        for key in ("rng/torch_cpu", "rng/torch_cuda"):
-            if key in r["tensors"]:
-                rng[f"rng/rank{rank}/{key.split('/')[1]}"] = r["tensors"][key]
-    return JoinedState([r["tensors"] for r in results], results[0]["layout"], extra=rng)
+    return join_rank_shards([r["tensors"] for r in results], results[0]["layout"])
 
 
 @dataclass
@@ -176,6 +172,17 @@ class CheckpointPersister:
             self._report(f"could not persist the checkpoint of step {snap.step} to {self.uri}: {exc}")
             return
         self._prune()
+
+    def record(self, step: int, path: str) -> None:
+        """A checkpoint committed outside the thread (the workers wrote it straight to storage):
+        counted among this run's commits, and older ones pruned as `keep` says."""
+        with self._cond:
+            self.committed = [(s, p) for s, p in self.committed if p != path] + [(step, path)]
+            self._prune()
+
+    def report(self, message: str) -> None:
+        """A checkpoint that could not be persisted: warned, logged and listed in the run's result."""
+        self._report(message)
 
     def _prune(self) -> None:
         """Keep this run's newest `keep` commits (the list of them is what `newest` and restores read)."""

@@ -181,6 +181,22 @@ class RankWorker:
         return header, {"tensors": self.trainer.state_shard(copy=False),
                         "layout": self.trainer.layout() if self.rank == 0 else None}
 
+    def write_shard(self, work_uri: str) -> dict:
+        """Write this rank's part of the training state straight from its live host state into files
+        under `work_uri` (a checkpoint the driver commits when every rank has written). Returns the
+        step, data position and the files' manifest entries, or the storage error (a full disk or an
+        unwritable URI is reported, not a reason to restart the workers)."""
+        from elixir_ray.checkpoint.shards import write_rank_shard
+
+        assert self.trainer is not None
+        self._use_device()
+        header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
+        try:
+            files = write_rank_shard(work_uri, self.rank, self.trainer.state_shard(copy=False, lazy=True))
+        except OSError as exc:
+            return {**header, "error": f"rank {self.rank} could not write its shard to {work_uri}: {exc}"}
+        return {**header, "files": files, "layout": self.trainer.layout() if self.rank == 0 else None}
+
     def shutdown(self) -> None:
         self._use_device()
         if dist.is_initialized():

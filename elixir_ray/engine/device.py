@@ -8,7 +8,7 @@ from a user, a flag or a default resolves it here first.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 

@@ -37,32 +37,71 @@ def layout_of(model: ChunkedModule) -> dict:
     }
 
 
-@torch.no_grad()
 def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam, copy: bool = True) -> dict[str, np.ndarray]:
     """This rank's slices; no collective, so every rank can hand its own part over independently.
 
     `copy=False` returns views of the live host state where it is on the host (12 bytes per
     parameter not duplicated): only for a caller that is done with them before training goes on,
     such as an actor method whose return Ray serialises before the call completes."""
-    with model.store.on_device():
-        model.store.settle_all()  # updates still running on the background thread finish first
+    shard = EngineShard(model, copy=copy)
+    return {name: shard[name] for name in shard}
 
-    def host(t: torch.Tensor) -> np.ndarray:
-        array = t.detach().cpu().numpy()  # a device tensor's .cpu() is a copy already
-        return array.copy() if copy and t.device.type == "cpu" else array
 
-    out: dict[str, np.ndarray] = {}
-    for c in model.store.chunks:
-        out[f"chunk/{c.index}/master"] = host(c.master)
-        if c.exp_avg is not None:
-            out[f"chunk/{c.index}/exp_avg"] = host(c.exp_avg)
-            out[f"chunk/{c.index}/exp_avg_sq"] = host(c.exp_avg_sq)
-    out["slots/step"] = np.asarray([s.step for s in model.slots], dtype=np.int64)
-    if model.store.comm.rank == 0:
-        for key, t in model.module.state_dict(keep_vars=True).items():
-            if id(t) not in model.slot_by_param:
-                out[f"model/{key}"] = t.detach().float().cpu().numpy().copy()
-    return out
+class EngineShard(Mapping):
+    """This rank's slices as a mapping that makes each array when it is read: a device-resident
+    chunk's state is copied to the host one chunk at a time as a writer reaches it, not all at once,
+    and host-resident state is a view (or a copy with `copy=True`). For a caller that is done with
+    it before training goes on. Entries set on it (random states) are kept as given."""
+
+    def __init__(self, model: ChunkedModule, copy: bool = False):
+        self.model, self.copy = model, copy
+        with model.store.on_device():
+            model.store.settle_all()  # updates still running on the background thread finish first
+        self._tensors: dict[str, torch.Tensor] = {}
+        for c in model.store.chunks:
+            self._tensors[f"chunk/{c.index}/master"] = c.master
+            if c.exp_avg is not None:
+                self._tensors[f"chunk/{c.index}/exp_avg"] = c.exp_avg
+                self._tensors[f"chunk/{c.index}/exp_avg_sq"] = c.exp_avg_sq
+        self._arrays: dict[str, np.ndarray] = {
+            "slots/step": np.asarray([s.step for s in model.slots], dtype=np.int64)}
+        if model.store.comm.rank == 0:
+            for key, t in model.module.state_dict(keep_vars=True).items():
+                if id(t) not in model.slot_by_param:
+                    self._arrays[f"model/{key}"] = t.detach().float().cpu().numpy().copy()
+
+    def __iter__(self):
+        yield from self._tensors
+        yield from self._arrays
+
+    def __len__(self) -> int:
+        return len(self._tensors) + len(self._arrays)
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors or name in self._arrays
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._arrays[name] = value
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._arrays:
+            return self._arrays[name]
+        t = self._tensors[name]
+        with self.model.store.on_device():
+            array = t.detach().cpu().numpy()  # a device tensor's .cpu() is a copy already
+        return array.copy() if self.copy and t.device.type == "cpu" else array
+
+    def nbytes_of(self, name: str) -> int:
+        if name in self._arrays:
+            return self._arrays[name].nbytes
+        return self._tensors[name].numel() * self._tensors[name].element_size()
+
+    def spec_of(self, name: str) -> tuple[tuple, np.dtype]:
+        if name in self._arrays:
+            return self._arrays[name].shape, self._arrays[name].dtype
+        t = self._tensors[name]
+        return tuple(t.shape), torch.empty((), dtype=t.dtype).numpy().dtype
 
 
 class JoinedState(Mapping):
@@ -124,6 +163,18 @@ class JoinedState(Mapping):
             return self.shards[0][f"model/{where[1]}"].nbytes
         return where[1]["numel"] * self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].itemsize
 
+    def spec_of(self, name: str) -> tuple[tuple, np.dtype]:
+        """(shape, dtype) of a tensor, without joining it (for a file header written before its data)."""
+        if name in self.extra:
+            return np.shape(self.extra[name]), np.asarray(self.extra[name]).dtype
+        where = self._where[name]
+        if where[0] == "step":
+            return (1,), np.dtype(np.float32)
+        if where[0] == "buffer":
+            value = self.shards[0][f"model/{where[1]}"]
+            return tuple(value.shape), np.dtype(value.dtype)
+        return tuple(where[1]["shape"]), np.dtype(self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].dtype)
+
     def _slot(self, slot: dict, kind: str) -> np.ndarray:
         key = f"chunk/{slot['chunk']}/{kind}"
         lo, hi = slot["offset"], slot["offset"] + slot["numel"]
@@ -152,8 +203,7 @@ def engine_state(model: ChunkedModule, optimizer: ChunkedAdam) -> dict[str, np.n
 @torch.no_grad()
 def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: dict) -> None:
     """Restore from whole tensors (any world size wrote them); each rank keeps its own part."""
-    model.load_state_dict({k[len("model/"):]: torch.as_tensor(np.array(v)) for k, v in tensors.items()
-                           if k.startswith("model/")})
+    model.load_state_dict(_ModelTensors(tensors))
     for c in model.store.chunks:
         for s in c.slots:
             key = f"optim/{s.name}"
@@ -165,6 +215,27 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: dic
             write_slot(c, c.exp_avg, s, _flat(tensors[f"{key}/exp_avg"]))
             write_slot(c, c.exp_avg_sq, s, _flat(tensors[f"{key}/exp_avg_sq"]))
             s.step = int(np.asarray(tensors[f"{key}/step"]).reshape(-1)[0])
+
+
+class _ModelTensors(Mapping):
+    """The `model/` tensors of a checkpoint under their state-dict keys, each read when it is loaded:
+    a large model's weights are never all in memory at once beside the engine's own copy."""
+
+    def __init__(self, tensors: Mapping):
+        self.tensors = tensors
+        self.keys_ = [k[len("model/"):] for k in tensors if k.startswith("model/")]
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __contains__(self, key) -> bool:
+        return f"model/{key}" in self.tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.as_tensor(np.array(self.tensors[f"model/{key}"]))
 
 
 def _flat(value) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Checkpoints the workers write themselves: each rank's shard of the engine state in files of its own.
+
+A large model's state (12 bytes per parameter: 120 GB at 10B parameters) does not fit in the Ray
+object store beside the state training keeps in host memory, and joining it into whole tensors on
+one machine would need it all there. So each rank streams its shard (its slices of every chunk's
+master weights and AdamW moments, as `engine_shard` gives them) straight from its live host state
+into `rank-RRRRR-part-PPPPP.safetensors` files, and the driver commits them with a manifest that
+also records the layout. A reader still sees whole tensors: `open_shards` maps each rank's files
+and joins a tensor across them only when it is read (`engine.JoinedState`), reading just that
+tensor's bytes, so a checkpoint restores onto any number of ranks and its weights export alike.
+
+Nothing here imports Ray: the cluster layer calls it on the workers and on the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Optional
+
+import numpy as np
+
+from elixir_ray import storage
+from elixir_ray.checkpoint import safetensors_io
+from elixir_ray.engine import JoinedState
+
+SHARDS_FORMAT = "elixir_ray.checkpoint/2"  # one checkpoint directory of rank shards plus the layout
+PART_BYTES = 2**30
+
+
+def rank_file(rank: int, part: int) -> str:
+    return f"rank-{rank:05d}-part-{part:05d}.safetensors"
+
+
+def split_parts(tensors: Mapping, part_bytes: int = PART_BYTES) -> list[list[str]]:
+    """Tensor names, in files of at most `part_bytes` (or one tensor). A mapping that joins each
+    tensor when it is read (`engine.JoinedState`) says its sizes through `nbytes_of`, so that only one
+    part's tensors are ever in memory at once."""
+    nbytes_of = getattr(tensors, "nbytes_of", None) or (lambda name: np.asarray(tensors[name]).nbytes)
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = nbytes_of(name)
+        if parts[-1] and size + nbytes > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += nbytes
+    return parts
+
+
+def write_rank_shard(work_uri: str, rank: int, shard: Mapping[str, np.ndarray],
+                     part_bytes: int = PART_BYTES) -> dict[str, dict]:
+    """Stream one rank's shard into its files under `work_uri` (a checkpoint directory that is not
+    committed yet); returns each file's entry for the manifest. The arrays may be views of the live
+    state: each is written as it is, without a copy, while training waits."""
+    fs, root = storage.resolve(work_uri)
+    spec = safetensors_io.spec_of_mapping(shard)
+    files = {}
+    for i, names in enumerate(split_parts(shard, part_bytes)):
+        name = rank_file(rank, i)
+        with fs.open_output_stream(f"{root}/{name}") as out:
+            sha256, nbytes = safetensors_io.write(out, names, shard.__getitem__, spec)
+        files[name] = {"sha256": sha256, "bytes": nbytes, "rank": rank}
+    return files
+
+
+class _CheckpointFiles:
+    """A checkpoint directory's files, each opened on its first read. Pickled (to reach the workers
+    of a restore) it is only its URI: each process opens the files itself."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._fs = self._root = None
+        self._open: dict = {}
+
+    def __getstate__(self):
+        return {"uri": self.uri}
+
+    def __setstate__(self, state):
+        self.__init__(state["uri"])
+
+    def read_at(self, name: str, nbytes: int, offset: int) -> bytes:
+        if self._fs is None:
+            self._fs, self._root = storage.resolve(self.uri)
+        f = self._open.get(name)
+        if f is None:
+            f = self._open[name] = self._fs.open_input_file(f"{self._root}/{name}")
+        data = f.read_at(nbytes, offset)
+        if len(data) != nbytes:
+            raise OSError(f"{self.uri}/{name}: read {len(data)} of {nbytes} bytes at {offset} (truncated?)")
+        return data
+
+
+class FileArray:
+    """One tensor of a safetensors file, read when sliced: a rank's chunk slice joined into whole
+    tensors reads only each tensor's bytes, never the file."""
+
+    def __init__(self, files: _CheckpointFiles, name: str, offset: int, dtype: np.dtype, shape: tuple):
+        self.files, self.name, self.offset = files, name, offset
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        if self.ndim == 1 and isinstance(index, slice):
+            lo, hi, step = index.indices(self.shape[0])
+            if step == 1:
+                count = max(0, hi - lo)
+                raw = self.files.read_at(self.name, count * self.itemsize, self.offset + lo * self.itemsize)
+                return np.frombuffer(raw, dtype=self.dtype, count=count)
+        return self.read()[index]
+
+    def read(self) -> np.ndarray:
+        raw = self.files.read_at(self.name, self.nbytes, self.offset)
+        return np.frombuffer(raw, dtype=self.dtype, count=self.size).reshape(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out.astype(dtype) if dtype is not None else out
+
+
+def join_rank_shards(shards: list[Mapping], layout: dict) -> JoinedState:
+    """Whole tensors from every rank's shard (rank order), each joined when read; each rank's random
+    streams stay its own (`rng/rank<R>/...`), restored per rank."""
+    rng = {}
+    for rank, shard in enumerate(shards):
+        for key in ("rng/torch_cpu", "rng/torch_cuda"):
+            if key in shard:
+                rng[f"rng/rank{rank}/{key.split('/')[1]}"] = np.asarray(shard[key])
+    return JoinedState(list(shards), layout, extra=rng)
+
+
+def open_shards(uri: str, manifest: dict) -> JoinedState:
+    """A shards checkpoint (`uri` names its directory) as whole tensors, read lazily. Only the chunk
+    slices are left in the files; the small tensors (step counts, buffers, random states) are read now.
+    Raises ValueError for files that do not match the manifest."""
+    files = _CheckpointFiles(uri)
+    world = manifest["shards"]["world"]
+    shards: list[dict] = [{} for _ in range(world)]
+    for name, info in sorted(manifest["files"].items()):
+        rank = info.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"{name} has no rank below the world size {world} in the manifest")
+        header, data_start = safetensors_io.read_header(functools.partial(files.read_at, name), info["bytes"])
+        for key, entry in header.items():
+            value = FileArray(files, name, data_start + entry["data_offsets"][0],
+                              safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"]))
+            shards[rank][key] = value if key.startswith("chunk/") else value.read().copy()
+    for rank, shard in enumerate(shards):
+        if "slots/step" not in shard:
+            raise ValueError(f"rank {rank}'s files hold no step counts (a file is missing from the manifest?)")
+    return join_rank_shards(shards, manifest["shards"]["layout"])
+
+
+def tensor_entries(joined: JoinedState) -> dict[str, dict]:
+    """The manifest's `tensors` (name -> shape and dtype of the whole tensor), as the whole-tensor
+    format lists them, so that compatibility checks read both formats alike."""
+    out = {}
+    for name in joined:
+        shape, dtype = joined.spec_of(name)
+        out[name] = {"shape": list(shape), "dtype": str(np.dtype(dtype))}
+    return out
+
+
+def verify_files(uri: str, files: dict, block_bytes: int = 64 * 2**20) -> Optional[str]:
+    """Stream every file through sha256 (nothing kept); the first mismatch or unreadable file, or None."""
+    import hashlib
+
+    fs, root = storage.resolve(uri)
+    for name, info in sorted(files.items()):
+        digest = hashlib.sha256()
+        try:
+            with fs.open_input_stream(f"{root}/{name}") as f:
+                while True:
+                    block = f.read(block_bytes)
+                    if not block:
+                        break
+                    digest.update(block)
+        except OSError as exc:
+            return f"cannot read {name}: {exc}"
+        if digest.hexdigest() != info.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
