@@ -129,6 +129,45 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and two AdamW moments
+
+
+def check_checkpoint_space(cfg: RunConfig) -> None:
+    """A checkpoint that cannot fit where it goes would lose the run's weights at its end: refuse a
+    local `checkpoint.uri` whose filesystem has less free space than one checkpoint of this model,
+    and warn when it cannot hold the `checkpoint.keep` + 1 that are on disk at once while the newest
+    is written (an object store URI is not checked)."""
+    import shutil
+
+    from elixir_ray.model.factory import build_model
+
+    uri = cfg.checkpoint_uri
+    if "://" in uri and not uri.startswith("file://"):
+        return
+    path = os.path.abspath(os.path.expanduser(uri[len("file://"):] if uri.startswith("file://") else uri))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the nearest directory that exists: where the checkpoints will land
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return  # the checkpoint's own write will say what is wrong with the path
+    params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    need = CHECKPOINT_BYTES_PER_PARAM * params
+    if free < need:
+        raise ConfigError(
+            f"checkpoint.uri {uri!r}: one checkpoint of this model takes {need / 2**30:.1f} GiB "
+            f"({params / 1e9:.2f}B parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes: weights and AdamW moments), but "
+            f"{path} has {free / 2**30:.1f} GiB free: point checkpoint.uri at larger storage (another disk, s3://...)")
+    room = int(free // need)
+    if room < cfg.checkpoint.keep + 1 and cfg.checkpoint.every_steps > 0:
+        fix = f"set checkpoint.keep={room - 1}" if room >= 2 else "set checkpoint.every_steps=0 (only the final one)"
+        warnings.warn(
+            f"checkpoint.uri {uri!r}: {path} has {free / 2**30:.1f} GiB free, room for {room} checkpoint(s) of "
+            f"{need / 2**30:.1f} GiB, but with checkpoint.keep={cfg.checkpoint.keep} there are up to "
+            f"{cfg.checkpoint.keep + 1} at once (the newest is written before the oldest is pruned): later "
+            f"checkpoints will fail to write ({fix}, or free space)", stacklevel=3)
+
+
 def _ensure_ray(cfg: RunConfig) -> bool:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here.
 
@@ -164,6 +203,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     cfg = check_data(as_config(config, overrides))
     if resume is not None:
         check_resume(cfg, resume)
+    check_checkpoint_space(cfg)
     started_here = _ensure_ray(cfg)
     try:
         shape = resolve_worker_shape(cfg, ray.cluster_resources())

@@ -120,6 +120,10 @@ class RunConfig:
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
+    @property
+    def checkpoint_uri(self) -> str:
+        return self.checkpoint.uri or f"{self.run_dir}/checkpoints"
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -137,3 +137,39 @@ def test_resume_past_a_damaged_newest_manifest_trains_from_the_previous_one(ray_
                         resume=root)
     assert any("no readable manifest" in str(w.message) for w in caught)
     assert resumed.metrics.column("step").to_pylist() == [3, 4, 5, 6]
+
+
+def test_a_checkpoint_larger_than_the_free_disk_is_refused_before_ray(tmp_path):
+    """A model whose checkpoint (12 bytes per parameter) cannot fit on checkpoint.uri's filesystem
+    would lose its weights at the end of the run: refused with the sizes and the fix, before any
+    cluster starts. One sized to fit this disk twice but not three times (keep 2, plus the one being
+    written) is warned about, with the keep that fits; a tiny one passes silently."""
+    import math
+
+    from elixir_ray.api import check_checkpoint_space
+    from elixir_ray.config import config_from_dict
+    from elixir_ray.model.factory import build_model
+
+    def cfg(d_model: int, **sections):
+        return config_from_dict({"output_dir": str(tmp_path / "runs"), "checkpoint": {"every_steps": 5, "keep": 2},
+                                 "model": {"size": "tiny", "d_model": d_model, "n_heads": 64, "n_layers": 1,
+                                           "vocab_size": 64}, **sections})
+
+    free = shutil.disk_usage(tmp_path).free
+    huge = cfg(64 * 2**10)  # 51B parameters: 0.6 TB
+    if 12 * 12 * huge.model.d_model ** 2 <= free:
+        pytest.skip(f"this machine's disk has {free / 2**30:.0f} GiB free: more than the test's model needs")
+    with pytest.raises(ConfigError, match=r"one checkpoint of this model takes .* GiB free: point checkpoint.uri "
+                                          r"at larger storage"):
+        check_checkpoint_space(huge)
+    # a checkpoint of about 0.4 of the free space: room for two
+    d_model = 64 * round(math.sqrt(0.4 * free / 12 / 12) / 64)
+    twice = cfg(d_model)
+    need = 12 * sum(p.numel() for p in build_model(twice, device="meta").parameters())
+    assert free // need == 2, (free, need)
+    with pytest.warns(UserWarning, match=r"room for 2 checkpoint\(s\).*up to 3 at once.*set checkpoint.keep=1"):
+        check_checkpoint_space(twice)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_checkpoint_space(cfg(d_model, checkpoint={"every_steps": 5, "keep": 1}))  # two at once: fits
+        check_checkpoint_space(config_from_dict({"output_dir": str(tmp_path / "runs"), "model": {"size": "tiny"}}))

@@ -108,7 +108,7 @@ class TrainController:
         self.poll_interval_s = poll_interval_s
         self.policy = RestartPolicy(cfg.fault.max_restarts)
         self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
-        self.checkpoint_uri = cfg.checkpoint.uri or f"{cfg.run_dir}/checkpoints"
+        self.checkpoint_uri = cfg.checkpoint_uri
         self.state: Optional[RunState] = None
         self.workers: list = []
         self.pg = None
