@@ -210,7 +210,8 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
         on_metrics = (lambda m: bar.update(m["step"], m["loss"], m["tokens_per_s"])) if bar else (lambda m: None)
         start = time.monotonic()
-        controller = TrainController(cfg, shape, on_metrics=on_metrics,
+        on_note = bar.note if bar else (lambda text: None)
+        controller = TrainController(cfg, shape, on_metrics=on_metrics, on_note=on_note,
                                      resume=RestoreSource(resume) if resume else None)
         outcome = controller.run()
         if bar:

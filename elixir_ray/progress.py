@@ -47,6 +47,15 @@ class ProgressBar:
             self.stream.write(text + "\n")
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line about something other than a step (a long checkpoint write), kept above the bar."""
+        if self.tty and self._last_len:
+            self.stream.write("\r" + " " * self._last_len + "\r")
+        self.stream.write(text + "\n")
+        if self.tty and self._last_len:
+            self._last_len = 0
+        self.stream.flush()
+
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")

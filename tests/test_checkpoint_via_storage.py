@@ -39,7 +39,7 @@ def test_a_killed_worker_restores_from_the_shards_the_workers_wrote(ray_cluster,
     result = train(cfg, progress=False)
     killer.join(timeout=5)
     assert killer.killed_at is not None, "the worker was never killed"
-    assert result.checkpoint_via == "storage" and not result.persist_errors
+    assert result.checkpoint_via == "storage" and not result.persist_errors, result.persist_errors
     (record,) = result.restarts
     assert record.restored_from == "durable" and killer.killed_step - record.restored_step <= 2, record
     assert result.metrics.column("step").to_pylist() == list(range(1, 9))
@@ -87,14 +87,18 @@ def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resum
 
 
 def test_a_storage_error_while_the_workers_write_is_reported_and_training_goes_on(ray_cluster, tiny_dataset,
-                                                                                 tmp_path):
+                                                                                 tmp_path, capsys):
+    """The progress output says when the workers write (training waits then); a write that fails is
+    reported and training goes on."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4},
                       checkpoint={"every_steps": 2, "uri": str(blocker / "ck"), "via": "storage"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = train(cfg, progress=False)
+        result = train(cfg, progress=True)
     assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4]
     assert result.checkpoint_uri is None and not result.restarts
     assert result.persist_errors and "could not persist the checkpoint of step 2" in result.persist_errors[0]
+    err = capsys.readouterr().err
+    assert "step 2: the workers are writing the checkpoint" in err and "checkpoint written" not in err

@@ -101,9 +101,11 @@ class ControllerOutcome:
 
 class TrainController:
     def __init__(self, cfg: RunConfig, shape: WorkerShape, on_metrics: Callable[[dict], None] = lambda m: None,
+                 on_note: Callable[[str], None] = lambda text: None,
                  resume: Optional[RestoreSource] = None, poll_interval_s: float = 0.2):
         self.cfg, self.shape = cfg, shape
         self.on_metrics = on_metrics
+        self.on_note = on_note  # what the user should see besides steps (a checkpoint that takes a while)
         self.resume = resume
         self.poll_interval_s = poll_interval_s
         self.policy = RestartPolicy(cfg.fault.max_restarts)
@@ -436,6 +438,8 @@ class TrainController:
         is reported and training goes on (as a failed background write would); a rank that dies or
         fails otherwise is a worker-group failure, restored from the previous checkpoint."""
         start = time.monotonic()
+        self.on_note(f"step {self.step}: the workers are writing the checkpoint ({self._state_bytes() / 2**30:.2f} GiB) "
+                     f"to {self.checkpoint_uri}; training waits")
         try:
             work = begin_checkpoint(self.checkpoint_uri, self.step)
         except (OSError, CheckpointError) as exc:
@@ -474,6 +478,7 @@ class TrainController:
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")
             return
         log.info("checkpoint of step %d written by the workers to %s in %.2fs", step, path, time.monotonic() - start)
+        self.on_note(f"step {step}: checkpoint written in {time.monotonic() - start:.1f}s")
         self.persister.record(step, path)
 
     def _snapshot_timeout(self) -> float:
