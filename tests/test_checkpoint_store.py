@@ -352,3 +352,49 @@ def test_a_worker_written_checkpoint_is_refused_when_damaged_or_incomplete(tmp_p
     with pytest.raises(CheckpointError, match="not where the driver reads .*shared filesystem"):
         commit_checkpoint(uri, 3, work, files, layout, 2, {"samples_consumed": 6})
     assert [os.path.basename(p) for p in list_checkpoints(uri)] == ["step-00000002"] and not os.path.exists(work)
+
+
+def test_zero_dimensional_tensors_keep_their_shape_in_both_writers(tmp_path):
+    """A 0-d buffer (BatchNorm's num_batches_tracked) is written as shape [] and read back so."""
+    import io
+
+    tensors = {"scalar": np.array(3.5, dtype=np.float32), "count": np.array(7, dtype=np.int64),
+               "flags": np.array([True, False]), "empty": np.zeros((0, 3), dtype=np.float32)}
+    back, _ = safetensors_io.decode(safetensors_io.encode(tensors))
+    assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in tensors.items()}
+    out = io.BytesIO()
+    safetensors_io.write(out, list(tensors), tensors.__getitem__, safetensors_io.spec_of_mapping(tensors))
+    assert out.getvalue() == safetensors_io.encode(tensors)
+    path = save_checkpoint(str(tmp_path), 1, tensors, {})
+    _, loaded = load_checkpoint(path)
+    assert loaded["scalar"].shape == () and float(loaded["scalar"]) == 3.5 and int(loaded["count"]) == 7
+
+
+def test_a_restoring_rank_reads_only_its_part_of_a_sharded_tensor(tmp_path, monkeypatch):
+    """`read_range` of a worker-written checkpoint reads just the bytes asked for, from the rank files
+    that hold them: a rank restoring its shard of a large model does not read the whole state."""
+    from elixir_ray.checkpoint import shards
+    from elixir_ray.checkpoint.shards import write_rank_shard
+    from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
+
+    shard_list, layout = _two_rank_shards()
+    uri = str(tmp_path / "ck")
+    work = begin_checkpoint(uri, 1)
+    files = {}
+    for rank, shard in enumerate(shard_list):
+        files.update(write_rank_shard(work, rank, shard))
+    path = commit_checkpoint(uri, 1, work, files, layout, 2, {"samples_consumed": 2})
+    _, joined = load_checkpoint(path)
+    reads = []
+    real = shards._CheckpointFiles.read_at
+    monkeypatch.setattr(shards._CheckpointFiles, "read_at",
+                        lambda self, name, nbytes, offset: reads.append((name[:10], nbytes)) or real(self, name, nbytes, offset))
+    # model/w is chunk 0's elements [0, 6): rank 0 holds [0, 4), rank 1 [4, 8)
+    np.testing.assert_array_equal(joined.read_range("model/w", 4, 6), [4.0, 5.0])
+    assert reads == [("rank-00001", 8)]
+    reads.clear()
+    np.testing.assert_array_equal(joined.read_range("optim/w/exp_avg", 3, 5), [-3.0, -4.0])
+    assert reads == [("rank-00000", 4), ("rank-00001", 4)]
+    reads.clear()
+    np.testing.assert_array_equal(joined.read_range("model/v", 1, 3), [7.0, 7.0])  # replicated: rank 0's
+    assert reads == [("rank-00000", 8)]

@@ -2,17 +2,19 @@
 large for the object store), on a real Ray cluster with real worker processes."""
 
 import os
+import time
 import warnings
 
 import numpy as np
 import pytest
+import ray
 
 from elixir_ray import train
 from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, read_manifest
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.cluster import controller
 from elixir_ray.cluster.chaos import WorkerKiller
-from elixir_ray.cluster.worker import worker_actor_name
+from elixir_ray.cluster.worker import RankWorker, worker_actor_name
 
 from conftest import tiny_config
 
@@ -61,15 +63,20 @@ def test_a_killed_worker_restores_from_the_shards_the_workers_wrote(ray_cluster,
 def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resume_reads_it(
         ray_cluster, tiny_dataset, tmp_path, monkeypatch):
     """`auto` has the workers write when the state is over the object-store share (made tiny here);
-    `--resume` of that checkpoint onto one worker (the workers read it themselves) continues as the
-    two-worker run did, and its weights export."""
+    with every chunk replicated only rank 0 writes the chunks; `--resume` of that checkpoint onto one
+    worker (the workers read it themselves) continues as the two-worker run did, and its weights export."""
+    from safetensors.numpy import load_file
+
     from elixir_ray.cli import main
 
     monkeypatch.setattr(controller, "OBJECT_STORE_SHARE", 1e-9)
-    base = dict(train={"steps": 6, "micro_batch": 4}, checkpoint={"every_steps": 3, "keep": 3})
+    base = dict(train={"steps": 6, "micro_batch": 4}, checkpoint={"every_steps": 3, "keep": 3},
+                engine={"replicate": "all"})
     full = train(tiny_config(tiny_dataset, tmp_path / "full", **base), progress=False)
     assert full.checkpoint_via == "storage"
     first = list_checkpoints(os.path.dirname(full.checkpoint_uri))[0]
+    rank1 = [name for name, info in read_manifest(first)["files"].items() if info["rank"] == 1]
+    assert rank1 and all(set(load_file(os.path.join(first, n))) <= {"slots/step", "rng/torch_cpu"} for n in rank1)
     one = tiny_config(tiny_dataset, tmp_path / "one", **base)
     one["cluster"] = {"num_workers": 1}
     one["train"]["micro_batch"] = 8  # the same global batch on one worker
@@ -79,8 +86,6 @@ def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resum
                                full.metrics.column("loss").to_pylist()[3:], rtol=0, atol=1e-5)
     out = tmp_path / "model.safetensors"
     assert main(["export", full.checkpoint_uri, str(out)]) == 0
-    from safetensors.numpy import load_file
-
     exported = load_file(str(out))
     for k, v in _model(full.checkpoint_uri).items():
         np.testing.assert_array_equal(exported[k[len("model/"):]], v)
@@ -102,3 +107,47 @@ def test_a_storage_error_while_the_workers_write_is_reported_and_training_goes_o
     assert result.persist_errors and "could not persist the checkpoint of step 2" in result.persist_errors[0]
     err = capsys.readouterr().err
     assert "step 2: the workers are writing the checkpoint" in err and "checkpoint written" not in err
+
+
+def _slow_or_stalled_writer(monkeypatch, marker: str, stall_at: int):
+    """Rank 0 (which writes the replicated chunks too) writes its shard in 16 KiB blocks with a pause
+    after each (a slow filesystem: the write moves), except once at step `stall_at`, where it first
+    stops for 15 s (a hung mount)."""
+
+    class SlowWriter(RankWorker):
+        def write_shard(self, work_uri):
+            if self.rank == 0:
+                from elixir_ray.checkpoint import safetensors_io
+
+                real = getattr(safetensors_io, "_real_write", safetensors_io.write)
+                safetensors_io._real_write = real
+
+                def slow(out, names, get, spec, metadata=None, on_bytes=None):
+                    def tick(n):
+                        time.sleep(0.025)
+                        on_bytes(n)
+                    return real(out, names, get, spec, metadata, on_bytes=tick if on_bytes else None)
+
+                safetensors_io.write, safetensors_io.WRITE_BLOCK = slow, 16 * 2**10
+                if self.trainer.state.step == stall_at and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    time.sleep(15)
+            return super().write_shard(work_uri)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(SlowWriter))
+
+
+def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    """A write is as slow as its storage: one that keeps moving for longer than fault.detect_timeout_s
+    completes; one where no rank writes a byte for that long fails the group, which restarts from the
+    previous checkpoint and finishes."""
+    _slow_or_stalled_writer(monkeypatch, str(tmp_path / "stalled"), stall_at=4)
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4},
+                      checkpoint={"every_steps": 2, "via": "storage", "keep": 3},
+                      fault={"max_restarts": 1, "detect_timeout_s": 5})
+    result = train(cfg, progress=False)
+    (record,) = result.restarts
+    assert "no rank wrote anything for 5s" in record.reason and record.restored_step == 2, record
+    assert max(result.snapshot_stalls) > 5  # the slow writes took longer than detect_timeout_s
+    assert result.metrics.column("step").to_pylist() == list(range(1, 5)) and not result.persist_errors
+    assert [p[-8:] for p in list_checkpoints(os.path.dirname(result.checkpoint_uri))] == ["00000002", "00000004"]

@@ -159,7 +159,7 @@ def test_engine_state_round_trip():
 def test_a_checkpoint_written_from_the_live_state_restores_the_same_training(tmp_path):
     """The way checkpoint.via=storage saves: the rank's shard is a mapping that makes each array when
     the writer reads it (views of the live host state), streamed to files; loading those files into a
-    fresh engine continues exactly as the original does."""
+    fresh engine continues exactly as the original does. A 0-d buffer keeps its shape."""
     from elixir_ray.checkpoint import load_checkpoint
     from elixir_ray.checkpoint.shards import write_rank_shard
     from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
@@ -167,9 +167,11 @@ def test_a_checkpoint_written_from_the_live_state_restores_the_same_training(tmp
 
     torch.manual_seed(0)
     base = Toy()
+    base.register_buffer("calls", torch.tensor(3.0))
     data = batches(8, 8)
     a, aopt = _engine(copy.deepcopy(base), 8)
     engine_run(a, aopt, data, 2, 2)
+    a.module.calls.fill_(7.0)
     lazy, eager = EngineShard(a), engine_shard(a, aopt)
     assert set(lazy) == set(eager)
     for name in eager:
@@ -180,8 +182,10 @@ def test_a_checkpoint_written_from_the_live_state_restores_the_same_training(tmp
     path = commit_checkpoint(str(tmp_path), 2, work, write_rank_shard(work, 0, lazy, part_bytes=4096),
                              layout_of(a), 1, {"samples_consumed": 16})
     _, state = load_checkpoint(path)
+    assert state["model/calls"].shape == ()
     b, bopt = _engine(copy.deepcopy(base), 8)
     load_engine_state(b, bopt, state)
+    assert b.module.calls.shape == () and float(b.module.calls) == 7.0
     assert engine_run(a, aopt, data[4:], 2, 2) == engine_run(b, bopt, data[4:], 2, 2)
 
 

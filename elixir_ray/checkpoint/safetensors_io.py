@@ -49,16 +49,21 @@ def encode(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = Non
 
 
 def _little_endian(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr)
+    arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a 0-d array 1-d
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
 
+WRITE_BLOCK = 64 * 2**20  # bytes written (and reported to `on_bytes`) at a time
+
+
 def write(out: BinaryIO, names: list[str], get: Callable[[str], np.ndarray],
-          spec_of: Callable[[str], tuple[tuple, np.dtype]], metadata: Optional[dict] = None) -> tuple[str, int]:
+          spec_of: Callable[[str], tuple[tuple, np.dtype]], metadata: Optional[dict] = None,
+          on_bytes: Optional[Callable[[int], None]] = None) -> tuple[str, int]:
     """Stream one file of `names` to `out`, fetching each tensor with `get` only when its bytes are
     written, so that a file's tensors are never all in memory at once (or joined before they are
-    needed). `spec_of` gives (shape, dtype) without the data, for the header. Returns the file's
-    sha256 (hex) and size in bytes."""
+    needed). `spec_of` gives (shape, dtype) without the data, for the header; `on_bytes` hears of
+    every block written (a slow filesystem is progress, not a stall). Returns the file's sha256
+    (hex) and size in bytes."""
     digest = hashlib.sha256()
     specs = {name: (tuple(spec_of(name)[0]), np.dtype(spec_of(name)[1])) for name in names}
     head = _head(specs, metadata)
@@ -71,10 +76,14 @@ def write(out: BinaryIO, names: list[str], get: Callable[[str], np.ndarray],
             raise ValueError(f"tensor {name!r} is {arr.dtype}{list(arr.shape)}, but its header said "
                              f"{specs[name][1]}{list(specs[name][0])}")
         view = memoryview(arr.reshape(-1).view(np.uint8))
-        digest.update(view)
-        out.write(view)
+        for start in range(0, len(view), WRITE_BLOCK):
+            block = view[start: start + WRITE_BLOCK]
+            digest.update(block)
+            out.write(block)
+            if on_bytes is not None:
+                on_bytes(len(block))
         size += arr.nbytes
-        arr = view = None
+        arr = view = block = None
     return digest.hexdigest(), size
 
 

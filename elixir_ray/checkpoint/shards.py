@@ -50,17 +50,18 @@ def split_parts(tensors: Mapping, part_bytes: int = PART_BYTES) -> list[list[str
 
 
 def write_rank_shard(work_uri: str, rank: int, shard: Mapping[str, np.ndarray],
-                     part_bytes: int = PART_BYTES) -> dict[str, dict]:
+                     part_bytes: int = PART_BYTES, on_bytes=None) -> dict[str, dict]:
     """Stream one rank's shard into its files under `work_uri` (a checkpoint directory that is not
     committed yet); returns each file's entry for the manifest. The arrays may be views of the live
-    state: each is written as it is, without a copy, while training waits."""
+    state: each is written as it is, without a copy, while training waits. `on_bytes` hears of each
+    block written."""
     fs, root = storage.resolve(work_uri)
     spec = safetensors_io.spec_of_mapping(shard)
     files = {}
     for i, names in enumerate(split_parts(shard, part_bytes)):
         name = rank_file(rank, i)
         with fs.open_output_stream(f"{root}/{name}") as out:
-            sha256, nbytes = safetensors_io.write(out, names, shard.__getitem__, spec)
+            sha256, nbytes = safetensors_io.write(out, names, shard.__getitem__, spec, on_bytes=on_bytes)
         files[name] = {"sha256": sha256, "bytes": nbytes, "rank": rank}
     return files
 

@@ -148,7 +148,7 @@ def commit_checkpoint(uri: str, step: int, work_uri: str, files: dict[str, dict]
                     "shards": {"world": world, "layout": layout}, **extra}
         try:
             manifest["tensors"] = tensor_entries(open_shards(work_uri, manifest))
-        except ValueError as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the shard files of step {step} do not make a checkpoint: {exc}") from None
         with fs.open_output_stream(f"{work}/manifest.json") as out:
             out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -284,7 +284,7 @@ def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, 
             raise CheckpointError(f"checkpoint {shown!r}: {problem}")
         try:
             return manifest, open_shards(where, manifest)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"checkpoint {shown!r}: its shard files are malformed: {exc}") from None
     tensors: dict[str, np.ndarray] = {}
     for name, info in manifest["files"].items():

@@ -51,6 +51,7 @@ STATE_BYTES_PER_PARAM = 12  # fp32 master weights and two AdamW moments
 # checkpoint.via=auto snapshots through the object store while the state is at most this share of
 # the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
 OBJECT_STORE_SHARE = 0.5
+WRITE_POLL_S = 1.0  # how often the driver asks the ranks how far their checkpoint write has got
 
 
 class RunState(enum.Enum):
@@ -285,13 +286,11 @@ class TrainController:
         return via
 
     def _state_bytes(self) -> int:
-        """The training state every rank hands over at a checkpoint, all ranks together (a replicated
-        chunk is whole on each)."""
+        """The training state the ranks hand over at a checkpoint, all together (each sharded chunk's
+        shards, and each replicated chunk once: only rank 0 hands those over)."""
         engine = (self.outcome.plan.engine if self.outcome.plan else None) or {}
         numels = engine.get("chunk_numels") or [engine.get("chunk_size", 0)] * len(engine.get("placements", []))
-        sharded = engine.get("sharded") or [False] * len(numels)
-        world = self.shape.num_workers
-        return STATE_BYTES_PER_PARAM * sum(n * (1 if s and world > 1 else world) for n, s in zip(numels, sharded))
+        return STATE_BYTES_PER_PARAM * sum(numels)
 
     def _object_store_bytes(self) -> float:
         """The driver node's object store capacity (where a one-node run's snapshot lives, and where
@@ -304,8 +303,9 @@ class TrainController:
 
     def _workers_see(self, uri: str, create: bool = False) -> bool:
         """Whether every worker sees `uri` as the driver does: an object store URI always; a local path
-        when every worker is on the driver's node or finds a file the driver just made there."""
-        if ("://" in uri and not uri.startswith("file://")) or self._on_driver_node:
+        when every worker finds a file the driver just made there (workers on the driver's node may
+        still be in containers of their own)."""
+        if "://" in uri and not uri.startswith("file://"):
             return True
         path = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(os.path.expanduser(uri))
         probe = os.path.join(path, f".elixir_ray-probe-{os.getpid()}-{time.time_ns()}")
@@ -447,8 +447,7 @@ class TrainController:
                                   f"{exc}")
             return
         try:
-            results = self._get([w.write_shard.remote(work) for w in self.workers], "writing a checkpoint",
-                                timeout=self._snapshot_timeout())
+            results = self._wait_for_writes([w.write_shard.remote(work) for w in self.workers])
         except BaseException:
             abort_checkpoint(work)
             raise
@@ -475,11 +474,34 @@ class TrainController:
                 {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
                  "config": self.cfg.to_dict(), "world_size": self.shape.num_workers})
         except (OSError, CheckpointError) as exc:
+            self.persister.forget_unreadable(step)
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")
             return
         log.info("checkpoint of step %d written by the workers to %s in %.2fs", step, path, time.monotonic() - start)
         self.on_note(f"step {step}: checkpoint written in {time.monotonic() - start:.1f}s")
         self.persister.record(step, path)
+
+    def _wait_for_writes(self, refs: list) -> list:
+        """The ranks' `write_shard` results. A write is as slow as its storage (a network filesystem can
+        take many minutes for a large model), so it fails the group only when no rank has written a
+        byte for `fault.detect_timeout_s`, or a rank died or raised."""
+        detect = self.cfg.fault.detect_timeout_s
+        last, last_change = -1, time.monotonic()
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=WRITE_POLL_S)
+            for ref in refs:  # a failed rank at once, not after the others finish
+                if ref not in pending:
+                    self._get([ref], "writing a checkpoint")
+            if not pending:
+                break
+            written = sum(self._get([w.write_progress.remote() for w in self.workers], "polling the checkpoint write",
+                                    timeout=detect))
+            if written != last:
+                last, last_change = written, time.monotonic()
+            elif time.monotonic() - last_change > detect:
+                raise WorkerGroupFailure("writing a checkpoint", f"no rank wrote anything for {detect:g}s")
+        return self._get(refs, "writing a checkpoint")
 
     def _snapshot_timeout(self) -> float:
         """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S."""

@@ -163,22 +163,26 @@ class CheckpointPersister:
             start = time.monotonic()
             path = save_checkpoint(self.uri, snap.step, tensors, {"samples_consumed": snap.samples_consumed,
                                                                   **snap.extra})
-            # a step written again after a restart replaces its earlier commit
-            self.committed = [(step, p) for step, p in self.committed if p != path] + [(snap.step, path)]
             log.info("persisted step %d to %s in %.2fs", snap.step, path, time.monotonic() - start)
         except Exception as exc:  # a full disk or an unwritable URI must not stop training
-            # a failed rewrite of a step committed before (after a restart) may have deleted that commit
-            self.committed = [(step, p) for step, p in self.committed if step != snap.step or _readable(p)]
+            self.forget_unreadable(snap.step)
             self._report(f"could not persist the checkpoint of step {snap.step} to {self.uri}: {exc}")
             return
-        self._prune()
+        self.record(snap.step, path)
 
     def record(self, step: int, path: str) -> None:
-        """A checkpoint committed outside the thread (the workers wrote it straight to storage):
-        counted among this run's commits, and older ones pruned as `keep` says."""
+        """A committed checkpoint (by this thread, or by the workers straight to storage): counted
+        among this run's commits (a step written again after a restart replaces its earlier commit),
+        and older ones pruned as `keep` says."""
         with self._cond:
             self.committed = [(s, p) for s, p in self.committed if p != path] + [(step, path)]
-            self._prune()
+        self._prune()
+
+    def forget_unreadable(self, step: int) -> None:
+        """After a failed write of `step`: a rewrite of a step committed before (after a restart) may
+        have deleted that commit, which restores must then not count on."""
+        with self._cond:
+            self.committed = [(s, p) for s, p in self.committed if s != step or _readable(p)]
 
     def report(self, message: str) -> None:
         """A checkpoint that could not be persisted: warned, logged and listed in the run's result."""
@@ -188,14 +192,16 @@ class CheckpointPersister:
         """Keep this run's newest `keep` commits (the list of them is what `newest` and restores read)."""
         if not self.keep:
             return
-        while len(self.committed) > self.keep:
-            step, path = self.committed[0]
+        with self._cond:
+            victims = self.committed[:-self.keep]
+        for step, path in victims:  # deleted outside the lock: submit() must not wait on storage
             try:
                 delete_checkpoint(path)  # manifest first: never listed as committed half-deleted
             except (OSError, ValueError) as exc:
                 self._report(f"could not delete the old checkpoint of step {step} at {path}: {exc}")
                 return
-            self.committed.pop(0)
+            with self._cond:
+                self.committed = [(s, p) for s, p in self.committed if p != path]
 
     def _report(self, message: str) -> None:
         self.errors.append(message)

@@ -46,6 +46,7 @@ class RankWorker:
         self._metrics: list[dict] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._bytes_written = 0  # by `write_shard`, read by the driver's `write_progress` polls
         torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
 
     def node_info(self) -> dict:
@@ -191,11 +192,20 @@ class RankWorker:
         assert self.trainer is not None
         self._use_device()
         header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
+
+        def wrote(nbytes: int) -> None:
+            self._bytes_written += nbytes
+
         try:
-            files = write_rank_shard(work_uri, self.rank, self.trainer.state_shard(copy=False, lazy=True))
+            files = write_rank_shard(work_uri, self.rank, self.trainer.state_shard(copy=False, lazy=True),
+                                     on_bytes=wrote)
         except OSError as exc:
             return {**header, "error": f"rank {self.rank} could not write its shard to {work_uri}: {exc}"}
         return {**header, "files": files, "layout": self.trainer.layout() if self.rank == 0 else None}
+
+    def write_progress(self) -> int:
+        """Bytes this rank has written in checkpoints so far: a write that moves is not a stall."""
+        return self._bytes_written
 
     def shutdown(self) -> None:
         self._use_device()

@@ -375,6 +375,20 @@ class ChunkStore:
         return out.cpu()
 
 
+def own_part(c: Chunk, slot: ParamSlot) -> tuple[int, int]:
+    """The elements [lo, hi) of a parameter (in its flat order) that this rank's shard of its chunk
+    holds; lo == hi when it holds none."""
+    lo = max(slot.offset, c.shard_start)
+    hi = max(lo, min(slot.offset + slot.numel, c.shard_start + c.shard_len))
+    return lo - slot.offset, hi - slot.offset
+
+
+def write_part(c: Chunk, target: torch.Tensor, slot: ParamSlot, lo: int, part: torch.Tensor) -> None:
+    """Copy elements [lo, lo + len(part)) of a parameter (`own_part`) into one of the chunk's shard tensors."""
+    start = slot.offset + lo - c.shard_start
+    target[start: start + part.numel()].copy_(part.reshape(-1))
+
+
 def write_slot(c: Chunk, target: torch.Tensor, slot: ParamSlot, flat: torch.Tensor) -> None:
     """Copy this rank's part of a whole parameter (flat) into one of the chunk's shard tensors."""
     lo = max(slot.offset, c.shard_start)

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from elixir_ray.engine.chunks import write_slot
+from elixir_ray.engine.chunks import own_part, write_part
 from elixir_ray.engine.optimizer import ChunkedAdam
 from elixir_ray.engine.wrap import ChunkedModule
 
@@ -51,14 +51,20 @@ class EngineShard(Mapping):
     """This rank's slices as a mapping that makes each array when it is read: a device-resident
     chunk's state is copied to the host one chunk at a time as a writer reaches it, not all at once,
     and host-resident state is a view (or a copy with `copy=True`). For a caller that is done with
-    it before training goes on. Entries set on it (random states) are kept as given."""
+    it before training goes on. Entries set on it (random states) are kept as given.
+
+    A replicated chunk is whole on every rank; only rank 0 hands it over (the join reads it from
+    rank 0's shard), so several ranks write no copies of it."""
 
     def __init__(self, model: ChunkedModule, copy: bool = False):
         self.model, self.copy = model, copy
         with model.store.on_device():
             model.store.settle_all()  # updates still running on the background thread finish first
+        comm = model.store.comm
         self._tensors: dict[str, torch.Tensor] = {}
         for c in model.store.chunks:
+            if comm.rank != 0 and not (c.sharded and comm.world > 1):
+                continue
             self._tensors[f"chunk/{c.index}/master"] = c.master
             if c.exp_avg is not None:
                 self._tensors[f"chunk/{c.index}/exp_avg"] = c.exp_avg
@@ -175,16 +181,31 @@ class JoinedState(Mapping):
             return tuple(value.shape), np.dtype(value.dtype)
         return tuple(where[1]["shape"]), np.dtype(self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].dtype)
 
+    def read_range(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of a tensor in its flat order, reading only those (a restoring rank
+        takes just its own part of each sharded parameter)."""
+        where = self._where.get(name)
+        if where is None or where[0] != "slot":
+            return np.asarray(self[name]).reshape(-1)[lo:hi]
+        slot = where[1]
+        hi = min(hi, slot["numel"])
+        lo = min(lo, hi)
+        return self._chunk_range(slot["chunk"], where[2], slot["offset"] + lo, slot["offset"] + hi)
+
     def _slot(self, slot: dict, kind: str) -> np.ndarray:
-        key = f"chunk/{slot['chunk']}/{kind}"
-        lo, hi = slot["offset"], slot["offset"] + slot["numel"]
-        info, world = self.layout["chunks"][slot["chunk"]], self.layout["world"]
+        return self._chunk_range(slot["chunk"], kind, slot["offset"], slot["offset"] + slot["numel"]).reshape(
+            slot["shape"])
+
+    def _chunk_range(self, chunk: int, kind: str, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of a whole chunk's tensor, from the ranks whose shards hold them."""
+        key = f"chunk/{chunk}/{kind}"
+        info, world = self.layout["chunks"][chunk], self.layout["world"]
         if not (info["sharded"] and world > 1) or hi == lo:
-            return np.array(self.shards[0][key][lo:hi]).reshape(slot["shape"])
+            return np.array(self.shards[0][key][lo:hi])
         n = info["size"] // world  # each rank holds elements [rank * n, (rank + 1) * n)
         pieces = [self.shards[r][key][max(lo, r * n) - r * n: min(hi, (r + 1) * n) - r * n]
                   for r in range(lo // n, (hi - 1) // n + 1)]
-        return np.concatenate(pieces).reshape(slot["shape"])
+        return np.concatenate(pieces)
 
 
 def assemble(shards: list[dict[str, np.ndarray]], layout: dict) -> dict[str, np.ndarray]:
@@ -201,9 +222,15 @@ def engine_state(model: ChunkedModule, optimizer: ChunkedAdam) -> dict[str, np.n
 
 
 @torch.no_grad()
-def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: dict) -> None:
-    """Restore from whole tensors (any world size wrote them); each rank keeps its own part."""
-    model.load_state_dict(_ModelTensors(tensors))
+def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Mapping) -> None:
+    """Restore from whole tensors (any world size wrote them); each rank reads and keeps only its own
+    part of each parameter (from a checkpoint joined lazily, `JoinedState.read_range`, only those bytes)."""
+    def read(name: str, lo: int, hi: int) -> torch.Tensor:
+        ranged = getattr(tensors, "read_range", None)
+        part = ranged(name, lo, hi) if ranged is not None else np.asarray(tensors[name]).reshape(-1)[lo:hi]
+        return torch.as_tensor(np.array(part, dtype=np.float32))
+
+    model.load_state_parts(_ModelTensors(tensors), lambda key, lo, hi: read(f"model/{key}", lo, hi))
     for c in model.store.chunks:
         for s in c.slots:
             key = f"optim/{s.name}"
@@ -212,14 +239,16 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: dic
                 continue
             if c.exp_avg is None:
                 c.exp_avg, c.exp_avg_sq = torch.zeros_like(c.master), torch.zeros_like(c.master)
-            write_slot(c, c.exp_avg, s, _flat(tensors[f"{key}/exp_avg"]))
-            write_slot(c, c.exp_avg_sq, s, _flat(tensors[f"{key}/exp_avg_sq"]))
+            lo, hi = own_part(c, s)
+            if lo < hi:
+                write_part(c, c.exp_avg, s, lo, read(f"{key}/exp_avg", lo, hi))
+                write_part(c, c.exp_avg_sq, s, lo, read(f"{key}/exp_avg_sq", lo, hi))
             s.step = int(np.asarray(tensors[f"{key}/step"]).reshape(-1)[0])
 
 
 class _ModelTensors(Mapping):
-    """The `model/` tensors of a checkpoint under their state-dict keys, each read when it is loaded:
-    a large model's weights are never all in memory at once beside the engine's own copy."""
+    """The `model/` tensors of a checkpoint under their state-dict keys, each read only if it is
+    loaded whole (buffers; parameters are read by range)."""
 
     def __init__(self, tensors: Mapping):
         self.tensors = tensors
@@ -238,5 +267,4 @@ class _ModelTensors(Mapping):
         return torch.as_tensor(np.array(self.tensors[f"model/{key}"]))
 
 
-def _flat(value) -> torch.Tensor:
-    return torch.as_tensor(np.array(value, dtype=np.float32)).reshape(-1)
+

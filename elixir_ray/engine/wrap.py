@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, write_slot
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.errors import PlanError
@@ -83,22 +83,38 @@ class ChunkedModule(nn.Module):
         with self.store.on_device():
             self._load_state_dict(state_dict, strict)
 
-    def _load_state_dict(self, state_dict, strict: bool) -> None:
+    @torch.no_grad()
+    def load_state_parts(self, state_dict, read_part: Callable[[str, int, int], torch.Tensor]) -> None:
+        """`load_state_dict` for a restore: each parameter's part this rank keeps is read with
+        `read_part(key, lo, hi)` (elements [lo, hi) of its flat order), so a sharded checkpoint is
+        never read whole on each rank; buffers come from `state_dict`."""
+        with self.store.on_device():
+            self._load_state_dict(state_dict, True, read_part)
+
+    def _load_state_dict(self, state_dict, strict: bool, read_part=None) -> None:
         self.store.settle_all()
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        loaded = set()  # a tied parameter is loaded once, under its first key
         for key, t in own.items():
             if key not in state_dict:
                 continue
-            value = state_dict[key]
             slot = self.slot_by_param.get(id(t))
             if slot is None:
-                t.copy_(value)
-            else:
-                _write_master(self.store.chunks[slot.chunk], slot, value.detach().float().reshape(-1).cpu())
+                t.copy_(torch.as_tensor(state_dict[key]).reshape(t.shape))  # a 0-d buffer may be saved as [1]
+                continue
+            if id(slot) in loaded:
+                continue
+            loaded.add(id(slot))
+            c = self.store.chunks[slot.chunk]
+            lo, hi = own_part(c, slot)
+            if lo < hi:
+                part = (read_part(key, lo, hi) if read_part is not None
+                        else state_dict[key].detach().float().reshape(-1)[lo:hi].cpu())
+                write_part(c, c.master, slot, lo, part)
         for c in self.store.chunks:
             self.store.refresh_upload(c)
         self.pool.reset()
