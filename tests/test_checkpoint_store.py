@@ -386,9 +386,9 @@ def test_a_restoring_rank_reads_only_its_part_of_a_sharded_tensor(tmp_path, monk
     path = commit_checkpoint(uri, 1, work, files, layout, 2, {"samples_consumed": 2})
     _, joined = load_checkpoint(path)
     reads = []
-    real = shards._CheckpointFiles.read_at
-    monkeypatch.setattr(shards._CheckpointFiles, "read_at",
-                        lambda self, name, nbytes, offset: reads.append((name[:10], nbytes)) or real(self, name, nbytes, offset))
+    real = shards._CheckpointFiles.read_into
+    monkeypatch.setattr(shards._CheckpointFiles, "read_into",
+                        lambda self, name, offset, out: reads.append((name[:10], out.nbytes)) or real(self, name, offset, out))
     # model/w is chunk 0's elements [0, 6): rank 0 holds [0, 4), rank 1 [4, 8)
     np.testing.assert_array_equal(joined.read_range("model/w", 4, 6), [4.0, 5.0])
     assert reads == [("rank-00001", 8)]

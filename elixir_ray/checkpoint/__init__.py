@@ -1,4 +1,6 @@
-"""Checkpoints: whole tensors in safetensors files plus a JSON manifest with checksums, committed atomically."""
+"""Checkpoints: safetensors files plus a JSON manifest with checksums, committed atomically; whole tensors
+(written by the driver) or each rank's shard with the layout (written by the workers, `shards.py`),
+read back alike as whole tensors, each read from the files when it is used."""
 
 from elixir_ray.checkpoint.store import (
     CheckpointError,

@@ -15,6 +15,7 @@ Nothing here imports Ray: the cluster layer calls it on the workers and on the d
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Optional
 
@@ -70,10 +71,11 @@ class _CheckpointFiles:
     """A checkpoint directory's files, each opened on its first read. Pickled (to reach the workers
     of a restore) it is only its URI: each process opens the files itself."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, fs=None, root: Optional[str] = None):
         self.uri = uri
-        self._fs = self._root = None
+        self._fs, self._root = (fs, root) if fs is not None else (None, None)
         self._open: dict = {}
+        self._lock = threading.Lock()  # a file's position is shared by seek and readinto
 
     def __getstate__(self):
         return {"uri": self.uri}
@@ -81,16 +83,30 @@ class _CheckpointFiles:
     def __setstate__(self, state):
         self.__init__(state["uri"])
 
-    def read_at(self, name: str, nbytes: int, offset: int) -> bytes:
+    def _file(self, name: str):
         if self._fs is None:
             self._fs, self._root = storage.resolve(self.uri)
         f = self._open.get(name)
         if f is None:
             f = self._open[name] = self._fs.open_input_file(f"{self._root}/{name}")
-        data = f.read_at(nbytes, offset)
+        return f
+
+    def read_at(self, name: str, nbytes: int, offset: int) -> bytes:
+        with self._lock:
+            data = self._file(name).read_at(nbytes, offset)
         if len(data) != nbytes:
             raise OSError(f"{self.uri}/{name}: read {len(data)} of {nbytes} bytes at {offset} (truncated?)")
         return data
+
+    def read_into(self, name: str, offset: int, out: np.ndarray) -> np.ndarray:
+        """Fill `out` (C-contiguous) from the file at `offset`: one copy, into a writable array."""
+        with self._lock:
+            f = self._file(name)
+            f.seek(offset)
+            got = f.readinto(memoryview(out.reshape(-1).view(np.uint8))) if out.nbytes else 0
+        if got != out.nbytes:
+            raise OSError(f"{self.uri}/{name}: read {got} of {out.nbytes} bytes at {offset} (truncated?)")
+        return out
 
 
 class FileArray:
@@ -124,14 +140,17 @@ class FileArray:
         if self.ndim == 1 and isinstance(index, slice):
             lo, hi, step = index.indices(self.shape[0])
             if step == 1:
-                count = max(0, hi - lo)
-                raw = self.files.read_at(self.name, count * self.itemsize, self.offset + lo * self.itemsize)
-                return np.frombuffer(raw, dtype=self.dtype, count=count)
+                return self.flat(lo, hi)
         return self.read()[index]
 
+    def flat(self, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) in flat order, reading only their bytes."""
+        lo, hi = max(0, lo), min(max(lo, hi), self.size)
+        out = np.empty(max(0, hi - lo), dtype=self.dtype)
+        return self.files.read_into(self.name, self.offset + lo * self.itemsize, out)
+
     def read(self) -> np.ndarray:
-        raw = self.files.read_at(self.name, self.nbytes, self.offset)
-        return np.frombuffer(raw, dtype=self.dtype, count=self.size).reshape(self.shape)
+        return self.files.read_into(self.name, self.offset, np.empty(self.shape, dtype=self.dtype))
 
     def __array__(self, dtype=None, copy=None):
         out = self.read()
@@ -149,11 +168,11 @@ def join_rank_shards(shards: list[Mapping], layout: dict) -> JoinedState:
     return JoinedState(list(shards), layout, extra=rng)
 
 
-def open_shards(uri: str, manifest: dict) -> JoinedState:
-    """A shards checkpoint (`uri` names its directory) as whole tensors, read lazily. Only the chunk
-    slices are left in the files; the small tensors (step counts, buffers, random states) are read now.
-    Raises ValueError for files that do not match the manifest."""
-    files = _CheckpointFiles(uri)
+def open_shards(uri: str, manifest: dict, fs=None, root: Optional[str] = None) -> JoinedState:
+    """A shards checkpoint (`uri` names its directory; `fs` and `root` as for `open_tensors`) as whole
+    tensors, read lazily. Only the chunk slices are left in the files; the small tensors (step counts,
+    buffers, random states) are read now. Raises ValueError for files that do not match the manifest."""
+    files = _CheckpointFiles(uri, fs, root)
     world = manifest["shards"]["world"]
     shards: list[dict] = [{} for _ in range(world)]
     for name, info in sorted(manifest["files"].items()):
@@ -164,11 +183,57 @@ def open_shards(uri: str, manifest: dict) -> JoinedState:
         for key, entry in header.items():
             value = FileArray(files, name, data_start + entry["data_offsets"][0],
                               safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"]))
-            shards[rank][key] = value if key.startswith("chunk/") else value.read().copy()
+            shards[rank][key] = value if key.startswith("chunk/") else value.read()
     for rank, shard in enumerate(shards):
         if "slots/step" not in shard:
             raise ValueError(f"rank {rank}'s files hold no step counts (a file is missing from the manifest?)")
     return join_rank_shards(shards, manifest["shards"]["layout"])
+
+
+class CheckpointTensors(Mapping):
+    """A whole-tensor checkpoint's tensors (format 1), each read from its file only when used: a
+    restore or an export never holds the whole state. Pickled, it is the files' URI and offsets,
+    so a restore's workers read the tensors themselves."""
+
+    def __init__(self, arrays: dict[str, FileArray]):
+        self.arrays = arrays
+
+    def __iter__(self):
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __contains__(self, name) -> bool:
+        return name in self.arrays
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name].read()
+
+    def read_range(self, name: str, lo: int, hi: int) -> np.ndarray:
+        return self.arrays[name].flat(lo, hi)
+
+    def nbytes_of(self, name: str) -> int:
+        return self.arrays[name].nbytes
+
+    def spec_of(self, name: str) -> tuple[tuple, np.dtype]:
+        return self.arrays[name].shape, self.arrays[name].dtype
+
+
+def open_tensors(uri: str, manifest: dict, fs=None, root: Optional[str] = None) -> CheckpointTensors:
+    """A whole-tensor checkpoint (`uri` names its directory; `fs` and `root`, when given, are how this
+    process opens it) as tensors read lazily. Raises ValueError for files that do not match the manifest."""
+    files = _CheckpointFiles(uri, fs, root)
+    arrays: dict[str, FileArray] = {}
+    for name, info in sorted(manifest["files"].items()):
+        header, data_start = safetensors_io.read_header(functools.partial(files.read_at, name), info["bytes"])
+        for key, entry in header.items():
+            arrays[key] = FileArray(files, name, data_start + entry["data_offsets"][0],
+                                    safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"]))
+    missing = sorted(set(manifest["tensors"]) - set(arrays))
+    if missing:
+        raise ValueError(f"the manifest lists tensors no file holds: {missing[:3]}")
+    return CheckpointTensors(arrays)
 
 
 def tensor_entries(joined: JoinedState) -> dict[str, dict]:
@@ -181,11 +246,11 @@ def tensor_entries(joined: JoinedState) -> dict[str, dict]:
     return out
 
 
-def verify_files(uri: str, files: dict, block_bytes: int = 64 * 2**20) -> Optional[str]:
-    """Stream every file through sha256 (nothing kept); the first mismatch or unreadable file, or None."""
+def verify_files(fs, root: str, files: dict, block_bytes: int = 64 * 2**20) -> Optional[str]:
+    """Stream every file under `root` on `fs` through sha256 (nothing kept); the first mismatch or
+    unreadable file, or None."""
     import hashlib
 
-    fs, root = storage.resolve(uri)
     for name, info in sorted(files.items()):
         digest = hashlib.sha256()
         try:

@@ -21,7 +21,6 @@ each read from the files only when it is used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -34,7 +33,8 @@ import pyarrow.fs as pafs
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.shards import SHARDS_FORMAT, open_shards, split_parts, tensor_entries, verify_files
+from elixir_ray.checkpoint.shards import (SHARDS_FORMAT, open_shards, open_tensors, split_parts, tensor_entries,
+                                          verify_files)
 
 FORMAT = "elixir_ray.checkpoint/1"  # whole tensors
 FORMATS = (FORMAT, SHARDS_FORMAT)
@@ -275,32 +275,19 @@ def load_checkpoint(path: str) -> tuple[dict, Mapping[str, np.ndarray]]:
 
 
 def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """Either format: every file checked whole first (streamed through sha256, nothing kept), then
+    each tensor read from its file when it is used."""
     manifest = _read_manifest(fs, root, shown)
-    if manifest["format"] == SHARDS_FORMAT:
-        # checked whole, streamed through sha256; then each tensor is read from the files when used
-        where = shown if "://" in shown else root  # absolute: the workers that read it have their own cwd
-        problem = verify_files(where, manifest["files"])
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {shown!r}: {problem}")
-        try:
-            return manifest, open_shards(where, manifest)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint {shown!r}: its shard files are malformed: {exc}") from None
-    tensors: dict[str, np.ndarray] = {}
-    for name, info in manifest["files"].items():
-        try:
-            with fs.open_input_stream(f"{root}/{name}") as f:
-                payload = f.read()
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {shown!r}: cannot read {name}: {exc}") from None
-        if hashlib.sha256(payload).hexdigest() != info["sha256"]:
-            raise CheckpointError(f"checkpoint {shown!r}: {name} does not match its checksum")
-        try:
-            part, _ = safetensors_io.decode(payload)
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {shown!r}: {name} is malformed: {exc}") from None
-        tensors.update(part)
-    return manifest, tensors
+    problem = verify_files(fs, root, manifest["files"])
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {shown!r}: {problem}")
+    where = shown if "://" in shown else root  # absolute: the workers that read it have their own cwd
+    try:
+        if manifest["format"] == SHARDS_FORMAT:
+            return manifest, open_shards(where, manifest, fs, root)
+        return manifest, open_tensors(where, manifest, fs, root)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {exc}") from None
 
 
 def load_newest_valid(uri: str) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:

@@ -325,14 +325,20 @@ class TrainController:
         left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
         return load_first_valid(path for _, path in reversed(list(self.persister.committed if self.persister else [])))
 
-    def _check_workers_read(self, path: str, manifest: dict) -> None:
-        """A shards checkpoint is read by the workers themselves: refuse, before they fail on it one
-        restart after another, one they cannot see."""
-        if manifest.get("format") == SHARDS_FORMAT and not self._workers_see(path):
+    def _for_the_workers(self, path: str, manifest: dict, tensors):
+        """What a durable restore hands the workers: the checkpoint's lazily read tensors (pickled as
+        file names and offsets), so each worker reads its own part and the driver holds none, when
+        the workers see `path`. Otherwise a whole-tensor checkpoint is read here and put in the object
+        store once; one the workers wrote is refused (writing it there was chosen because the state is
+        large for the object store)."""
+        if self._workers_see(path):
+            return tensors
+        if manifest.get("format") == SHARDS_FORMAT:
             raise ClusterError(
                 f"checkpoint {path!r} was written by workers (checkpoint.via=storage) and is read by them too, but "
-                f"the workers on other nodes do not see it: put it on a filesystem every node mounts or in an "
-                f"object store (s3://...)")
+                f"the workers do not see it: put it on a filesystem every node mounts or in an object store "
+                f"(s3://...)")
+        return {name: tensors[name] for name in tensors}
 
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
@@ -347,22 +353,21 @@ class TrainController:
             found = self._newest_own_checkpoint()
             if found is not None:
                 path, manifest, tensors = found
-                self._check_workers_read(path, manifest)
+                tensors = self._for_the_workers(path, manifest, tensors)
                 source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
         if shard_refs is None and tensors is None and self.resume is not None:
             found = load_newest_valid(self.resume.uri)
             if found is None:
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
             path, manifest, tensors = found
-            self._check_workers_read(path, manifest)
+            tensors = self._for_the_workers(path, manifest, tensors)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
             self._get([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers], "restoring state")
         elif tensors is not None:
-            # a shards checkpoint goes to the workers as its file names: each reads the tensors itself
-            tensors_ref = ray.put(tensors)
+            tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step
         self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
