@@ -291,6 +291,19 @@ def _two_rank_shards():
     return shards, layout
 
 
+def _ranks_write(uri: str, step: int, shards: list, layout: dict) -> tuple[str, dict]:
+    """What the workers and the driver do for checkpoint.via=storage: each rank writes its shard into
+    the step's directory, the driver commits; (the checkpoint's path, the files' entries)."""
+    from elixir_ray.checkpoint.shards import write_rank_shard
+    from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
+
+    work = begin_checkpoint(uri, step)
+    files = {}
+    for rank, shard in enumerate(shards):
+        files.update(write_rank_shard(work, rank, shard))
+    return commit_checkpoint(uri, step, work, files, layout, len(shards), {"samples_consumed": 2 * step}), files
+
+
 def test_a_checkpoint_the_ranks_write_reads_back_as_whole_tensors(tmp_path):
     """checkpoint.via=storage: each rank writes its own files (tiny parts, so several each), the driver
     commits them; a reader gets the same whole tensors as joining the shards in memory, each read
@@ -332,11 +345,7 @@ def test_a_worker_written_checkpoint_is_refused_when_damaged_or_incomplete(tmp_p
 
     shards, layout = _two_rank_shards()
     uri = str(tmp_path / "ck")
-    work = begin_checkpoint(uri, 2)
-    files = {}
-    for rank, shard in enumerate(shards):
-        files.update(write_rank_shard(work, rank, shard))
-    path = commit_checkpoint(uri, 2, work, files, layout, 2, {"samples_consumed": 4})
+    path, files = _ranks_write(uri, 2, shards, layout)
     victim = os.path.join(path, sorted(files)[-1])
     data = bytearray(open(victim, "rb").read())
     data[-1] ^= 0xFF
@@ -374,16 +383,9 @@ def test_a_restoring_rank_reads_only_its_part_of_a_sharded_tensor(tmp_path, monk
     """`read_range` of a worker-written checkpoint reads just the bytes asked for, from the rank files
     that hold them: a rank restoring its shard of a large model does not read the whole state."""
     from elixir_ray.checkpoint import shards
-    from elixir_ray.checkpoint.shards import write_rank_shard
-    from elixir_ray.checkpoint.store import begin_checkpoint, commit_checkpoint
 
     shard_list, layout = _two_rank_shards()
-    uri = str(tmp_path / "ck")
-    work = begin_checkpoint(uri, 1)
-    files = {}
-    for rank, shard in enumerate(shard_list):
-        files.update(write_rank_shard(work, rank, shard))
-    path = commit_checkpoint(uri, 1, work, files, layout, 2, {"samples_consumed": 2})
+    path, _ = _ranks_write(str(tmp_path / "ck"), 1, shard_list, layout)
     _, joined = load_checkpoint(path)
     reads = []
     real = shards._CheckpointFiles.read_into

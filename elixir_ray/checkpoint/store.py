@@ -92,12 +92,8 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
             with fs.open_output_stream(f"{work}/{name}") as out:
                 sha256, nbytes = safetensors_io.write(out, names, tensors.__getitem__, spec)
             files[name] = {"sha256": sha256, "bytes": nbytes}
-        manifest = {"format": FORMAT, "step": step, "files": files, "tensors": entries, **extra}
-        with fs.open_output_stream(f"{work}/manifest.json") as out:
-            out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-        if local:
-            _remove_checkpoint(fs, final)
-            fs.move(work, final)
+        _write_manifest(fs, work, final, {"format": FORMAT, "step": step, "files": files, "tensors": entries,
+                                          **extra})
     except BaseException:
         try:
             if storage.exists(fs, work):
@@ -133,7 +129,6 @@ def commit_checkpoint(uri: str, step: int, work_uri: str, files: dict[str, dict]
     fs, root = storage.resolve(uri)
     _, work = storage.resolve(work_uri)
     final = f"{root}/{_step_dir(step)}"
-    local = fs.type_name == "local"
     try:
         for name, info in sorted(files.items()):
             found = fs.get_file_info(f"{work}/{name}")
@@ -150,15 +145,21 @@ def commit_checkpoint(uri: str, step: int, work_uri: str, files: dict[str, dict]
             manifest["tensors"] = tensor_entries(open_shards(work_uri, manifest))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the shard files of step {step} do not make a checkpoint: {exc}") from None
-        with fs.open_output_stream(f"{work}/manifest.json") as out:
-            out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-        if local:
-            _remove_checkpoint(fs, final)
-            fs.move(work, final)
+        _write_manifest(fs, work, final, manifest)
     except BaseException:
         abort_checkpoint(work_uri)
         raise
     return _as_uri(uri, root, final)
+
+
+def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) -> None:
+    """The commit: the manifest, written last; on a local filesystem the directory is then renamed
+    into place (elsewhere `work` is `final` already)."""
+    with fs.open_output_stream(f"{work}/manifest.json") as out:
+        out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+    if fs.type_name == "local":
+        _remove_checkpoint(fs, final)
+        fs.move(work, final)
 
 
 def abort_checkpoint(work_uri: str) -> None:
