@@ -155,7 +155,7 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     need = CHECKPOINT_BYTES_PER_PARAM * params
     if free < need:
         raise ConfigError(
-            f"checkpoint.uri {uri!r}: one checkpoint of this model takes {need / 2**30:.1f} GiB "
+            f"checkpoint.uri {uri!r}: one checkpoint of this model takes at least {need / 2**30:.1f} GiB "
             f"({params / 1e9:.2f}B parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes: weights and AdamW moments), but "
             f"{path} has {free / 2**30:.1f} GiB free: point checkpoint.uri at larger storage (another disk, s3://...)")
     room = int(free // need)

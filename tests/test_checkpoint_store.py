@@ -400,3 +400,17 @@ def test_a_restoring_rank_reads_only_its_part_of_a_sharded_tensor(tmp_path, monk
     reads.clear()
     np.testing.assert_array_equal(joined.read_range("model/v", 1, 3), [7.0, 7.0])  # replicated: rank 0's
     assert reads == [("rank-00000", 8)]
+    np.testing.assert_array_equal(joined.read_range("model/b", -2, 5), [6.0, 7.0])  # clamped to the tensor
+
+
+def test_a_file_shorter_or_longer_than_its_manifest_says_is_refused(tmp_path):
+    """The manifest's byte count is checked beside the checksum: the lazy readers trust it."""
+    shards, layout = _two_rank_shards()
+    path, files = _ranks_write(str(tmp_path / "ck"), 1, shards, layout)
+    manifest_path = os.path.join(path, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    name = sorted(files)[0]
+    manifest["files"][name]["bytes"] += 16
+    json.dump(manifest, open(manifest_path, "w"))
+    with pytest.raises(CheckpointError, match=f"{name} has .* bytes, its manifest says"):
+        load_checkpoint(path)

@@ -189,6 +189,30 @@ def test_a_checkpoint_written_from_the_live_state_restores_the_same_training(tmp
     assert engine_run(a, aopt, data[4:], 2, 2) == engine_run(b, bopt, data[4:], 2, 2)
 
 
+def test_loading_a_value_of_the_wrong_size_is_refused_and_tied_weights_take_the_last_key():
+    """load_state_dict and load_engine_state read each rank's part by range: a value of another size
+    must still be refused (not half-loaded), and a tied parameter given under two keys takes the
+    last, as torch's load_state_dict does."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8)
+    state = model.state_dict()
+    wrong = dict(state, **{"l1.weight": torch.zeros(16, 32)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for l1.weight: the value has 512 elements"):
+        model.load_state_dict(wrong)
+    engine_run(model, opt, batches(2, 8), 1, 2)
+    saved = engine_state(model, opt)
+    smaller = dict(saved, **{"optim/l1.weight/exp_avg": np.zeros(8, dtype=np.float32)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for optim/l1.weight/exp_avg"):
+        load_engine_state(model, opt, smaller)
+    reference = Toy()  # its head.weight is its emb.weight
+    both = {k: v.clone() for k, v in state.items()}
+    both["emb.weight"], both["head.weight"] = torch.full_like(both["emb.weight"], 1.0), torch.full_like(both["emb.weight"], 2.0)
+    reference.load_state_dict(both)
+    assert float(reference.emb.weight.detach()[0, 0]) == 2.0
+    model.load_state_dict(both)
+    assert torch.equal(model.state_dict()["emb.weight"], reference.state_dict()["emb.weight"])
+
+
 def test_budget_too_small_names_the_minimum_and_leaves_module_untouched():
     torch.manual_seed(0)
     model = Toy()

@@ -252,7 +252,7 @@ def verify_files(fs, root: str, files: dict, block_bytes: int = 64 * 2**20) -> O
     import hashlib
 
     for name, info in sorted(files.items()):
-        digest = hashlib.sha256()
+        digest, size = hashlib.sha256(), 0
         try:
             with fs.open_input_stream(f"{root}/{name}") as f:
                 while True:
@@ -260,8 +260,11 @@ def verify_files(fs, root: str, files: dict, block_bytes: int = 64 * 2**20) -> O
                     if not block:
                         break
                     digest.update(block)
+                    size += len(block)
         except OSError as exc:
             return f"cannot read {name}: {exc}"
         if digest.hexdigest() != info.get("sha256"):
             return f"{name} does not match its checksum"
+        if "bytes" in info and size != info["bytes"]:
+            return f"{name} has {size} bytes, its manifest says {info['bytes']}"
     return None

@@ -287,7 +287,7 @@ def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, 
         if manifest["format"] == SHARDS_FORMAT:
             return manifest, open_shards(where, manifest, fs, root)
         return manifest, open_tensors(where, manifest, fs, root)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {exc}") from None
 
 

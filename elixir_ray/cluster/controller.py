@@ -17,6 +17,7 @@ when those objects are gone or were never made), and continues.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import os
 import time
@@ -272,7 +273,7 @@ class TrainController:
             via = "storage" if capacity and state > OBJECT_STORE_SHARE * capacity else "object_store"
             log.info("checkpoints via %s: the training state is %.2f GiB, the object store %.2f GiB",
                      via.replace("_", " "), state / 2**30, capacity / 2**30)
-        if via == "storage" and not self._workers_see(self.checkpoint_uri, create=True):
+        if via == "storage" and not self._workers_write_to(self.checkpoint_uri):
             if self.cfg.checkpoint.via == "auto":
                 log.warning("the training state (%.2f GiB) is large for the object store, but the workers on other "
                             "nodes do not see %s to write their shards there: snapshots go through the object "
@@ -301,17 +302,16 @@ class TrainController:
                 return float(info.get("Resources", {}).get("object_store_memory", 0))
         return float(ray.cluster_resources().get("object_store_memory", 0))
 
-    def _workers_see(self, uri: str, create: bool = False) -> bool:
-        """Whether every worker sees `uri` as the driver does: an object store URI always; a local path
-        when every worker finds a file the driver just made there (workers on the driver's node may
-        still be in containers of their own)."""
+    def _workers_write_to(self, uri: str) -> bool:
+        """Whether every worker writes to `uri` where the driver reads: an object store URI always; a
+        local path when every worker finds a file the driver just made there (workers on the driver's
+        node may still be in containers of their own)."""
         if "://" in uri and not uri.startswith("file://"):
             return True
         path = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(os.path.expanduser(uri))
         probe = os.path.join(path, f".elixir_ray-probe-{os.getpid()}-{time.time_ns()}")
         try:
-            if create:
-                os.makedirs(path, exist_ok=True)
+            os.makedirs(path, exist_ok=True)
             open(probe, "x").close()
         except OSError:  # not even the driver can write there: the checkpoint's write will say why
             return True
@@ -325,13 +325,28 @@ class TrainController:
         left in the same directory (a fresh run that fails before its first checkpoint starts over)."""
         return load_first_valid(path for _, path in reversed(list(self.persister.committed if self.persister else [])))
 
+    def _workers_read(self, checkpoint: str) -> bool:
+        """Whether every worker reads the checkpoint at `checkpoint` as the driver does: an object
+        store URI always; a local path when each finds there the manifest the driver read."""
+        if "://" in checkpoint and not checkpoint.startswith("file://"):
+            return True
+        path = checkpoint[len("file://"):] if checkpoint.startswith("file://") else checkpoint
+        manifest = os.path.join(os.path.abspath(os.path.expanduser(path)), "manifest.json")
+        try:
+            with open(manifest, "rb") as f:
+                mine = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return False
+        return all(d == mine for d in self._get([w.file_digest.remote(manifest) for w in self.workers],
+                                                "checking the checkpoint path"))
+
     def _for_the_workers(self, path: str, manifest: dict, tensors):
         """What a durable restore hands the workers: the checkpoint's lazily read tensors (pickled as
         file names and offsets), so each worker reads its own part and the driver holds none, when
         the workers see `path`. Otherwise a whole-tensor checkpoint is read here and put in the object
         store once; one the workers wrote is refused (writing it there was chosen because the state is
         large for the object store)."""
-        if self._workers_see(path):
+        if self._workers_read(path):
             return tensors
         if manifest.get("format") == SHARDS_FORMAT:
             raise ClusterError(

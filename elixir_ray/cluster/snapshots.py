@@ -182,7 +182,10 @@ class CheckpointPersister:
         """After a failed write of `step`: a rewrite of a step committed before (after a restart) may
         have deleted that commit, which restores must then not count on."""
         with self._cond:
-            self.committed = [(s, p) for s, p in self.committed if s != step or _readable(p)]
+            suspects = [p for s, p in self.committed if s == step]
+        gone = {p for p in suspects if not _readable(p)}  # read outside the lock: submit() must not wait
+        with self._cond:
+            self.committed = [(s, p) for s, p in self.committed if p not in gone]
 
     def report(self, message: str) -> None:
         """A checkpoint that could not be persisted: warned, logged and listed in the run's result."""

@@ -83,6 +83,17 @@ class RankWorker:
         """Whether this rank sees `path` (ranks in containers of their own have a /tmp each)."""
         return os.path.exists(path)
 
+    def file_digest(self, path: str):
+        """sha256 of the file at `path` as this rank sees it, or None: whether a checkpoint the driver
+        reads is the one this rank would read (a read-only mount takes no probe file)."""
+        import hashlib
+
+        try:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return None
+
     def remove_files(self, paths: list[str]) -> None:
         """Delete rendezvous files of this node that no group uses any more (a group reads its file
         until it is destroyed: the controller calls this before killing the workers)."""

@@ -383,8 +383,10 @@ def own_part(c: Chunk, slot: ParamSlot) -> tuple[int, int]:
     return lo - slot.offset, hi - slot.offset
 
 
-def write_part(c: Chunk, target: torch.Tensor, slot: ParamSlot, lo: int, part: torch.Tensor) -> None:
-    """Copy elements [lo, lo + len(part)) of a parameter (`own_part`) into one of the chunk's shard tensors."""
+def write_part(c: Chunk, target: torch.Tensor, slot: ParamSlot, lo: int, hi: int, part: torch.Tensor) -> None:
+    """Copy elements [lo, hi) of a parameter (`own_part`) into one of the chunk's shard tensors."""
+    if part.numel() != hi - lo:
+        raise ValueError(f"{slot.name}: {part.numel()} elements read for its elements [{lo}, {hi})")
     start = slot.offset + lo - c.shard_start
     target[start: start + part.numel()].copy_(part.reshape(-1))
 

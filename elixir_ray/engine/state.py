@@ -189,7 +189,7 @@ class JoinedState(Mapping):
             return np.asarray(self[name]).reshape(-1)[lo:hi]
         slot = where[1]
         hi = min(hi, slot["numel"])
-        lo = min(lo, hi)
+        lo = min(max(0, lo), hi)
         return self._chunk_range(slot["chunk"], where[2], slot["offset"] + lo, slot["offset"] + hi)
 
     def _slot(self, slot: dict, kind: str) -> np.ndarray:
@@ -230,7 +230,12 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Map
         part = ranged(name, lo, hi) if ranged is not None else np.asarray(tensors[name]).reshape(-1)[lo:hi]
         return torch.as_tensor(np.array(part, dtype=np.float32))
 
-    model.load_state_parts(_ModelTensors(tensors), lambda key, lo, hi: read(f"model/{key}", lo, hi))
+    def numel_of(name: str) -> int:
+        spec = getattr(tensors, "spec_of", None)
+        return int(np.prod(spec(name)[0] if spec is not None else np.shape(tensors[name]), dtype=np.int64))
+
+    model.load_state_parts(_ModelTensors(tensors), lambda key, lo, hi: read(f"model/{key}", lo, hi),
+                           lambda key: numel_of(f"model/{key}"))
     for c in model.store.chunks:
         for s in c.slots:
             key = f"optim/{s.name}"
@@ -239,10 +244,14 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Map
                 continue
             if c.exp_avg is None:
                 c.exp_avg, c.exp_avg_sq = torch.zeros_like(c.master), torch.zeros_like(c.master)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if numel_of(f"{key}/{kind}") != s.numel:
+                    raise RuntimeError(f"size mismatch for {key}/{kind}: the value has {numel_of(f'{key}/{kind}')} "
+                                       f"elements, the parameter {list(s.shape)} has {s.numel}")
             lo, hi = own_part(c, s)
             if lo < hi:
-                write_part(c, c.exp_avg, s, lo, read(f"{key}/exp_avg", lo, hi))
-                write_part(c, c.exp_avg_sq, s, lo, read(f"{key}/exp_avg_sq", lo, hi))
+                write_part(c, c.exp_avg, s, lo, hi, read(f"{key}/exp_avg", lo, hi))
+                write_part(c, c.exp_avg_sq, s, lo, hi, read(f"{key}/exp_avg_sq", lo, hi))
             s.step = int(np.asarray(tensors[f"{key}/step"]).reshape(-1)[0])
 
 

@@ -84,37 +84,45 @@ class ChunkedModule(nn.Module):
             self._load_state_dict(state_dict, strict)
 
     @torch.no_grad()
-    def load_state_parts(self, state_dict, read_part: Callable[[str, int, int], torch.Tensor]) -> None:
+    def load_state_parts(self, state_dict, read_part: Callable[[str, int, int], torch.Tensor],
+                         numel_of: Callable[[str], int]) -> None:
         """`load_state_dict` for a restore: each parameter's part this rank keeps is read with
         `read_part(key, lo, hi)` (elements [lo, hi) of its flat order), so a sharded checkpoint is
-        never read whole on each rank; buffers come from `state_dict`."""
+        never read whole on each rank; `numel_of(key)` is the size of the value there (checked against
+        the parameter's); buffers come from `state_dict`."""
         with self.store.on_device():
-            self._load_state_dict(state_dict, True, read_part)
+            self._load_state_dict(state_dict, True, read_part, numel_of)
 
-    def _load_state_dict(self, state_dict, strict: bool, read_part=None) -> None:
+    def _load_state_dict(self, state_dict, strict: bool, read_part=None, numel_of=None) -> None:
         self.store.settle_all()
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        loaded = set()  # a tied parameter is loaded once, under its first key
+        last_key = {}  # a tied parameter is loaded once, from the last of its keys given (as torch does)
         for key, t in own.items():
             if key not in state_dict:
                 continue
             slot = self.slot_by_param.get(id(t))
             if slot is None:
-                t.copy_(torch.as_tensor(state_dict[key]).reshape(t.shape))  # a 0-d buffer may be saved as [1]
-                continue
-            if id(slot) in loaded:
-                continue
-            loaded.add(id(slot))
+                value = torch.as_tensor(state_dict[key])
+                if value.numel() == t.numel() == 1:
+                    value = value.reshape(t.shape)  # a 0-d buffer saved as [1] (older checkpoints)
+                t.copy_(value)
+            else:
+                last_key[id(slot)] = (key, slot)
+        for key, slot in last_key.values():
+            numel = numel_of(key) if read_part is not None else state_dict[key].numel()
+            if numel != slot.numel:
+                raise RuntimeError(f"size mismatch for {key}: the value has {numel} elements, the parameter "
+                                   f"{list(slot.shape)} has {slot.numel}")
             c = self.store.chunks[slot.chunk]
             lo, hi = own_part(c, slot)
             if lo < hi:
                 part = (read_part(key, lo, hi) if read_part is not None
                         else state_dict[key].detach().float().reshape(-1)[lo:hi].cpu())
-                write_part(c, c.master, slot, lo, part)
+                write_part(c, c.master, slot, lo, hi, part)
         for c in self.store.chunks:
             self.store.refresh_upload(c)
         self.pool.reset()
