@@ -186,7 +186,7 @@ class JoinedState(Mapping):
         takes just its own part of each sharded parameter)."""
         where = self._where.get(name)
         if where is None or where[0] != "slot":
-            return np.asarray(self[name]).reshape(-1)[lo:hi]
+            return np.asarray(self[name]).reshape(-1)[max(0, lo):max(0, hi)]
         slot = where[1]
         hi = min(hi, slot["numel"])
         lo = min(max(0, lo), hi)
