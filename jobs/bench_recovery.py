@@ -1,6 +1,7 @@
 """Recovery benchmark: kill a worker mid-run and time the way back; time the pause per checkpoint.
 
-    python jobs/bench_recovery.py [--config jobs/configs/tiny.yaml] [--kill-at 12] [--out runs/bench_recovery.json]
+    python jobs/bench_recovery.py [--config jobs/configs/tiny.yaml] [--kill-at 12] [--via object_store]
+                                  [--out runs/bench_recovery.json]
 
 Runs on an embedded local Ray cluster (or RAY_ADDRESS): one uninterrupted run for the checkpoint
 stall, then the same run with worker-1 SIGKILLed at a step, reporting kill -> failure noticed ->
@@ -29,12 +30,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
     parser.add_argument("--kill-at", type=int, default=12, help="kill worker-1 after this step")
+    parser.add_argument("--via", default="auto", choices=["auto", "object_store", "storage"],
+                        help="checkpoint.via: storage restores from the checkpoint the workers wrote")
     parser.add_argument("--out", default="runs/bench_recovery.json")
     args = parser.parse_args()
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}", f"output_dir={tmp}"]
+        overrides = [f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}", f"output_dir={tmp}",
+                     f"checkpoint.via={args.via}"]
         clean = elixir_ray.train(args.config, overrides=overrides + ["name=clean"], progress=False)
         killer = WorkerKiller(worker_actor_name("killed", 1), args.kill_at)
         killer.start()
@@ -43,7 +47,7 @@ def main() -> int:
     record = killed.restarts[0]
     step_s = statistics.median(clean.metrics.column("step_seconds").to_pylist())
     report = {
-        "config": args.config, "steps": args.steps, "every_steps": args.every,
+        "config": args.config, "steps": args.steps, "every_steps": args.every, "checkpoint_via": clean.checkpoint_via,
         "workers": clean.plan.world_size, "median_step_s": step_s,
         "snapshot_stall_median_s": statistics.median(clean.snapshot_stalls),
         "snapshot_stall_max_s": max(clean.snapshot_stalls),
