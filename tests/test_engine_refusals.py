@@ -141,3 +141,20 @@ def test_stepping_the_original_optimizer_is_refused():
     opt.step()
     scheduler.step()
     assert base.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calling_the_module_given_to_wrap_names_the_model_to_call(dtype):
+    """Its parameters are chunk views only the wrapped call fetches: in bf16 the call failed deep in
+    torch on a dtype mismatch, in fp32 it could read chunks the pool had evicted. The wrapped model
+    still works afterwards, including a checkpointed Toy whose regions recompute in backward."""
+    torch.manual_seed(0)
+    module, data = Toy(ckpt="reentrant"), batches(2, 4)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data, dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"the Toy given to elixir_ray.wrap was called directly: call the model "
+                                           r"wrap returned"):
+        module(data[0])
+    model(data[1]).backward()
+    opt.step()
+    with torch.no_grad():
+        assert torch.isfinite(model(data[0]))

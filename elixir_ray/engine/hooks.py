@@ -89,6 +89,13 @@ class _FetchParamsMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (torch has no public call for it;
+    without the private one, any call is let through)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is None or task_id() != -1
+
+
 class EngineHooks:
     def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot]):
         self.module, self.store, self.pool = module, store, pool
@@ -111,7 +118,8 @@ class EngineHooks:
         self._late_refused: list[str] = []  # parameters whose late gradient came after their update started
         self._next_reduce = 0
         self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
-        self.handles = []
+        self._calling = False  # the wrapped model's forward is calling the module
+        self.handles = [module.register_forward_pre_hook(self._refuse_direct_call)]
         for mod in module.modules():
             chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
             if chunks:
@@ -121,6 +129,19 @@ class EngineHooks:
                 self.handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
 
     # -- forward and recomputation ----------------------------------------------------------------
+
+    def _refuse_direct_call(self, mod, args):
+        """The module given to wrap, called itself, would compute with parameters the engine has not
+        fetched (or in the compute dtype with inputs that are not): an error deep in torch, or values
+        read from freed chunk memory. Allowed inside the wrapped forward, and in a backward (a
+        checkpoint of the whole module recomputes it there)."""
+        if self._calling or _in_backward():
+            return
+        raise RuntimeError(
+            f"the {type(mod).__name__} given to elixir_ray.wrap was called directly: call the model wrap returned "
+            f"(model, optimizer = elixir_ray.wrap(module, ...); loss = model(batch)). Its parameters live in the "
+            f"engine's chunks now, and only the wrapped model fetches them; for the weights as plain tensors use "
+            f"model.state_dict()")
 
     def _pre_forward(self, chunks):
         def hook(mod, args):
@@ -151,9 +172,11 @@ class EngineHooks:
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
         self.recording = set() if self.ordered and torch.is_grad_enabled() else None
         try:
+            self._calling = True
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
                 out = self.module(*args, **kwargs)
         finally:
+            self._calling = False
             self.phase = "backward"
             self._recompute_open = False
             recorded, self.recording = self.recording, None
