@@ -24,6 +24,7 @@ from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, write_metrics
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
+from elixir_ray.units import format_bytes
 
 log = logging.getLogger("elixir_ray")
 
@@ -40,6 +41,13 @@ class Result:
     persist_errors: list = dataclasses.field(default_factory=list)
     snapshot_stalls: list = dataclasses.field(default_factory=list)
     checkpoint_via: str = ""  # "object_store" or "storage" (checkpoint.via, resolved)
+    final_step: int = 0  # the last step trained
+    checkpoint_step: Optional[int] = None  # the step checkpoint_uri holds
+
+    @property
+    def final_checkpoint_written(self) -> bool:
+        """Whether the state after the last step was persisted (a failed write leaves an older one)."""
+        return self.checkpoint_uri is not None and self.checkpoint_step == self.final_step
 
     def summary(self) -> str:
         losses = self.metrics.column("loss").to_pylist()
@@ -52,7 +60,7 @@ class Result:
               f"{r.world_size} worker(s)" for r in self.restarts),
             *(f"warning: {e}" for e in self.persist_errors),
             f"metrics:    {_shown(self.metrics_uri)}",
-            f"checkpoint: {_shown(self.checkpoint_uri) if self.checkpoint_uri else _no_checkpoint(self)}",
+            f"checkpoint: {_checkpoint_line(self)}",
             f"plan:       {_shown(os.path.join(self.run_dir, 'plan.json'))}",
         ])
 
@@ -62,8 +70,14 @@ def _shown(uri: str) -> str:
     return uri if "://" in uri else os.path.abspath(uri)
 
 
-def _no_checkpoint(result: Result) -> str:
-    return "none written" + (" (see the warnings above)" if result.persist_errors else "")
+def _checkpoint_line(result: Result) -> str:
+    via = {"storage": " (written by the workers)", "object_store": ""}.get(result.checkpoint_via, "")
+    if result.checkpoint_uri is None:
+        return "none written" + (" (see the warnings above)" if result.persist_errors else "")
+    if not result.final_checkpoint_written:
+        return (f"{_shown(result.checkpoint_uri)} is step {result.checkpoint_step}, NOT the final step "
+                f"{result.final_step}: its checkpoint could not be written (see the warnings above)")
+    return f"{_shown(result.checkpoint_uri)}{via}"
 
 
 def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None) -> RunConfig:
@@ -133,10 +147,11 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and two AdamW moments
 
 
 def check_checkpoint_space(cfg: RunConfig) -> None:
-    """A checkpoint that cannot fit where it goes would lose the run's weights at its end: refuse a
-    local `checkpoint.uri` whose filesystem has less free space than one checkpoint of this model,
-    and warn when it cannot hold the `checkpoint.keep` + 1 that are on disk at once while the newest
-    is written (an object store URI is not checked)."""
+    """A checkpoint that cannot be written where it goes would lose the run's weights at its end:
+    refuse a local `checkpoint.uri` under a file or in a directory that cannot be written, or whose
+    filesystem has less free space than one checkpoint of this model, and warn when it cannot hold
+    the `checkpoint.keep` + 1 that are on disk at once while the newest is written (an object store
+    URI is not checked)."""
     import shutil
 
     from elixir_ray.model.factory import build_model
@@ -147,6 +162,12 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     path = os.path.abspath(os.path.expanduser(uri[len("file://"):] if uri.startswith("file://") else uri))
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)  # the nearest directory that exists: where the checkpoints will land
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.uri {uri!r}: {path} is a file, not a directory: point checkpoint.uri at a "
+                          f"directory (it is made if missing)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint.uri {uri!r}: {path} cannot be written by this user: point checkpoint.uri "
+                          f"at a writable directory")
     try:
         free = shutil.disk_usage(path).free
     except OSError:
@@ -155,15 +176,16 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     need = CHECKPOINT_BYTES_PER_PARAM * params
     if free < need:
         raise ConfigError(
-            f"checkpoint.uri {uri!r}: one checkpoint of this model takes at least {need / 2**30:.1f} GiB "
-            f"({params / 1e9:.2f}B parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes: weights and AdamW moments), but "
-            f"{path} has {free / 2**30:.1f} GiB free: point checkpoint.uri at larger storage (another disk, s3://...)")
+            f"checkpoint.uri {uri!r}: one checkpoint of this model takes at least {format_bytes(need)} "
+            f"({params / 1e6:,.1f}M parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes: weights and AdamW moments), "
+            f"but {path} has {format_bytes(free)} free: point checkpoint.uri at larger storage (another disk, "
+            f"s3://...)")
     room = int(free // need)
     if room < cfg.checkpoint.keep + 1 and cfg.checkpoint.every_steps > 0:
         fix = f"set checkpoint.keep={room - 1}" if room >= 2 else "set checkpoint.every_steps=0 (only the final one)"
         warnings.warn(
-            f"checkpoint.uri {uri!r}: {path} has {free / 2**30:.1f} GiB free, room for {room} checkpoint(s) of "
-            f"{need / 2**30:.1f} GiB, but with checkpoint.keep={cfg.checkpoint.keep} there are up to "
+            f"checkpoint.uri {uri!r}: {path} has {format_bytes(free)} free, room for {room} checkpoint(s) of "
+            f"{format_bytes(need)}, but with checkpoint.keep={cfg.checkpoint.keep} there are up to "
             f"{cfg.checkpoint.keep + 1} at once (the newest is written before the oldest is pruned): later "
             f"checkpoints will fail to write ({fix}, or free space)", stacklevel=3)
 
@@ -234,4 +256,5 @@ def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
     return Result(metrics=table, checkpoint_uri=outcome.checkpoint_uri, plan=outcome.plan, run_dir=run_dir,
                   metrics_uri=metrics_uri, seconds=seconds, restarts=outcome.restarts,
                   persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
-                  checkpoint_via=outcome.checkpoint_via)
+                  checkpoint_via=outcome.checkpoint_via, final_step=outcome.final_step,
+                  checkpoint_step=outcome.checkpoint_step)

@@ -15,6 +15,9 @@ def _cmd_train(args) -> int:
 
     result = train(args.config, overrides=args.set, progress=not args.quiet, resume=args.resume)
     print(result.summary())
+    if not result.final_checkpoint_written:  # the trained state is lost: a job must not read as a success
+        print(f"error: training reached step {result.final_step}, but its checkpoint was not written", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -112,15 +112,23 @@ def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_p
         train(cfg, progress=False, resume=result.checkpoint_uri)
 
 
-def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path):
+def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    """A checkpoint.uri under a file is refused before the run; storage that fails during the run
+    (the same path, past the up-front check, as a disk that fills later) is reported and training
+    goes on, and the summary and the CLI's exit code say the final state was not saved."""
+    import elixir_ray.api as api
+
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "uri": str(blocker / "ck")})
+    with pytest.raises(ConfigError, match=r"is a file, not a directory: point checkpoint.uri at a directory"):
+        train(cfg, progress=False)
+    monkeypatch.setattr(api, "check_checkpoint_space", lambda cfg: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train(cfg, progress=False)
     assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4]
-    assert result.checkpoint_uri is None
+    assert result.checkpoint_uri is None and not result.final_checkpoint_written
     assert result.persist_errors and "could not persist" in result.persist_errors[0]
     assert "warning: could not persist" in result.summary()
 
@@ -159,3 +167,31 @@ def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_d
     assert second.metrics.column("step").to_pylist() == list(range(1, 7))
     np.testing.assert_allclose(second.metrics.column("loss").to_pylist(),
                                first.metrics.column("loss").to_pylist(), rtol=0, atol=1e-6)
+
+
+def test_a_lost_final_checkpoint_is_not_reported_as_the_result(ray_cluster, tiny_dataset, tmp_path, monkeypatch,
+                                                                capsys):
+    """Step 2's checkpoint is written and step 4's (the last) fails: the summary names step 2 as NOT
+    the final step, and `elixir-ray train` exits 1 so that a job does not read as a success."""
+    import yaml
+
+    import elixir_ray.cluster.snapshots as snapshots
+    from elixir_ray.cli import main
+
+    real = snapshots.save_checkpoint
+
+    def full_disk_at_step_4(uri, step, *args, **kwargs):
+        if step == 4:
+            raise OSError(28, "No space left on device")
+        return real(uri, step, *args, **kwargs)
+
+    monkeypatch.setattr(snapshots, "save_checkpoint", full_disk_at_step_4)
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "via": "object_store"})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["train", str(path), "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert "step-00000002 is step 2, NOT the final step 4: its checkpoint could not be written" in out
+    assert "error: training reached step 4, but its checkpoint was not written" in err

@@ -93,6 +93,7 @@ class ControllerOutcome:
     plan: Optional[RunPlan] = None
     profiles: list[WorkerProfile] = field(default_factory=list)
     final_step: int = 0
+    checkpoint_step: Optional[int] = None  # the step of checkpoint_uri
     checkpoint_uri: Optional[str] = None
     persist_errors: list[str] = field(default_factory=list)
     restarts: list[RestartRecord] = field(default_factory=list)
@@ -147,6 +148,7 @@ class TrainController:
             self._teardown()
             self.persister.close()
             self.outcome.checkpoint_uri = self.persister.newest
+            self.outcome.checkpoint_step = self.persister.committed[-1][0] if self.persister.committed else None
             self.outcome.persist_errors = list(self.persister.errors)
 
     def _attempt(self) -> None:
