@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", metavar="CKPT_URI",
-                   help="continue a stopped run from a checkpoint, or from the newest valid one in a directory")
+                   help="continue a stopped run from a checkpoint, or from the newest valid one in a directory "
+                        "(the highest step there, whichever run wrote it); train.steps must be above its step, "
+                        "and the same global batch (workers x micro_batch x grad_accum) continues it exactly")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)
 
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict",
                        description="Export model weights from a checkpoint (or the newest valid one in a "
-                                   "directory) as a safetensors file that module.load_state_dict accepts.")
+                                   "directory, such as a run's checkpoints/) as a safetensors file that "
+                                   "module.load_state_dict accepts. Only the weights: no optimizer state.")
     p.add_argument("checkpoint", metavar="CKPT_URI", help="a checkpoint directory, or a directory of them")
     p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
     p.add_argument("out", metavar="OUT", help="output file path or URI")

@@ -61,7 +61,7 @@ def test_a_killed_worker_restores_from_the_shards_the_workers_wrote(ray_cluster,
 
 
 def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resume_reads_it(
-        ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+        ray_cluster, tiny_dataset, tmp_path, monkeypatch, caplog):
     """`auto` has the workers write when the state is over the object-store share (made tiny here);
     with every chunk replicated only rank 0 writes the chunks; `--resume` of that checkpoint onto one
     worker (the workers read it themselves) continues as the two-worker run did, and its weights export."""
@@ -81,6 +81,12 @@ def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resum
     one["cluster"] = {"num_workers": 1}
     one["train"]["micro_batch"] = 8  # the same global batch on one worker
     resumed = train(one, progress=False, resume=first)
+    half = tiny_config(tiny_dataset, tmp_path / "half", **base)
+    half["cluster"] = {"num_workers": 1}
+    with caplog.at_level("WARNING", logger="elixir_ray"):
+        train({**half, "train": {**half["train"], "steps": 4}}, progress=False, resume=first)
+    assert "the checkpoint's run had a global batch of 8 (2 worker(s) x micro-batch 4 x grad_accum 1), this run " \
+           "has 4" in caplog.text
     assert resumed.metrics.column("step").to_pylist() == [4, 5, 6]
     np.testing.assert_allclose(resumed.metrics.column("loss").to_pylist(),
                                full.metrics.column("loss").to_pylist()[3:], rtol=0, atol=1e-5)

@@ -342,6 +342,23 @@ class TrainController:
         return all(d == mine for d in self._get([w.file_digest.remote(manifest) for w in self.workers],
                                                 "checking the checkpoint path"))
 
+    def _note_resume(self, path: str, manifest: dict) -> None:
+        """Say where a resumed run starts, and warn when its global batch is not the checkpoint's: the
+        run then goes on differently from how the checkpoint's run would have (another data order per
+        step, another gradient noise), which a change of worker count does silently."""
+        self.on_note(f"resuming from {path} (step {manifest['step']})")
+        train, world = (manifest.get("config") or {}).get("train") or {}, manifest.get("world_size")
+        if not (isinstance(world, int) and "micro_batch" in train):
+            return
+        theirs = train["micro_batch"] * train.get("grad_accum", 1) * world
+        if theirs != self.global_batch:
+            message = (f"--resume: the checkpoint's run had a global batch of {theirs} ({world} worker(s) x "
+                       f"micro-batch {train['micro_batch']} x grad_accum {train.get('grad_accum', 1)}), this run has "
+                       f"{self.global_batch} ({self.shape.num_workers} x {self.cfg.train.micro_batch} x "
+                       f"{self.cfg.train.grad_accum}): it goes on differently from that run; to continue it exactly, "
+                       f"set train.micro_batch or train.grad_accum so that the product is {theirs}")
+            log.warning(message)
+
     def _for_the_workers(self, path: str, manifest: dict, tensors):
         """What a durable restore hands the workers: the checkpoint's lazily read tensors (pickled as
         file names and offsets), so each worker reads its own part and the driver holds none, when
@@ -379,6 +396,7 @@ class TrainController:
             path, manifest, tensors = found
             tensors = self._for_the_workers(path, manifest, tensors)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
+            self._note_resume(path, manifest)
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
