@@ -6,6 +6,8 @@ nothing from elixir_ray; for Hugging Face models the keys are the module's own.
 
 from __future__ import annotations
 
+import os
+
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
 from elixir_ray.checkpoint.store import CheckpointError, load_newest_valid
@@ -13,9 +15,13 @@ from elixir_ray.checkpoint.store import CheckpointError, load_newest_valid
 
 def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
     """Returns (the checkpoint exported, the number of tensors written)."""
-    found = load_newest_valid(ckpt_uri)
+    errors: list = []
+    found = load_newest_valid(ckpt_uri, errors)
     if found is None:
-        raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}")
+        why = f": {errors[-1]}" if errors else ""
+        if not errors and "://" not in ckpt_uri and os.path.isdir(os.path.join(ckpt_uri, "checkpoints")):
+            why = f" (a run directory? its checkpoints are in {ckpt_uri.rstrip('/')}/checkpoints)"
+        raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{why}")
     path, manifest, tensors = found
     names = [k[len("model/"):] for k in tensors if k.startswith("model/")]
     if not names:

@@ -291,22 +291,27 @@ def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, 
         raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {exc}") from None
 
 
-def load_newest_valid(uri: str) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
-    """The newest checkpoint that verifies; a corrupt one is skipped with a warning."""
+def load_newest_valid(uri: str, errors: Optional[list] = None) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
+    """The newest checkpoint that verifies; a corrupt one is skipped with a warning (and its error
+    appended to `errors`, for a caller that must say why nothing was found)."""
     candidates = list_checkpoints(uri)
     if not candidates and storage.exists(*storage.resolve(uri)) and _is_checkpoint(uri):
         candidates = [uri]  # uri names one checkpoint rather than a directory of them
-    return load_first_valid(reversed(candidates))
+    return load_first_valid(reversed(candidates), errors)
 
 
-def load_first_valid(paths) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
+def load_first_valid(paths, errors: Optional[list] = None) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
     """The first of `paths` (newest first) that verifies; a corrupt one is skipped with a warning."""
-    for path in paths:
+    paths = list(paths)
+    for i, path in enumerate(paths):
         try:
             manifest, tensors = load_checkpoint(path)
             return path, manifest, tensors
         except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=3)
+            if errors is not None:
+                errors.append(exc)
+            if i + 1 < len(paths):
+                warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=3)
     return None
 
 

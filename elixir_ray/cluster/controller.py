@@ -390,9 +390,11 @@ class TrainController:
                 tensors = self._for_the_workers(path, manifest, tensors)
                 source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
         if shard_refs is None and tensors is None and self.resume is not None:
-            found = load_newest_valid(self.resume.uri)
+            errors: list = []
+            found = load_newest_valid(self.resume.uri, errors)
             if found is None:
-                raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there")
+                why = f": {errors[-1]}" if errors else ""
+                raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there{why}")
             path, manifest, tensors = found
             tensors = self._for_the_workers(path, manifest, tensors)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
