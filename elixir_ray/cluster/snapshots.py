@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -207,7 +206,9 @@ class CheckpointPersister:
                 self.committed = [(s, p) for s, p in self.committed if p != path]
 
     def _report(self, message: str) -> None:
+        """Once, as a log record: the CLI shows it as one line, and Python shows it without logging set
+        up (a warning beside it printed the same message twice, with a source line); the run's summary
+        lists it again at the end."""
         self.errors.append(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
         log.error(message)
         self.on_error(message)
