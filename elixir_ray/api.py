@@ -104,6 +104,17 @@ def check_data(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
 
 
+def verifies(path: str) -> bool:
+    """Whether a checkpoint's files all match their checksums (streamed, nothing kept)."""
+    from elixir_ray.checkpoint.shards import verify_files
+
+    try:
+        fs, root = storage.resolve(path)
+        return verify_files(fs, root, read_manifest(path)["files"]) is None
+    except (CheckpointError, OSError):
+        return False
+
+
 def check_resume(cfg: RunConfig, uri: str) -> None:
     """Refuse a checkpoint of another model, or one with nothing left to train, before any worker starts.
 
@@ -115,9 +126,10 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
 
     candidates = list_checkpoints(uri) or [uri]
     newest, skipped = None, []
+    newest_path = None
     for path in reversed(candidates):
         try:
-            newest = read_manifest(path)
+            newest, newest_path = read_manifest(path), path
             break
         except CheckpointError as exc:
             skipped.append(exc)
@@ -129,8 +141,11 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(newest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
-    # "nothing left to train" is judged on the oldest readable one: a corrupt file can move the
-    # restore back to any of them, so refuse only when even the oldest leaves no step to train
+    # "nothing left to train": the restore takes the newest that verifies, so the newest is refused
+    # here when its files do verify (read through once, only in that case); a corrupt file can move
+    # the restore back to any of them, so otherwise refuse only when even the oldest leaves no step
+    if int(newest.get("step", 0)) >= cfg.train.steps and verifies(newest_path):
+        raise ConfigError(nothing_left_to_train(uri, int(newest["step"]), cfg.train.steps))
     oldest = newest
     for path in candidates:
         try:

@@ -64,17 +64,26 @@ def test_a_directory_without_any_readable_manifest_is_refused(tmp_path):
             check_resume(cfg, str(tmp_path / "nothing-here"))
 
 
-def test_nothing_left_to_train_is_judged_on_the_oldest_readable_checkpoint(tmp_path):
-    """A corrupt file can move the restore back to any readable checkpoint: refuse only if even the oldest
-    readable one leaves nothing to train, and name its step."""
+def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_take(tmp_path):
+    """The restore takes the newest checkpoint that verifies: refused before any cluster starts when that
+    one leaves nothing to train (naming its step). A corrupt file moves the restore back, so with the
+    newest damaged only the oldest readable one is judged."""
     cfg = _cfg(tmp_path, steps=4)
     root = str(tmp_path / "ck")
     _damage_manifest(_save_model(root, 2, cfg))
     _save_model(root, 4, cfg)
-    _save_model(root, 6, cfg)
+    newest = _save_model(root, 6, cfg)
+    with pytest.raises(ConfigError, match=r"the checkpoint is at step 6, and train.steps=5"):
+        check_resume(_cfg(tmp_path, steps=5), root)
+    part = os.path.join(newest, "part-00000.safetensors")
+    with open(part, "r+b") as f:  # flip the last byte: same size, another checksum
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
     with pytest.raises(ConfigError, match=r"the checkpoint is at step 4, and train.steps=4"):
         check_resume(cfg, root)
-    check_resume(_cfg(tmp_path, steps=5), root)  # step 4 leaves a step to train
+    check_resume(_cfg(tmp_path, steps=5), root)  # the restore falls back to step 4, which leaves a step
 
 
 def test_a_checkpoint_of_a_bigger_model_is_refused_naming_its_extra_tensor(tmp_path):
