@@ -77,8 +77,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(ray_cluster, tiny_d
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 2, "keep": 3})
     result = train(cfg, progress=False)
     root = os.path.dirname(result.checkpoint_uri)
-    # the restore takes the newest valid checkpoint (step 6): past train.steps=5, refused there
-    with pytest.raises(ClusterError, match=r"is at step 6, and train.steps=5: nothing is left to train"):
+    # the restore would take the newest valid checkpoint (step 6): past train.steps=5, refused up front
+    with pytest.raises(ConfigError, match=r"is at step 6, and train.steps=5: nothing is left to train"):
         train({**cfg, "name": "short", "train": {**cfg["train"], "steps": 5}}, progress=False, resume=root)
     newest = os.path.join(root, "step-00000006", "part-00000.safetensors")
     data = bytearray(open(newest, "rb").read())
@@ -112,25 +112,30 @@ def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_p
         train(cfg, progress=False, resume=result.checkpoint_uri)
 
 
-def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+@pytest.mark.parametrize("via", ["object_store", "storage"])
+def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path, monkeypatch, capsys,
+                                                          via):
     """A checkpoint.uri under a file is refused before the run; storage that fails during the run
     (the same path, past the up-front check, as a disk that fills later) is reported and training
-    goes on, and the summary and the CLI's exit code say the final state was not saved."""
+    goes on, whether the persister or the workers write, and the summary says the final state was
+    not saved. The progress output says when the workers write (training waits then)."""
     import elixir_ray.api as api
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "uri": str(blocker / "ck")})
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4},
+                      checkpoint={"every_steps": 2, "uri": str(blocker / "ck"), "via": via})
     with pytest.raises(ConfigError, match=r"is a file, not a directory: point checkpoint.uri at a directory"):
         train(cfg, progress=False)
     monkeypatch.setattr(api, "check_checkpoint_space", lambda cfg: None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = train(cfg, progress=False)
-    assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4]
+    result = train(cfg, progress=True)
+    assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4] and not result.restarts
     assert result.checkpoint_uri is None and not result.final_checkpoint_written
-    assert result.persist_errors and "could not persist" in result.persist_errors[0]
+    assert result.persist_errors and "could not persist the checkpoint of step 2" in result.persist_errors[0]
     assert "warning: could not persist" in result.summary()
+    err = capsys.readouterr().err
+    assert ("step 2: the workers are writing the checkpoint" in err) == (via == "storage")
+    assert "checkpoint written" not in err
 
 
 def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset, tmp_path):

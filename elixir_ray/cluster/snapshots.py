@@ -187,7 +187,7 @@ class CheckpointPersister:
             self.committed = [(s, p) for s, p in self.committed if p not in gone]
 
     def report(self, message: str) -> None:
-        """A checkpoint that could not be persisted: warned, logged and listed in the run's result."""
+        """A checkpoint that could not be persisted: logged and listed in the run's result."""
         self._report(message)
 
     def _prune(self) -> None:
