@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
+from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
@@ -158,9 +159,6 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
 
 
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and two AdamW moments
-
-
 def check_checkpoint_space(cfg: RunConfig) -> None:
     """A checkpoint that cannot be written where it goes would lose the run's weights at its end:
     refuse a local `checkpoint.uri` under a file or in a directory that cannot be written, or whose
@@ -172,9 +170,9 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     from elixir_ray.model.factory import build_model
 
     uri = cfg.checkpoint_uri
-    if "://" in uri and not uri.startswith("file://"):
+    path = storage.local_path(uri)
+    if path is None:
         return
-    path = os.path.abspath(os.path.expanduser(uri[len("file://"):] if uri.startswith("file://") else uri))
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)  # the nearest directory that exists: where the checkpoints will land
     if not os.path.isdir(path):
@@ -188,11 +186,11 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     except OSError:
         return  # the checkpoint's own write will say what is wrong with the path
     params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
-    need = CHECKPOINT_BYTES_PER_PARAM * params
+    need = STATE_BYTES_PER_PARAM * params
     if free < need:
         raise ConfigError(
             f"checkpoint.uri {uri!r}: one checkpoint of this model takes at least {format_bytes(need)} "
-            f"({params / 1e6:,.1f}M parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes: weights and AdamW moments), "
+            f"({params / 1e6:,.1f}M parameters x {STATE_BYTES_PER_PARAM} bytes: weights and AdamW moments), "
             f"but {path} has {format_bytes(free)} free: point checkpoint.uri at larger storage (another disk, "
             f"s3://...)")
     room = int(free // need)

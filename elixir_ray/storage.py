@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from typing import Optional
 
 import pyarrow.fs as pafs
 
@@ -14,6 +15,14 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     if "://" in uri:
         return pafs.FileSystem.from_uri(uri)
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def local_path(uri: str) -> Optional[str]:
+    """The absolute local path a path or file:// URI names; None for any other URI (s3://, gs://...),
+    without contacting it."""
+    if "://" in uri and not uri.startswith("file://"):
+        return None
+    return os.path.abspath(os.path.expanduser(uri[len("file://"):] if uri.startswith("file://") else uri))
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:

@@ -15,6 +15,7 @@ Nothing here imports Ray: the cluster layer calls it on the workers and on the d
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections.abc import Mapping
 from typing import Optional
@@ -157,6 +158,14 @@ class FileArray:
         return out.astype(dtype) if dtype is not None else out
 
 
+def _file_arrays(files: _CheckpointFiles, name: str, info: dict) -> list[tuple[str, FileArray]]:
+    """Each tensor of one file (its manifest entry says its size), read from the header only."""
+    header, data_start = safetensors_io.read_header(functools.partial(files.read_at, name), info["bytes"])
+    return [(key, FileArray(files, name, data_start + entry["data_offsets"][0],
+                            safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"])))
+            for key, entry in header.items()]
+
+
 def join_rank_shards(shards: list[Mapping], layout: dict) -> JoinedState:
     """Whole tensors from every rank's shard (rank order), each joined when read; each rank's random
     streams stay its own (`rng/rank<R>/...`), restored per rank."""
@@ -179,10 +188,7 @@ def open_shards(uri: str, manifest: dict, fs=None, root: Optional[str] = None) -
         rank = info.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"{name} has no rank below the world size {world} in the manifest")
-        header, data_start = safetensors_io.read_header(functools.partial(files.read_at, name), info["bytes"])
-        for key, entry in header.items():
-            value = FileArray(files, name, data_start + entry["data_offsets"][0],
-                              safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"]))
+        for key, value in _file_arrays(files, name, info):
             shards[rank][key] = value if key.startswith("chunk/") else value.read()
     for rank, shard in enumerate(shards):
         if "slots/step" not in shard:
@@ -226,10 +232,7 @@ def open_tensors(uri: str, manifest: dict, fs=None, root: Optional[str] = None) 
     files = _CheckpointFiles(uri, fs, root)
     arrays: dict[str, FileArray] = {}
     for name, info in sorted(manifest["files"].items()):
-        header, data_start = safetensors_io.read_header(functools.partial(files.read_at, name), info["bytes"])
-        for key, entry in header.items():
-            arrays[key] = FileArray(files, name, data_start + entry["data_offsets"][0],
-                                    safetensors_io.dtype_of(entry["dtype"]), tuple(entry["shape"]))
+        arrays.update(_file_arrays(files, name, info))
     missing = sorted(set(manifest["tensors"]) - set(arrays))
     if missing:
         raise ValueError(f"the manifest lists tensors no file holds: {missing[:3]}")
@@ -249,8 +252,6 @@ def tensor_entries(joined: JoinedState) -> dict[str, dict]:
 def verify_files(fs, root: str, files: dict, block_bytes: int = 64 * 2**20) -> Optional[str]:
     """Stream every file under `root` on `fs` through sha256 (nothing kept); the first mismatch or
     unreadable file, or None."""
-    import hashlib
-
     for name, info in sorted(files.items()):
         digest, size = hashlib.sha256(), 0
         try:

@@ -33,12 +33,12 @@ import pyarrow.fs as pafs
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.shards import (SHARDS_FORMAT, open_shards, open_tensors, split_parts, tensor_entries,
-                                          verify_files)
+from elixir_ray.checkpoint.shards import (PART_BYTES, SHARDS_FORMAT, open_shards, open_tensors, split_parts,
+                                          tensor_entries, verify_files)
 
 FORMAT = "elixir_ray.checkpoint/1"  # whole tensors
 FORMATS = (FORMAT, SHARDS_FORMAT)
-PART_BYTES = 2**30
+STATE_BYTES_PER_PARAM = 12  # a checkpoint's fp32 weights and two AdamW moments, per parameter
 TMP_PREFIX = ".tmp-step-"
 # A `.tmp-step-*` directory untouched for this long is a crashed save's leftover: a save in progress
 # writes one part file (at most ~1 GiB) after another, so its newest file is never nearly that old.
@@ -75,11 +75,7 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
     saved before) is deleted, and the manifest last: until it exists the directory is not a checkpoint.
     """
     final = f"{root}/{_step_dir(step)}"
-    local = fs.type_name == "local"
-    work = f"{root}/{TMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}" if local else final
-    if not local:
-        _remove_checkpoint(fs, final)
-    fs.create_dir(work, recursive=True)
+    work = _work_dir(fs, root, step)
     try:
         files, entries = {}, {}
         spec = safetensors_io.spec_of_mapping(tensors)
@@ -95,11 +91,7 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
         _write_manifest(fs, work, final, {"format": FORMAT, "step": step, "files": files, "tensors": entries,
                                           **extra})
     except BaseException:
-        try:
-            if storage.exists(fs, work):
-                fs.delete_dir(work)
-        except OSError:
-            pass  # the original error matters more; a directory without a manifest is never picked up
+        _discard(fs, work)
         raise
     return final
 
@@ -110,13 +102,29 @@ def begin_checkpoint(uri: str, step: int) -> str:
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
     remove_stale_temporaries(fs, root)
+    return _as_uri(uri, root, _work_dir(fs, root, step))
+
+
+def _work_dir(fs: pafs.FileSystem, root: str, step: int) -> str:
+    """Where a step's files are written before the commit: a hidden temporary directory renamed into
+    place on a local filesystem; elsewhere (no directory rename) the step's own directory, with the
+    old manifest (a step written again) deleted first."""
     if fs.type_name == "local":
         work = f"{root}/{TMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
-    else:  # no directory rename: the parts go in place, the old manifest (a step written again) first
+    else:
         work = f"{root}/{_step_dir(step)}"
         _remove_checkpoint(fs, work)
     fs.create_dir(work, recursive=True)
-    return _as_uri(uri, root, work)
+    return work
+
+
+def _discard(fs: pafs.FileSystem, work: str) -> None:
+    """Remove an uncommitted directory, best effort: a leftover without a manifest is never read as
+    a checkpoint, and stale temporaries are removed by later saves."""
+    try:
+        _remove_checkpoint(fs, work)
+    except OSError:
+        pass
 
 
 def commit_checkpoint(uri: str, step: int, work_uri: str, files: dict[str, dict], layout: dict, world: int,
@@ -163,13 +171,12 @@ def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) 
 
 
 def abort_checkpoint(work_uri: str) -> None:
-    """Remove a directory `begin_checkpoint` made that will not be committed (best effort: a leftover
-    without a manifest is never read as a checkpoint, and stale temporaries are removed later)."""
+    """Remove a directory `begin_checkpoint` made that will not be committed (best effort)."""
     try:
         fs, work = storage.resolve(work_uri)
-        _remove_checkpoint(fs, work)
     except OSError:
-        pass
+        return
+    _discard(fs, work)
 
 
 def delete_checkpoint(path: str) -> None:

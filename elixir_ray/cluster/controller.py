@@ -28,9 +28,10 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, load_first_valid, load_newest_valid
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
-from elixir_ray.checkpoint.store import abort_checkpoint, begin_checkpoint, commit_checkpoint
+from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -48,7 +49,6 @@ NAME_GRACE_S = 2.0  # a first attempt's wait: a resubmitted run's crashed driver
 # parameter: fp32 weights and two AdamW moments), on top of fault.detect_timeout_s: a large model's
 # copy-out is minutes of work, not a stall.
 SNAPSHOT_BYTES_PER_S = 256 * 2**20
-STATE_BYTES_PER_PARAM = 12  # fp32 master weights and two AdamW moments
 # checkpoint.via=auto snapshots through the object store while the state is at most this share of
 # the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
 OBJECT_STORE_SHARE = 0.5
@@ -308,9 +308,9 @@ class TrainController:
         """Whether every worker writes to `uri` where the driver reads: an object store URI always; a
         local path when every worker finds a file the driver just made there (workers on the driver's
         node may still be in containers of their own)."""
-        if "://" in uri and not uri.startswith("file://"):
+        path = storage.local_path(uri)
+        if path is None:
             return True
-        path = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(os.path.expanduser(uri))
         probe = os.path.join(path, f".elixir_ray-probe-{os.getpid()}-{time.time_ns()}")
         try:
             os.makedirs(path, exist_ok=True)
@@ -330,10 +330,10 @@ class TrainController:
     def _workers_read(self, checkpoint: str) -> bool:
         """Whether every worker reads the checkpoint at `checkpoint` as the driver does: an object
         store URI always; a local path when each finds there the manifest the driver read."""
-        if "://" in checkpoint and not checkpoint.startswith("file://"):
+        path = storage.local_path(checkpoint)
+        if path is None:
             return True
-        path = checkpoint[len("file://"):] if checkpoint.startswith("file://") else checkpoint
-        manifest = os.path.join(os.path.abspath(os.path.expanduser(path)), "manifest.json")
+        manifest = os.path.join(path, "manifest.json")
         try:
             with open(manifest, "rb") as f:
                 mine = hashlib.sha256(f.read()).hexdigest()

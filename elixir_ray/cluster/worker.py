@@ -9,6 +9,7 @@ device 0, about half a GiB of another rank's GPU).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -86,8 +87,6 @@ class RankWorker:
     def file_digest(self, path: str):
         """sha256 of the file at `path` as this rank sees it, or None: whether a checkpoint the driver
         reads is the one this rank would read (a read-only mount takes no probe file)."""
-        import hashlib
-
         try:
             with open(path, "rb") as f:
                 return hashlib.sha256(f.read()).hexdigest()
@@ -186,7 +185,7 @@ class RankWorker:
         header (a rank that failed here fails both) without pulling any shard to its own node."""
         assert self.trainer is not None
         self._use_device()
-        header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
+        header = self._position()
         # views of the host state, not copies (12 bytes per parameter): Ray serialises the returns
         # into the object store before this call completes, and no step runs until the driver has
         # read the header, which is only after that
@@ -202,7 +201,7 @@ class RankWorker:
 
         assert self.trainer is not None
         self._use_device()
-        header = {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
+        header = self._position()
 
         def wrote(nbytes: int) -> None:
             self._bytes_written += nbytes
@@ -213,6 +212,10 @@ class RankWorker:
         except OSError as exc:
             return {**header, "error": f"rank {self.rank} could not write its shard to {work_uri}: {exc}"}
         return {**header, "files": files, "layout": self.trainer.layout() if self.rank == 0 else None}
+
+    def _position(self) -> dict:
+        """This rank's step and data position, which every rank's snapshot or checkpoint reports."""
+        return {"step": self.trainer.state.step, "samples_consumed": self.trainer.state.samples_consumed}
 
     def write_progress(self) -> int:
         """Bytes this rank has written in checkpoints so far: a write that moves is not a stall."""

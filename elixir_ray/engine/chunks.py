@@ -393,7 +393,6 @@ def write_part(c: Chunk, target: torch.Tensor, slot: ParamSlot, lo: int, hi: int
 
 def write_slot(c: Chunk, target: torch.Tensor, slot: ParamSlot, flat: torch.Tensor) -> None:
     """Copy this rank's part of a whole parameter (flat) into one of the chunk's shard tensors."""
-    lo = max(slot.offset, c.shard_start)
-    hi = min(slot.offset + slot.numel, c.shard_start + c.shard_len)
+    lo, hi = own_part(c, slot)
     if lo < hi:
-        target[lo - c.shard_start: hi - c.shard_start].copy_(flat[lo - slot.offset: hi - slot.offset])
+        write_part(c, target, slot, lo, hi, flat[lo:hi])

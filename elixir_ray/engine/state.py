@@ -71,7 +71,7 @@ class EngineShard(Mapping):
                 self._tensors[f"chunk/{c.index}/exp_avg_sq"] = c.exp_avg_sq
         self._arrays: dict[str, np.ndarray] = {
             "slots/step": np.asarray([s.step for s in model.slots], dtype=np.int64)}
-        if model.store.comm.rank == 0:
+        if comm.rank == 0:
             for key, t in model.module.state_dict(keep_vars=True).items():
                 if id(t) not in model.slot_by_param:
                     self._arrays[f"model/{key}"] = t.detach().float().cpu().numpy().copy()
@@ -274,6 +274,3 @@ class _ModelTensors(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return torch.as_tensor(np.array(self.tensors[f"model/{key}"]))
-
-
-
