@@ -158,3 +158,35 @@ def test_calling_the_module_given_to_wrap_names_the_model_to_call(dtype):
     opt.step()
     with torch.no_grad():
         assert torch.isfinite(model(data[0]))
+
+
+def test_reading_an_evicted_parameter_outside_the_model_is_an_error_that_names_it():
+    """After a step every chunk's compute copy is freed: `print(p)` or `p.norm()` read through a null
+    pointer and killed the process with a segfault. Now each read is refused, naming the parameter
+    and where the weights are; what reads no data (or converts to the device and dtype it has) still
+    works, and so does training afterwards."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(3, 4)
+    reference = copy.deepcopy(module)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data)
+    model(data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    weight = module.l1.weight
+    reads = [lambda: repr(weight), lambda: weight.norm(), lambda: weight.data, lambda: weight.detach(),
+             lambda: weight + 1, lambda: torch.cat([weight, weight]), lambda: module.state_dict(),
+             lambda: copy.deepcopy(module), lambda: module.to(torch.float64)]
+    for read in reads:
+        with pytest.raises(RuntimeError, match=r"parameter (l1|emb).weight was read .* while its chunk has no copy "
+                                               r"on the device.*model.state_dict\(\)"):
+            read()
+    assert isinstance(weight, torch.nn.Parameter)
+    assert (weight.shape, weight.dtype, weight.requires_grad, weight.numel(), weight.grad) == \
+        ((64, 32), torch.float32, True, 64 * 32, None)
+    assert sum(p.numel() for p in module.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert model.to("cpu") is model and model.float() is model  # conversions to what it is already
+    assert model.state_dict()["l1.weight"].shape == (64, 32)
+    model(data[1]).backward()  # training goes on: the refusals changed nothing
+    opt.step()
+    with torch.no_grad():
+        assert torch.isfinite(model(data[2]))

@@ -32,6 +32,7 @@ import torch.nn as nn
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
+from elixir_ray.engine.param_guard import guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
@@ -114,6 +115,8 @@ class Chunk:
     # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
     # storage costs microseconds and the hooks ask for every op in forward
     resident: bool = False
+    # its parameters that refuse reads while it is not resident (param_guard.py)
+    guarded: list = field(default_factory=list, repr=False)
 
     def segments(self):
         """(slot, lo, hi) for each slot's part inside this rank's shard, in shard coordinates."""
@@ -166,7 +169,8 @@ class ChunkStore:
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage
                 _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
-            c.compute.untyped_storage().resize_(0)
+            c.guarded = guardable([(s.param, s.name) for s in c.slots])
+            self._set_resident(c, False)
         self.by_storage = {c.compute.untyped_storage()._cdata: c for c in chunks}
 
     @property
@@ -239,8 +243,7 @@ class ChunkStore:
         """Fill the chunk's compute copy now, on the compute stream."""
         self.settle(c)
         with self.timer.region("h2d"):
-            c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
-            c.resident = True
+            self._set_resident(c, True)
             self._fill(c)
         self.counts["fetches"] += 1
 
@@ -257,8 +260,7 @@ class ChunkStore:
             return
         self.settle(c)
         with self.timer.region("h2d"):
-            c.compute.untyped_storage().resize_(c.size * c.compute.element_size())
-            c.resident = True
+            self._set_resident(c, True)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self._fill(c)
@@ -281,16 +283,22 @@ class ChunkStore:
     def free(self, c: Chunk) -> None:
         if c.resident:
             self.make_usable(c)  # a prefetch still writing must finish before the block is reused
-            c.compute.untyped_storage().resize_(0)
-            c.resident = False
+            self._set_resident(c, False)
             self.counts["evictions"] += 1
 
     def free_all(self) -> None:
         for c in self.chunks:
             if c.resident:
                 self.make_usable(c)
-                c.compute.untyped_storage().resize_(0)
-                c.resident = False
+                self._set_resident(c, False)
+
+    @staticmethod
+    def _set_resident(c: Chunk, resident: bool) -> None:
+        """Grow (refill next) or free the compute copy's storage; the chunk's parameters refuse reads
+        while it is freed (param_guard.py)."""
+        c.compute.untyped_storage().resize_(c.size * c.compute.element_size() if resident else 0)
+        c.resident = resident
+        mark_evicted(c.guarded, not resident)
 
     # -- gradients ------------------------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""Parameters that refuse to be read while their chunk has no compute copy.
+
+The engine frees an evicted chunk's compute copy by shrinking its storage to zero bytes, and the
+module's parameters stay views of it, with their shapes. An op that read one then (`print(p)`,
+`p.norm()` in a logging loop, `module.to(...)`, `torch.save(module)`) would read through a null
+pointer: a segfault on the CPU, an illegal memory access that ends the CUDA context on a GPU.
+
+So while its chunk is evicted, a parameter's class is ChunkParameter (an nn.Parameter still),
+whose torch-function handler refuses such a read with an error that says how to get the weights;
+what reads no element data (shape, dtype, requires_grad, .grad, hooks, a conversion to the device
+and dtype it has) passes. The class is
+switched back to nn.Parameter when the chunk is fetched, so ops in forward and backward, where
+the engine fetches before every use, pay nothing for the guard: a class assignment per parameter
+per fetch and eviction instead of a Python call per op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+
+# attribute reads that hand out the parameter's memory under another name: refused like an op
+_ALIASING_GETTERS = frozenset(getattr(torch.Tensor, name) for name in ("data", "T", "mT", "H", "mH", "real", "imag"))
+
+# methods that read no element data and return no view of it
+_READS_NO_DATA = frozenset({
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel, torch.Tensor.nelement,
+    torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
+    torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.get_device, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.is_pinned, torch.Tensor.is_shared,
+    torch.Tensor._is_view, torch.Tensor.__len__, torch.Tensor.__dir__, torch.Tensor.__hash__,
+    torch._has_compatible_shallow_copy_type,
+})
+
+
+# conversions that return the tensor itself when nothing changes (`model.to(device)` on the device
+# it is on, `model.float()` in fp32): answered by asking an empty tensor of the same kind first
+_CONVERSIONS = frozenset({
+    torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+    torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.contiguous,
+})
+
+
+def _converts_to_itself(func, args: tuple, kwargs: dict) -> bool:
+    probe = torch.empty(0, dtype=args[0].dtype, device=args[0].device)
+    result = func(probe, *args[1:], **kwargs)
+    return result is probe or not isinstance(result, torch.Tensor)  # `p.type()` names the type
+
+
+def _reads_no_data(func) -> bool:
+    if func in _READS_NO_DATA:
+        return True
+    name = getattr(func, "__name__", None)
+    if name == "__set__":
+        return True
+    return name == "__get__" and getattr(func, "__self__", None) not in _ALIASING_GETTERS
+
+
+def _evicted(t) -> bool:
+    return type(t) is ChunkParameter and t.untyped_storage().nbytes() == 0 and t.numel() > 0
+
+
+def _refuse_evicted(func, args: tuple, kwargs: dict) -> None:
+    for group in (args, kwargs.values()):
+        for a in group:
+            found = [a] if isinstance(a, torch.Tensor) else list(a) if isinstance(a, (list, tuple)) else []
+            for t in found:
+                if _evicted(t):
+                    raise RuntimeError(_message(t, func))
+
+
+def _message(t: "ChunkParameter", func) -> str:
+    what = getattr(func, "__name__", str(func))
+    if what == "__get__":
+        what = f".{func.__self__.__name__}"
+    return (f"parameter {getattr(t, '_engine_name', '?')} was read ({what}) while its chunk has no copy on the "
+            f"device: elixir_ray frees a chunk's compute copy when it evicts it (after every optimizer.step(), all "
+            f"of them), so outside the wrapped model's forward and backward a parameter has no data. Read the "
+            f"weights with model.state_dict() (full fp32 tensors on the host), and compute with them (a "
+            f"regulariser, a norm to log) inside the model's forward")
+
+
+class ChunkParameter(nn.Parameter):
+    """An nn.Parameter whose chunk is evicted (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with _NO_SUBCLASS():  # results are plain tensors, as nn.Parameter's are; the checks call no handler
+            if not _reads_no_data(func) and not (func in _CONVERSIONS and _converts_to_itself(func, args, kwargs)):
+                _refuse_evicted(func, args, kwargs)
+            return func(*args, **kwargs)
+
+
+def guardable(named: list[tuple[nn.Parameter, str]]) -> list[nn.Parameter]:
+    """Those of a chunk's parameters the guard may switch (plain nn.Parameters: another subclass
+    keeps its class), each told its name for the error."""
+    out = []
+    for param, name in named:
+        if type(param) is nn.Parameter:
+            param._engine_name = name
+            out.append(param)
+    return out
+
+
+def mark_evicted(params: list[nn.Parameter], evicted: bool) -> None:
+    """Switch the class of `params` (the same objects: optimizers and user code hold them)."""
+    cls = ChunkParameter if evicted else nn.Parameter
+    for p in params:
+        p.__class__ = cls
