@@ -115,8 +115,9 @@ def batches(n: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum: int, max_norm: float | None,
-                  lr: float = 1e-2, device: str = "cpu") -> tuple[list[float], dict]:
-    """Plain torch AdamW: the losses and final state (on the host) the engine must reproduce."""
+                  lr: float = 1e-2, device: str = "cpu", with_optimizer: bool = False) -> tuple:
+    """Plain torch AdamW: the losses and final state (on the host) the engine must reproduce, and
+    with `with_optimizer` the optimizer's state dict too."""
     model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(param_groups(model), lr=lr)
     losses = []
@@ -131,7 +132,8 @@ def reference_run(model: nn.Module, data: list[torch.Tensor], steps: int, accum:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return (losses, state, opt.state_dict()) if with_optimizer else (losses, state)
 
 
 def train_side_by_side(engine, engine_opt, reference, reference_opt, data: list[torch.Tensor]) -> list[float]:

@@ -197,7 +197,8 @@ def test_loading_a_value_of_the_wrong_size_is_refused_and_tied_weights_take_the_
     model, opt = _engine(Toy(), 8)
     state = model.state_dict()
     wrong = dict(state, **{"l1.weight": torch.zeros(16, 32)})
-    with pytest.raises(RuntimeError, match=r"size mismatch for l1.weight: the value has 512 elements"):
+    with pytest.raises(RuntimeError, match=r"size mismatch in load_state_dict \(1 key\(s\)\): l1.weight: \[16, 32\] "
+                                           r"for \[64, 32\]"):
         model.load_state_dict(wrong)
     engine_run(model, opt, batches(2, 8), 1, 2)
     saved = engine_state(model, opt)
@@ -242,8 +243,9 @@ def _rank_main(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
     model, opt = _engine(base, 8 // world, world=world)
     losses = engine_run(model, opt, data, STEPS, ACCUM, rank=rank, world=world)
     state = model.state_dict()  # collective: every rank gathers
+    optim = opt.state_dict()  # so is this
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "stats": model.engine_stats()}, out)
+        torch.save({"losses": losses, "state": state, "optim": optim, "stats": model.engine_stats()}, out)
     dist.destroy_process_group()
 
 
@@ -252,13 +254,19 @@ def _rank_main(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
 def test_sharded_ranks_match_one_process(world, ckpt, tmp_path):
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)
-    ref_losses, ref_state = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM)
+    ref_losses, ref_state, ref_optim = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM,
+                                                     with_optimizer=True)
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank_main, args=(world, store_url(tmp_path), out, ckpt), nprocs=world, join=True)
     result = torch.load(out)
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5
+    # the optimizer's state dict gathers the sharded moments into torch's own layout
+    assert result["optim"]["state"].keys() == ref_optim["state"].keys()
+    assert [g["params"] for g in result["optim"]["param_groups"]] == [g["params"] for g in ref_optim["param_groups"]]
+    for i, entry in ref_optim["state"].items():
+        assert _max_diff(result["optim"]["state"][i], entry) <= 1e-5
 
 
 def _routed_batches() -> tuple[list[torch.Tensor], torch.Tensor]:

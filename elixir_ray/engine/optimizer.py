@@ -32,6 +32,7 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot
+from elixir_ray.engine.optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from elixir_ray.engine.pool import ChunkPool
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
@@ -194,6 +195,15 @@ class ChunkedAdam:
             s.has_grad = False
         self._zeros_kept = not set_to_none
 
+    def state_dict(self) -> dict:
+        """The AdamW state in torch's format, whole tensors on the host (optimizer_state.py); with
+        sharded chunks every rank must call it."""
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state dict from `state_dict()` or from a plain torch AdamW/Adam over the same parameters."""
+        load_optimizer_state_dict(self, state_dict)
+
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("elixir_ray's optimizer cannot take a param group after wrap (its parameters are "
                            "already packed into chunks): build the optimizer with every group, then wrap")
@@ -288,6 +298,7 @@ class ChunkedAdam:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
+        self.base._opt_called = True  # what torch's LR schedulers look for, to not warn of a step before any
         with self.store.on_device():
             try:
                 self._step()

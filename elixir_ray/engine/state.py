@@ -230,12 +230,12 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Map
         part = ranged(name, lo, hi) if ranged is not None else np.asarray(tensors[name]).reshape(-1)[lo:hi]
         return torch.as_tensor(np.array(part, dtype=np.float32))
 
-    def numel_of(name: str) -> int:
+    def shape_of(name: str) -> tuple:
         spec = getattr(tensors, "spec_of", None)
-        return int(np.prod(spec(name)[0] if spec is not None else np.shape(tensors[name]), dtype=np.int64))
+        return tuple(spec(name)[0] if spec is not None else np.shape(tensors[name]))
 
     model.load_state_parts(_ModelTensors(tensors), lambda key, lo, hi: read(f"model/{key}", lo, hi),
-                           lambda key: numel_of(f"model/{key}"))
+                           lambda key: shape_of(f"model/{key}"))
     for c in model.store.chunks:
         for s in c.slots:
             key = f"optim/{s.name}"
@@ -245,9 +245,10 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Map
             if c.exp_avg is None:
                 c.exp_avg, c.exp_avg_sq = torch.zeros_like(c.master), torch.zeros_like(c.master)
             for kind in ("exp_avg", "exp_avg_sq"):
-                if numel_of(f"{key}/{kind}") != s.numel:
-                    raise RuntimeError(f"size mismatch for {key}/{kind}: the value has {numel_of(f'{key}/{kind}')} "
-                                       f"elements, the parameter {list(s.shape)} has {s.numel}")
+                shape = shape_of(f"{key}/{kind}")
+                if shape != tuple(s.shape):
+                    raise RuntimeError(f"size mismatch for {key}/{kind}: the value has shape {list(shape)}, the "
+                                       f"parameter {list(s.shape)}")
             lo, hi = own_part(c, s)
             if lo < hi:
                 write_part(c, c.exp_avg, s, lo, hi, read(f"{key}/exp_avg", lo, hi))

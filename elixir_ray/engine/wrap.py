@@ -9,12 +9,14 @@ the returned module and optimizer are used like the originals.
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
 from elixir_ray.engine.comm import Comm
@@ -44,6 +46,7 @@ class ChunkedModule(nn.Module):
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
         self.loss_scale = loss_scale
         self.slot_by_param = {id(s.param): s for s in slots}
+        self.optimizer = None  # the ChunkedAdam wrap returns beside it
 
     def forward(self, *args, **kwargs):
         with self.store.on_device():
@@ -56,13 +59,30 @@ class ChunkedModule(nn.Module):
             out.register_hook(lambda g: g * scale)
         return out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's gradients live in chunks, not in `.grad`: this clears them, as the optimizer's
+        zero_grad does (nn.Module's own would find no `.grad` to clear and the next backward would add
+        to this one's)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none)
+
     def engine_stats(self) -> dict:
         return dict(self.store.stats, n_blocks=self.pool.n_blocks, chunks=len(self.store.chunks))
 
     @torch.no_grad()
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Whole fp32 tensors on the host, under the module's own keys (each with `prefix` before it),
+        into `destination` when given. `keep_vars` has no effect: there are no live tensors to keep."""
+        if args:
+            raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
         with self.store.on_device():
-            return self._state_dict()
+            out = self._state_dict()
+        if destination is None and not prefix:
+            return out
+        destination = OrderedDict() if destination is None else destination
+        for key, value in out.items():
+            destination[prefix + key] = value
+        return destination
 
     def _state_dict(self):
         full = {}
@@ -79,27 +99,42 @@ class ChunkedModule(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict, strict: bool = True):
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Copy values into the masters (and buffers), checked as torch checks them: every key and
+        shape before anything is written. Returns torch's (missing_keys, unexpected_keys)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the module's parameters, which are views "
+                             "of the engine's chunks: load with assign=False (the default)")
         with self.store.on_device():
-            self._load_state_dict(state_dict, strict)
+            return self._load_state_dict(state_dict, strict)
 
     @torch.no_grad()
     def load_state_parts(self, state_dict, read_part: Callable[[str, int, int], torch.Tensor],
-                         numel_of: Callable[[str], int]) -> None:
+                         shape_of: Callable[[str], tuple]) -> None:
         """`load_state_dict` for a restore: each parameter's part this rank keeps is read with
         `read_part(key, lo, hi)` (elements [lo, hi) of its flat order), so a sharded checkpoint is
-        never read whole on each rank; `numel_of(key)` is the size of the value there (checked against
-        the parameter's); buffers come from `state_dict`."""
+        never read whole on each rank; `shape_of(key)` is the shape of the value there (checked
+        against the parameter's before anything is written); buffers come from `state_dict`."""
         with self.store.on_device():
-            self._load_state_dict(state_dict, True, read_part, numel_of)
+            self._load_state_dict(state_dict, True, read_part, shape_of)
 
-    def _load_state_dict(self, state_dict, strict: bool, read_part=None, numel_of=None) -> None:
+    def _load_state_dict(self, state_dict, strict: bool, read_part=None, shape_of=None) -> _IncompatibleKeys:
         self.store.settle_all()
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if shape_of is None:
+            def shape_of(key):
+                return tuple(torch.as_tensor(state_dict[key]).shape)
+        wrong = []  # every shape checked before anything is written, as torch does
+        for key, t in own.items():
+            shape = tuple(shape_of(key)) if key in state_dict else tuple(t.shape)
+            if shape != tuple(t.shape) and not (t.numel() == 1 and math.prod(shape) == 1):  # 0-d saved as [1]
+                wrong.append(f"{key}: {list(shape)} for {list(t.shape)}")
+        if wrong:
+            raise RuntimeError(f"size mismatch in load_state_dict ({len(wrong)} key(s)): {'; '.join(wrong[:4])}")
         last_key = {}  # a tied parameter is loaded once, from the last of its keys given (as torch does)
         for key, t in own.items():
             if key not in state_dict:
@@ -113,19 +148,16 @@ class ChunkedModule(nn.Module):
             else:
                 last_key[id(slot)] = (key, slot)
         for key, slot in last_key.values():
-            numel = numel_of(key) if read_part is not None else state_dict[key].numel()
-            if numel != slot.numel:
-                raise RuntimeError(f"size mismatch for {key}: the value has {numel} elements, the parameter "
-                                   f"{list(slot.shape)} has {slot.numel}")
             c = self.store.chunks[slot.chunk]
             lo, hi = own_part(c, slot)
             if lo < hi:
                 part = (read_part(key, lo, hi) if read_part is not None
-                        else state_dict[key].detach().float().reshape(-1)[lo:hi].cpu())
+                        else torch.as_tensor(state_dict[key]).detach().float().reshape(-1)[lo:hi].cpu())
                 write_part(c, c.master, slot, lo, hi, part)
         for c in self.store.chunks:
             self.store.refresh_upload(c)
         self.pool.reset()
+        return _IncompatibleKeys(missing, unexpected)
 
 
 def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
@@ -268,7 +300,13 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
+    model.optimizer = chunked_optimizer
     optimizer.register_step_pre_hook(_refuse_original_step)
+    # the optimizer passed in holds no gradients or state of its own now: these act on the engine's,
+    # so a loop that zeroes, saves or loads through it does what it did before wrap
+    optimizer.zero_grad = chunked_optimizer.zero_grad
+    optimizer.state_dict = chunked_optimizer.state_dict
+    optimizer.load_state_dict = chunked_optimizer.load_state_dict
     return model, chunked_optimizer
 
 

@@ -1,0 +1,132 @@
+"""The habits of torch training loops, through the engine, against plain torch on CPU in fp32.
+
+Each case was found by a user walkthrough in which it trained on silently wrong or failed with an
+unhelpful error: `model.zero_grad()` cleared nothing (gradients piled up across steps, 0.03 off
+torch after three), the optimizer had no state_dict, a transposed weight loaded in flat order,
+and a scheduler on the optimizer passed in warned of a step before any.
+"""
+
+import copy
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from elixir_ray.engine import manual_plan, wrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, param_groups  # noqa: E402
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _pair(seed: int = 0):
+    """A wrapped Toy (evictions every step) and a plain copy, each with its AdamW over two groups."""
+    torch.manual_seed(seed)
+    module = Toy()
+    reference = copy.deepcopy(module)
+    sample = (batches(1, 4)[0],)
+    base = torch.optim.AdamW(param_groups(module), lr=1e-2)
+    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu")
+    return model, opt, base, reference, torch.optim.AdamW(param_groups(reference), lr=1e-2)
+
+
+def _optim_diff(a: dict, b: dict) -> float:
+    assert a["state"].keys() == b["state"].keys()
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    return max(_max_diff(a["state"][i], b["state"][i]) for i in b["state"])
+
+
+@pytest.mark.parametrize("zeroing", ["model", "original optimizer"])
+def test_zeroing_gradients_through_the_model_or_the_optimizer_passed_in_trains_like_torch(zeroing):
+    model, opt, base, reference, ref_opt = _pair()
+    zero = model.zero_grad if zeroing == "model" else base.zero_grad
+    for batch in batches(4, 4, seed=3):
+        zero()
+        reference.zero_grad()
+        model(batch).backward()
+        reference(batch).backward()
+        opt.step()
+        ref_opt.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-5
+
+
+def test_the_optimizer_state_dict_is_torchs_and_a_run_resumes_from_either_side():
+    model, opt, base, reference, ref_opt = _pair()
+    schedule, ref_schedule = (torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (base, ref_opt))
+    data = batches(6, 4, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" included
+        for batch in data[:3]:
+            model(batch).backward()
+            reference(batch).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            schedule.step()
+            ref_schedule.step()
+    saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+    assert _optim_diff(saved, ref_saved) <= 1e-6
+    assert [g["lr"] for g in saved["param_groups"]] == [g["lr"] for g in ref_saved["param_groups"]] == [5e-3, 5e-3]
+    assert _optim_diff(base.state_dict(), ref_saved) <= 1e-6  # the optimizer passed in answers the same
+
+    # engine -> plain torch, and plain torch -> a fresh engine (through the optimizer passed in)
+    plain = copy.deepcopy(reference)
+    plain.load_state_dict(model.state_dict())
+    plain_opt = torch.optim.AdamW(param_groups(plain), lr=1.0)
+    plain_opt.load_state_dict(saved)
+    resumed, resumed_opt, resumed_base, _, _ = _pair(seed=1)
+    resumed.load_state_dict(reference.state_dict())
+    resumed_base.load_state_dict(ref_saved)
+    assert [g["lr"] for g in resumed_opt.param_groups] == [5e-3, 5e-3]  # hyper-parameters come with the state
+    for batch in data[3:]:
+        for m, o in ((plain, plain_opt), (resumed, resumed_opt), (reference, ref_opt)):
+            m(batch).backward()
+            o.step()
+            o.zero_grad()
+    assert _max_diff(plain.state_dict(), reference.state_dict()) <= 1e-5
+    assert _max_diff(resumed.state_dict(), reference.state_dict()) <= 1e-5
+    assert _optim_diff(resumed_opt.state_dict(), ref_opt.state_dict()) <= 1e-5
+
+
+def test_an_optimizer_state_dict_that_does_not_fit_is_refused_before_anything_changes():
+    model, opt, base, reference, ref_opt = _pair()
+    batch = batches(1, 4, seed=3)[0]
+    model(batch).backward()
+    opt.step()
+    before = opt.state_dict()
+    one_group = {"state": {}, "param_groups": [{"params": list(range(9)), "lr": 1.0}]}
+    with pytest.raises(ValueError, match="1 parameter groups, the optimizer has 2"):
+        opt.load_state_dict(one_group)
+    wrong = copy.deepcopy(before)
+    first = next(iter(wrong["state"]))
+    wrong["state"][first]["exp_avg"] = wrong["state"][first]["exp_avg"].reshape(-1)[:3]
+    with pytest.raises(ValueError, match=f"exp_avg of parameter {first} in the loaded state has shape"):
+        opt.load_state_dict(wrong)
+    assert _optim_diff(opt.state_dict(), before) == 0.0
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-2]
+
+
+def test_load_state_dict_checks_shapes_and_reports_keys_as_torch_does():
+    model, opt, base, reference, ref_opt = _pair()
+    before = model.state_dict()
+    transposed = dict(reference.state_dict())
+    transposed["l1.weight"] = transposed["l1.weight"].t().contiguous()  # same size, wrong shape
+    with pytest.raises(RuntimeError, match=r"size mismatch in load_state_dict \(1 key\(s\)\): l1.weight: \[32, 64\] "
+                                           r"for \[64, 32\]"):
+        model.load_state_dict(transposed)
+    assert _max_diff(model.state_dict(), before) == 0.0  # nothing was written
+
+    partial = {k: v for k, v in reference.state_dict().items() if k != "ln.bias"}
+    partial["extra"] = torch.zeros(1)
+    missing, unexpected = model.load_state_dict(partial, strict=False)
+    assert (missing, unexpected) == (["ln.bias"], ["extra"])
+    assert list(model.state_dict(prefix="net.")) == [f"net.{k}" for k in reference.state_dict()]
+    with pytest.raises(ValueError, match="assign=False"):
+        model.load_state_dict(reference.state_dict(), assign=True)
