@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", metavar="BYTES", help="host RAM per rank for optimizer state "
                                                           "(default: 80%% of free RAM over the ranks)")
     p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware) instead of "
-                                                      "measuring this machine")
+                                                      "measuring this machine; give the budget too")
     p.add_argument("--save-hardware", metavar="JSON", help="also write the rates used, to plan elsewhere later")
     p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside the config)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")

@@ -28,11 +28,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step."""
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step `steps - 1`)."""
     o, total = cfg.optim, cfg.train.steps
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, total - o.warmup_steps)
+    span = max(1, total - 1 - o.warmup_steps)
     progress = min(1.0, (step - o.warmup_steps) / span)
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -46,7 +46,7 @@ def one_run(via: str, size: str, data: str, object_store_gib: float) -> dict:
             sampler.start()
             cfg = {"name": f"ckmem-{via}", "output_dir": out, "model": {"size": size, "seq_len": 64},
                    "data": {"path": data}, "train": {"steps": 6, "micro_batch": 2, "log_every": 1},
-                   "checkpoint": {"every_steps": 2, "keep": 1, "via": via}, "cluster": {"num_workers": 2}}
+                   "checkpoint": {"every_steps": 2, "keep": 1, "via": via}, "cluster": {"num_workers": 2, "use_gpu": False}}
             start = time.time()
             result = elixir_ray.train(cfg, progress=False)
             stop.set()

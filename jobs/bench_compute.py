@@ -22,8 +22,9 @@ from elixir_ray.planner.hardware import profile_hardware  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: by device")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per shape (median reported)")
-    parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per shape (median reported); default 5, 2 with --smoke")
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (--shapes is ignored)")
     parser.add_argument("--out", default="runs/bench_compute.json")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -33,7 +34,7 @@ def main() -> int:
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {shape.name} on {device}", flush=True)
-        rows.append(measure_shape(shape, hw, steps=2 if args.smoke else args.steps))
+        rows.append(measure_shape(shape, hw, steps=args.steps if args.steps is not None else (2 if args.smoke else 5)))
     print(f"matmul rate measured here: {hw.matmul_tflops:.2f} TFLOPS")
     print(markdown(rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -25,8 +25,9 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b")
     parser.add_argument("--cap", default="24GiB", help="device memory budget for every plan")
     parser.add_argument("--hardware", help="HardwareProfile JSON (default: measure here)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="the tiny shape on CPU with a small cap")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per plan; default 4, 2 with --smoke")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny shape on CPU with a 24 MiB cap (--shape and --cap are ignored)")
     parser.add_argument("--out", default="runs/bench_plans.json")
     args = parser.parse_args()
     shape, cap = ("smoke", parse_bytes("24MiB")) if args.smoke else (args.shape, parse_bytes(args.cap))
@@ -35,7 +36,8 @@ def main() -> int:
             hw = HardwareProfile.from_json(f.read())
     else:
         hw = profile_hardware("cpu" if args.smoke else None)
-    rows = run_plan_table(shape, cap, hw, steps=2 if args.smoke else args.steps, warmup=1 if args.smoke else 2,
+    steps = args.steps if args.steps is not None else (2 if args.smoke else 4)
+    rows = run_plan_table(shape, cap, hw, steps=steps, warmup=1 if args.smoke else 2,
                           device="cpu" if args.smoke else None, log_dir=os.path.dirname(os.path.abspath(args.out)))
     print(plan_table_markdown(rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

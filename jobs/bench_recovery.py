@@ -34,8 +34,8 @@ def main() -> int:
                         help="checkpoint.via: storage restores from the checkpoint the workers wrote")
     parser.add_argument("--out", default="runs/bench_recovery.json")
     args = parser.parse_args()
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():  # RAY_ADDRESS, or a cluster of its own (never a `ray start` one found by chance)
+        ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}", f"output_dir={tmp}",
                      f"checkpoint.via={args.via}"]

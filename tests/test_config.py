@@ -61,3 +61,14 @@ def test_load_config_file_errors(tmp_path):
 def test_shipped_configs_load():
     for path in ("jobs/configs/tiny.yaml", "jobs/configs/demo.yaml"):
         load_config(path)
+
+
+@pytest.mark.parametrize("steps, warmup", [(20, 10), (50, 0), (11, 10)])
+def test_the_learning_rate_warms_up_to_lr_and_decays_to_min_lr_ratio_at_the_last_step(steps, warmup):
+    from elixir_ray.trainer import lr_at
+    cfg = config_from_dict({}, [f"train.steps={steps}", f"optim.warmup_steps={warmup}", "optim.lr=1e-3",
+                                "optim.min_lr_ratio=0.1"])
+    rates = [lr_at(step, cfg) for step in range(steps)]
+    assert rates[max(0, warmup - 1)] == pytest.approx(1e-3)  # the last warm-up step (or the first step) is lr
+    assert rates[-1] == pytest.approx(1e-4) if steps - 1 > warmup else rates[-1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(rates[warmup:], rates[warmup + 1:]))  # decays, never rises

@@ -233,6 +233,8 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     (["--world-size", "0"], "--world-size: expected a whole number of at least 1"),
     (["--hardware", "missing.json"], "--hardware missing.json: cannot read it (FileNotFoundError"),
     (["--hardware", "jobs/configs/tiny.yaml"], "not a hardware profile (JSONDecodeError"),
+    # another machine's rates, and no budget: what that device has free cannot be read here
+    (["--hardware", "jobs/hardware/h100_anchors.json"], "cannot query for free memory: give the budget"),
 ])
 def test_cli_plan_refuses_bad_flags_in_one_line_before_planning(flags, message, capsys):
     from elixir_ray.cli import main

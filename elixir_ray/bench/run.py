@@ -59,8 +59,10 @@ def main_args(args) -> int:
     shape = "smoke" if args.smoke else args.shape
     cap = parse_bytes(args.cap) if args.cap else None
     systems = args.systems or list(SYSTEMS)
-    results, paths = run_bench(shape, cap, systems, args.out, steps=2 if args.smoke else args.steps,
-                               warmup=1 if args.smoke else args.warmup, device="cpu" if args.smoke else None)
+    steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    results, paths = run_bench(shape, cap, systems, args.out, steps=steps, warmup=warmup,
+                               device="cpu" if args.smoke else None)
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
@@ -71,7 +73,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b")
     p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
-    p.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (median reported); default 6, 2 with --smoke")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2, 1 with --smoke")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each system's output (SYSTEM.log)")

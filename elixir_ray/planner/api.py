@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from elixir_ray.engine.device import resolve_device
+from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
@@ -36,6 +37,16 @@ def device_budget(device: torch.device) -> int:
 def budget_bytes(device_memory: Union[int, str, None], device: torch.device) -> int:
     """The device budget in bytes: `device_memory` ("24GiB", bytes), or what the device has free."""
     return parse_bytes(device_memory) if device_memory is not None else device_budget(device)
+
+
+def planning_budget(device_memory: Union[int, str, None], hardware: HardwareProfile) -> int:
+    """`budget_bytes` for planning with `hardware`'s rates: with no `device_memory`, what its device
+    has free, which only a process on that device can read."""
+    if device_memory is None and not device_is_here(hardware):
+        raise PlanError(f"the hardware profile describes {hardware.device_name or hardware.device}, which this "
+                        f"process cannot query for free memory: give the budget (device_memory=, --device-memory, "
+                        f"or engine.device_memory in the config)")
+    return budget_bytes(device_memory, torch.device(hardware.device))
 
 
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state; the rest for the process, data and pinning
@@ -117,7 +128,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
         hardware = profile_hardware()
     device = torch.device(hardware.device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    budget = budget_bytes(device_memory, device)
+    budget = planning_budget(device_memory, hardware)
     host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
     if time_compute is None:
         time_compute = device_is_here(hardware)

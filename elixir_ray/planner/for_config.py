@@ -12,7 +12,7 @@ from elixir_ray.config import RunConfig
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.alternatives import hand_made_plans
-from elixir_ray.planner.api import budget_bytes, default_host_budget, search_module
+from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.planner.op_timing import device_is_here
@@ -53,7 +53,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     elem = torch.empty(0, dtype=dtype).element_size()
     in_backward = updates_in_backward(cfg, dtype_name)
     memory = device_memory or cfg.engine.device_memory
-    budget = budget_bytes(memory, device)
+    budget = planning_budget(memory, hardware)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
     with config_hints(cfg):
         plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
