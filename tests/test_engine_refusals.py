@@ -190,3 +190,22 @@ def test_reading_an_evicted_parameter_outside_the_model_is_an_error_that_names_i
     opt.step()
     with torch.no_grad():
         assert torch.isfinite(model(data[2]))
+
+
+def test_sample_inputs_given_as_a_bare_tensor_or_short_of_a_keyword_argument_say_what_the_trace_takes():
+    """tuple(tensor) split the batch into one input per row ("forward() takes 2 positional arguments
+    but 9 were given"), and a keyword-only input failed with the module's own message."""
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 1)
+
+        def forward(self, x, *, mask):
+            return (self.l(x) * mask).sum()
+
+    module, x = Masked(), torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"sample_inputs must be a tuple .* shape \(4, 8\): pass sample_inputs=\(batch,\)"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=x, device_memory="64MiB", device="cpu")
+    with pytest.raises(TypeError, match=r"keyword-only argument: 'mask': the trace calls Masked\(\*sample_inputs\), with "
+                                        r"1 positional input\(s\) and no keyword arguments"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu")

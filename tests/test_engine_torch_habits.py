@@ -130,3 +130,39 @@ def test_load_state_dict_checks_shapes_and_reports_keys_as_torch_does():
     assert list(model.state_dict(prefix="net.")) == [f"net.{k}" for k in reference.state_dict()]
     with pytest.raises(ValueError, match="assign=False"):
         model.load_state_dict(reference.state_dict(), assign=True)
+
+
+def test_seeding_then_wrapping_with_a_searched_plan_draws_the_random_numbers_plain_torch_draws():
+    """Planning measures rates and times the model's kernels, dropout included: it drew from the
+    global generator, so a seeded run's dropout masks differed from plain torch's after wrap."""
+    class Dropped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.drop = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.b(self.drop(torch.relu(self.a(x)))).pow(2).mean()
+
+    torch.manual_seed(0)
+    module, x = Dropped(), torch.randn(8, 16)
+    reference = copy.deepcopy(module)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=(x,),
+                      device_memory="64MiB", device="cpu")
+    losses = []
+    for _ in range(3):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.manual_seed(1)
+    ref_losses = []
+    for _ in range(3):
+        loss = reference(x)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, abs=1e-6)

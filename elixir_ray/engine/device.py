@@ -20,3 +20,13 @@ def resolve_device(device: Union[torch.device, str, None] = None) -> torch.devic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def random_state_kept(device: torch.device):
+    """A scope after which the CPU's random generator (and `device`'s, on CUDA) is as it was.
+
+    Planning measures rates and times the model's kernels, dropout included, on the global
+    generators; a loop that seeds, wraps and trains must draw the numbers plain torch would."""
+    device = resolve_device(device)
+    here = device.type == "cuda" and torch.cuda.is_available()  # a profile may name another machine's GPU
+    return torch.random.fork_rng(devices=[device.index] if here else [])

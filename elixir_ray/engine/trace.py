@@ -168,6 +168,13 @@ def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
     try:
         out = module(*inputs)
         return loss_fn(out) if loss_fn else out
+    except TypeError as exc:
+        if "forward()" not in str(exc) or "argument" not in str(exc):
+            raise
+        raise TypeError(f"{exc}: the trace calls {type(module).__name__}(*sample_inputs), with {len(inputs)} "
+                        f"positional input(s) and no keyword arguments. Give sample_inputs every input forward "
+                        f"needs, in order; an input forward takes by keyword only can come through a small "
+                        f"nn.Module around it that takes it positionally") from exc
     except (RuntimeError, NotImplementedError) as exc:
         if not any(m in str(exc) for m in _VALUE_READS):
             raise
@@ -190,11 +197,21 @@ def _backward_with_modes(loss: torch.Tensor) -> None:
         (loss,), (torch.ones_like(loss),), False, False, (), True, True)
 
 
+def sample_input_tuple(sample_inputs) -> tuple:
+    """`sample_inputs` as the tuple of forward's positional inputs; a bare tensor is refused, since
+    tuple() would split it along its first dimension into as many inputs."""
+    if isinstance(sample_inputs, torch.Tensor):
+        raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs, got a tensor of shape "
+                        f"{tuple(sample_inputs.shape)}: pass sample_inputs=(batch,)")
+    return tuple(sample_inputs)
+
+
 def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Optional[torch.dtype] = None
                ) -> AccessTrace:
     """Trace one step on the meta device. A step that reads values computed from the weights (which
     experts a learned router picks) is traced again with the weights' real values carried beside
     the meta tensors: every kernel then also runs on the CPU, so this costs a real step there."""
+    sample_inputs = sample_input_tuple(sample_inputs)
     try:
         return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
     except ValueReadError as exc:

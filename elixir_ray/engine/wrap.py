@@ -20,14 +20,14 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
 from elixir_ray.engine.comm import Comm
-from elixir_ray.engine.device import resolve_device
+from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
-from elixir_ray.engine.trace import trace_step, unique_parameters
+from elixir_ray.engine.trace import sample_input_tuple, trace_step, unique_parameters
 
 
 def _post_order(module: nn.Module):
@@ -226,8 +226,9 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
     with device_scope(device):
-        return _wrap(module, optimizer, tuple(sample_inputs) if sample_inputs is not None else None, device_memory,
-                     plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn, accumulation_steps, prefetch)
+        return _wrap(module, optimizer, sample_input_tuple(sample_inputs) if sample_inputs is not None else None,
+                     device_memory, plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn,
+                     accumulation_steps, prefetch)
 
 
 def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, max_grad_norm, dtype, device,
@@ -249,10 +250,15 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     if plan is None:  # the planner imports the engine, so it is imported here, when needed
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
 
-        plan = _one_plan_for_all_ranks(comm, lambda: search_plan(
-            module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device, device_memory), dtype, loss_fn,
-            grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
-            updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm, dtype == torch.float16)))
+        def search() -> Plan:
+            with random_state_kept(device):
+                return search_plan(
+                    module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device, device_memory),
+                    dtype, loss_fn, grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
+                    updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
+                                                                  dtype == torch.float16))
+
+        plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
     if sorted(plan.param_order) != sorted(names):
@@ -372,7 +378,7 @@ def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_bloc
                 host_grads_low: bool = False) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
     named = unique_parameters(module)
-    trace = trace_step(module, tuple(sample_inputs), loss_fn)
+    trace = trace_step(module, sample_input_tuple(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
     slots, sizes = pack([named[i][1].numel() for i in trace.order], chunk_size, world_size)
     n = len(sizes)

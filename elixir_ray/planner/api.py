@@ -8,10 +8,11 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from elixir_ray.engine.device import resolve_device
+from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.plan import Plan
+from elixir_ray.engine.trace import sample_input_tuple
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
@@ -122,6 +123,15 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    sample_inputs = sample_input_tuple(sample_inputs)
+    with random_state_kept(torch.device(hardware.device) if hardware is not None else None):
+        return _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, loss_fn, grad_accum,
+                     host_memory, search_checkpointing, updates_in_backward, time_compute, low_host_grads,
+                     replicate, progress)
+
+
+def _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, loss_fn, grad_accum, host_memory,
+          search_checkpointing, updates_in_backward, time_compute, low_host_grads, replicate, progress) -> Plan:
     if hardware is None:
         if progress:
             progress("measuring this machine's copy, AdamW and matmul rates")
