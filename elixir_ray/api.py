@@ -105,6 +105,20 @@ def check_data(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
 
 
+def warn_if_data_under_one_batch(cfg: RunConfig, num_workers: int) -> None:
+    """A dataset with fewer windows than one global batch trains, but every step repeats windows
+    inside its own batch: say so, with the sizes, rather than let it pass for a real run."""
+    seq_len = resolve_model_shape(cfg.model)["seq_len"]
+    windows = TokenDataset(cfg.data.path).num_windows(seq_len)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * num_workers
+    if windows < global_batch:
+        warnings.warn(
+            f"data.path {cfg.data.path!r} holds {windows} window(s) of {seq_len + 1} tokens, fewer than one global "
+            f"batch of {global_batch} (train.micro_batch={cfg.train.micro_batch} x train.grad_accum="
+            f"{cfg.train.grad_accum} x {num_workers} worker(s)): every step repeats windows within its batch. "
+            f"Give more text, or a smaller micro-batch or seq_len", stacklevel=3)
+
+
 def verifies(path: str) -> bool:
     """Whether a checkpoint's files all match their checksums (streamed, nothing kept)."""
     from elixir_ray.checkpoint.shards import verify_files
@@ -242,6 +256,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     started_here = _ensure_ray(cfg)
     try:
         shape = resolve_worker_shape(cfg, ray.cluster_resources())
+        warn_if_data_under_one_batch(cfg, shape.num_workers)
         bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
         on_metrics = (lambda m: bar.update(m["step"], m["loss"], m["tokens_per_s"])) if bar else (lambda m: None)
         start = time.monotonic()

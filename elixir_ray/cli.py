@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-data", help="tokenise text files into a dataset",
                        description="Tokenise text files (byte level) into an Arrow token dataset.")
-    p.add_argument("text_files", nargs="+", help="UTF-8 text files")
-    p.add_argument("--out", required=True, help="output path or URI (pyarrow filesystem), e.g. data/my.arrow")
+    p.add_argument("text_files", nargs="+", help="text files (UTF-8 or any bytes: the tokeniser is byte level)")
+    p.add_argument("--out", required=True, help="output path or URI (pyarrow filesystem), e.g. data/my.arrow; "
+                                                "a dataset already there is replaced")
     p.set_defaults(func=_cmd_prepare_data)
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict",

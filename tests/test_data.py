@@ -50,6 +50,24 @@ def test_dataset_errors(tmp_path):
         BatchSampler(TokenDataset(str(tmp_path / "s.arrow")), seq_len=64, seed=0)
 
 
+def test_prepare_data_refuses_what_would_lose_a_file_or_mislead_before_writing(tmp_path):
+    """Found by a user walkthrough: --out naming an input replaced the user's text with Arrow bytes, --out
+    naming a directory ended in a rename traceback, and a directory input was said not to exist."""
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    (tmp_path / "texts").mkdir()
+    with pytest.raises(ConfigError, match="is one of the text files"):
+        prepare_dataset([str(text)], str(text))
+    assert text.read_text() == "hello world\n"
+    with pytest.raises(ConfigError, match=r"is a directory: name the dataset file, for example .*data.arrow"):
+        prepare_dataset([str(text)], str(tmp_path / "texts"))
+    with pytest.raises(ConfigError, match=r"is a directory: give the text files in it \(for example .*\*.txt\)"):
+        prepare_dataset([str(tmp_path / "texts")], str(tmp_path / "d.arrow"))
+    with pytest.raises(ConfigError, match="does not exist \\(a pattern that matched no file reaches here as it is\\)"):
+        prepare_dataset([str(tmp_path / "texts" / "*.txt")], str(tmp_path / "d.arrow"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "texts"]  # nothing written
+
+
 def test_rank_slices_are_disjoint_and_deterministic(tiny_dataset):
     ds = TokenDataset(tiny_dataset)
     sampler = BatchSampler(ds, seq_len=32, seed=3)
@@ -74,3 +92,21 @@ def test_epochs_wrap_around(tiny_dataset):
     n = sampler.n_windows
     batch = sampler.samples(n - 1, 3)  # crosses into the second epoch
     assert batch.shape == (3, 33)
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_warned_of_with_its_sizes(tmp_path):
+    import warnings
+
+    from elixir_ray.api import as_config, warn_if_data_under_one_batch
+
+    text = tmp_path / "a.txt"
+    text.write_bytes(bytes(range(32, 127)) * 5)  # 475 bytes + an end-of-document token: 7 windows of 65
+    prepare_dataset([str(text)], str(tmp_path / "d.arrow"))
+    cfg = as_config({"model": {"size": "tiny", "seq_len": 64}, "data": {"path": str(tmp_path / "d.arrow")},
+                     "train": {"micro_batch": 4}})
+    with pytest.warns(UserWarning, match=r"holds 7 window\(s\) of 65 tokens, fewer than one global batch of 8 "
+                                         r"\(train.micro_batch=4 x train.grad_accum=1 x 2 worker\(s\)\)"):
+        warn_if_data_under_one_batch(cfg, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_data_under_one_batch(cfg, num_workers=1)  # 7 windows hold a batch of 4

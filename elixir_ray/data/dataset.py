@@ -54,8 +54,20 @@ def prepare_dataset(text_files: list[str], out_uri: str) -> int:
     if not text_files:
         raise ConfigError("prepare-data needs at least one text file")
     for path in text_files:
+        if os.path.isdir(path):
+            raise ConfigError(f"{path!r} is a directory: give the text files in it (for example "
+                              f"{os.path.join(path, '*.txt')})")
         if not os.path.isfile(path):
-            raise ConfigError(f"text file {path!r} does not exist")
+            unexpanded = any(c in path for c in "*?[")
+            raise ConfigError(f"text file {path!r} does not exist" +
+                              (" (a pattern that matched no file reaches here as it is)" if unexpanded else ""))
+    if "://" not in out_uri:
+        if os.path.isdir(out_uri):
+            raise ConfigError(f"--out {out_uri!r} is a directory: name the dataset file, for example "
+                              f"{os.path.join(out_uri, 'data.arrow')}")
+        if any(os.path.exists(out_uri) and os.path.samefile(out_uri, path) for path in text_files):
+            raise ConfigError(f"--out {out_uri!r} is one of the text files: it would be replaced by the dataset; "
+                              f"name another file")
     tok = ByteTokenizer()
     docs = []
     for path in text_files:
