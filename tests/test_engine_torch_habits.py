@@ -166,3 +166,19 @@ def test_seeding_then_wrapping_with_a_searched_plan_draws_the_random_numbers_pla
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
     assert losses == pytest.approx(ref_losses, abs=1e-6)
+
+
+def test_a_scheduler_built_on_the_optimizer_wrap_returns_works_like_one_on_plain_adamw():
+    """It was refused by torch ("ChunkedAdam is not an Optimizer")."""
+    model, opt, base, reference, ref_opt = _pair()
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(o, 0.05, total_steps=6) for o in (opt, ref_opt)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in batches(5, 4, seed=3):
+            for m, o, s in ((model, opt, schedules[0]), (reference, ref_opt, schedules[1])):
+                m(batch).backward()
+                o.step()
+                o.zero_grad()
+                s.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-5

@@ -146,7 +146,12 @@ def _adam(call: AdamCall, masters: list, grads: list, avgs: list, avg_sqs: list)
     )
 
 
-class ChunkedAdam:
+class ChunkedAdam(torch.optim.Optimizer):
+    """The optimizer wrap returns. A torch Optimizer to the code that checks (learning-rate
+    schedulers built on it work), but none of Optimizer's own machinery is set up: its state lives
+    in the chunks, its param groups are the original optimizer's, and it has no `state` attribute
+    and no step hooks."""
+
     def __init__(self, base: torch.optim.Optimizer, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot],
                  max_grad_norm: Optional[float], dos_gap: int, loss_scale: Optional[DynamicLossScale],
                  accumulation_steps: Optional[int] = None):
