@@ -53,11 +53,12 @@ def test_parameters_of_another_dtype_are_refused_at_wrap(change):
         _wrapped(module, torch.optim.AdamW(module.parameters()), data)
 
 
-def test_amsgrad_is_refused_with_what_to_pass():
+@pytest.mark.parametrize("flag", ["amsgrad", "differentiable"])
+def test_flags_the_engine_would_ignore_are_refused_with_what_to_pass(flag):
     torch.manual_seed(0)
     module, data = Toy(), batches(2, 4)
-    with pytest.raises(TypeError, match=r"AdamW\(amsgrad=True\): pass amsgrad=False \(the default\)"):
-        _wrapped(module, torch.optim.AdamW(module.parameters(), amsgrad=True), data)
+    with pytest.raises(TypeError, match=rf"AdamW\({flag}=True\): pass {flag}=False \(the default\)"):
+        _wrapped(module, torch.optim.AdamW(module.parameters(), **{flag: True}), data)
 
 
 def _one_step(model, opt, batch):

@@ -37,7 +37,7 @@ from elixir_ray.engine.pool import ChunkPool
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 HYPER = ("lr", "betas", "eps", "weight_decay")
-UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")  # differentiable: autograd through the step
 
 
 def unsupported_flag(param_groups: list) -> Optional[str]:
