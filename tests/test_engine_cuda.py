@@ -280,3 +280,24 @@ def test_a_bare_cuda_device_is_resolved_to_the_current_one():
     assert hw.device == f"cuda:{torch.cuda.current_device()}"
     result = run_system("reference", SHAPES["smoke"], torch.device("cuda"), cap_bytes=None, steps=1, warmup=0)
     assert result.tokens_per_s > 0
+
+
+def test_an_evicted_parameter_read_on_cuda_is_an_error_and_the_optimizer_state_is_torchs():
+    """On a GPU a read of a freed compute copy is an illegal memory access that ends the CUDA
+    context: it must be refused before any kernel runs, and training must go on after. The
+    optimizer's state dict (host and device chunks) is plain torch AdamW's."""
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(STEPS, 8)
+    ref_losses, ref_state, ref_optim = reference_run(base, data, STEPS, 1, None, device="cuda", with_optimizer=True)
+    model, opt = _engine(copy.deepcopy(base), 8, cycle=("host", "device"), accumulation_steps=1, prefetch=2)
+    engine_run(model, opt, data[:1], 1, 1, device="cuda")
+    with pytest.raises(RuntimeError, match="while its chunk has no copy on the device"):
+        model.module.l1.weight.norm()
+    losses = engine_run(model, opt, data[1:], STEPS - 1, 1, device="cuda")
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[1:])) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+    optim = opt.state_dict()
+    assert optim["state"].keys() == ref_optim["state"].keys()
+    for i, entry in ref_optim["state"].items():
+        assert _max_diff(optim["state"][i], {k: v.cpu() for k, v in entry.items()}) <= 1e-5
