@@ -186,6 +186,10 @@ def test_reading_an_evicted_parameter_outside_the_model_is_an_error_that_names_i
         ((64, 32), torch.float32, True, 64 * 32, None)
     assert sum(p.numel() for p in module.parameters()) == sum(p.numel() for p in reference.parameters())
     assert model.to("cpu") is model and model.float() is model  # conversions to what it is already
+    # new tensors shaped like it, and its shape on meta, read no data (an EMA started beside a weight)
+    assert torch.zeros_like(weight).shape == (64, 32) and weight.new_zeros(2, 3).shape == (2, 3)
+    assert torch.empty_like(weight, device="meta").shape == weight.to("meta").shape == (64, 32)
+    assert torch.numel(weight) == 64 * 32 and torch.is_floating_point(weight)
     assert model.state_dict()["l1.weight"].shape == (64, 32)
     model(data[1]).backward()  # training goes on: the refusals changed nothing
     opt.step()

@@ -28,5 +28,6 @@ def random_state_kept(device: torch.device):
     Planning measures rates and times the model's kernels, dropout included, on the global
     generators; a loop that seeds, wraps and trains must draw the numbers plain torch would."""
     device = resolve_device(device)
-    here = device.type == "cuda" and torch.cuda.is_available()  # a profile may name another machine's GPU
+    # a profile may name another machine's GPU
+    here = device.type == "cuda" and torch.cuda.is_available() and device.index < torch.cuda.device_count()
     return torch.random.fork_rng(devices=[device.index] if here else [])

@@ -200,6 +200,15 @@ class ChunkedAdam(torch.optim.Optimizer):
             s.has_grad = False
         self._zeros_kept = not set_to_none
 
+    def refuse_mid_update(self, what: str) -> None:
+        """Between a backward that started updates (accumulation_steps) and the step, some chunks are
+        already updated from the old state: loading now would be half overwritten by them and half
+        not, and the step would apply nothing on top of what was loaded."""
+        if any(c.updated for c in self.store.chunks):
+            raise RuntimeError(f"cannot {what} between backward() and optimizer.step() with accumulation_steps="
+                               f"{self.accumulation_steps}: this step's updates already started during the backward. "
+                               f"Load before the step's forward, or after optimizer.step()")
+
     def state_dict(self) -> dict:
         """The AdamW state in torch's format, whole tensors on the host (optimizer_state.py); with
         sharded chunks every rank must call it."""

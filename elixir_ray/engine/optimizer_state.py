@@ -68,7 +68,7 @@ def _check(optimizer: "ChunkedAdam", state_dict: dict) -> None:
         p = params[position[key]]
         for kind in ("exp_avg", "exp_avg_sq"):
             value = entry.get(kind)
-            if value is None or tuple(value.shape) != tuple(p.shape):
+            if value is None or (tuple(value.shape) != tuple(p.shape) and not value.numel() == p.numel() == 1):
                 raise ValueError(f"{kind} of parameter {key!r} in the loaded state has shape "
                                  f"{None if value is None else tuple(value.shape)}, the parameter {tuple(p.shape)}")
         if entry.get("max_exp_avg_sq") is not None:
@@ -79,6 +79,7 @@ def _check(optimizer: "ChunkedAdam", state_dict: dict) -> None:
 def load_optimizer_state_dict(optimizer: "ChunkedAdam", state_dict: dict) -> None:
     """Moments and step counts from a torch-format state dict (this rank keeps its part of each), and
     the groups' hyper-parameters, as torch's load_state_dict restores them."""
+    optimizer.refuse_mid_update("load an optimizer state dict")
     _check(optimizer, state_dict)
     store = optimizer.store
     saved_ids = [q for g in state_dict["param_groups"] for q in g["params"]]

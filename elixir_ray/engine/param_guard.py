@@ -7,8 +7,8 @@ pointer: a segfault on the CPU, an illegal memory access that ends the CUDA cont
 
 So while its chunk is evicted, a parameter's class is ChunkParameter (an nn.Parameter still),
 whose torch-function handler refuses such a read with an error that says how to get the weights;
-what reads no element data (shape, dtype, requires_grad, .grad, hooks, a conversion to the device
-and dtype it has) passes. The class is
+what reads no element data (shape, dtype, requires_grad, .grad, hooks, `zeros_like`, a conversion
+to the device and dtype it has, or to meta) passes. The class is
 switched back to nn.Parameter when the chunk is fetched, so ops in forward and backward, where
 the engine fetches before every use, pay nothing for the guard: a class assignment per parameter
 per fetch and eviction instead of a Python call per op.
@@ -32,7 +32,12 @@ _READS_NO_DATA = frozenset({
     torch.Tensor.get_device, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
     torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.is_pinned, torch.Tensor.is_shared,
     torch.Tensor._is_view, torch.Tensor.__len__, torch.Tensor.__dir__, torch.Tensor.__hash__,
-    torch._has_compatible_shallow_copy_type,
+    torch.Tensor.is_inference, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.dim_order,
+    torch._has_compatible_shallow_copy_type, torch.numel, torch.is_floating_point, torch.is_complex,
+    # new tensors of the parameter's shape, dtype or device (an EMA or a buffer started beside it)
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+    torch.Tensor.new_full, torch.Tensor.new_tensor,
 })
 
 
@@ -45,9 +50,11 @@ _CONVERSIONS = frozenset({
 
 
 def _converts_to_itself(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the conversion reads no data: it returns the tensor itself, or a meta tensor (shapes
+    only), or a type name (`p.type()`)."""
     probe = torch.empty(0, dtype=args[0].dtype, device=args[0].device)
     result = func(probe, *args[1:], **kwargs)
-    return result is probe or not isinstance(result, torch.Tensor)  # `p.type()` names the type
+    return result is probe or not isinstance(result, torch.Tensor) or result.device.type == "meta"
 
 
 def _reads_no_data(func) -> bool:

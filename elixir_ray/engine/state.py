@@ -9,6 +9,7 @@ joins the ranks' shards into whole tensors named as the trainer's checkpoints na
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Optional
 
@@ -246,7 +247,7 @@ def load_engine_state(model: ChunkedModule, optimizer: ChunkedAdam, tensors: Map
                 c.exp_avg, c.exp_avg_sq = torch.zeros_like(c.master), torch.zeros_like(c.master)
             for kind in ("exp_avg", "exp_avg_sq"):
                 shape = shape_of(f"{key}/{kind}")
-                if shape != tuple(s.shape):
+                if shape != tuple(s.shape) and not (math.prod(shape) == s.numel == 1):  # a 0-d one saved as [1]
                     raise RuntimeError(f"size mismatch for {key}/{kind}: the value has shape {list(shape)}, the "
                                        f"parameter {list(s.shape)}")
             lo, hi = own_part(c, s)

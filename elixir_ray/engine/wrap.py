@@ -73,8 +73,8 @@ class ChunkedModule(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Whole fp32 tensors on the host, under the module's own keys (each with `prefix` before it),
         into `destination` when given. `keep_vars` has no effect: there are no live tensors to keep."""
-        if args:
-            raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        if args:  # torch's old positional order, which it still takes
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
         with self.store.on_device():
             out = self._state_dict()
         if destination is None and not prefix:
@@ -105,6 +105,8 @@ class ChunkedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the module's parameters, which are views "
                              "of the engine's chunks: load with assign=False (the default)")
+        if self.optimizer is not None:
+            self.optimizer.refuse_mid_update("load a state dict")
         with self.store.on_device():
             return self._load_state_dict(state_dict, strict)
 
