@@ -57,6 +57,7 @@ class Result:
             f"run finished: {steps} steps in {self.seconds:.1f}s on {self.plan.world_size} worker(s) "
             f"({self.plan.strategy}, {self.plan.dtype})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
+            *_eval_line(self.metrics),
             *(f"restart: {r.reason}; restored step {r.restored_step} from {r.restored_from} on "
               f"{r.world_size} worker(s)" for r in self.restarts),
             *(f"warning: {e}" for e in self.persist_errors),
@@ -91,6 +92,24 @@ def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]
     raise ConfigError(f"train() takes a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
+def _eval_line(metrics) -> list[str]:
+    """The held-out loss at the first and last evaluation, if the run evaluated."""
+    if "eval_loss" not in metrics.column_names:
+        return []
+    rows = [(s, v) for s, v in zip(metrics.column("step").to_pylist(), metrics.column("eval_loss").to_pylist())
+            if v is not None]
+    if not rows:
+        return []
+    (s0, v0), (s1, v1) = rows[0], rows[-1]
+    return [f"eval loss: step {s0} {v0:.4f} -> step {s1} {v1:.4f} ({len(rows)} evaluation(s))"]
+
+
+def _show_step(bar: ProgressBar, m: dict) -> None:
+    bar.update(m["step"], m["loss"], m["tokens_per_s"])
+    if m.get("eval_loss") is not None:
+        bar.note(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
+
+
 def check_data(cfg: RunConfig) -> RunConfig:
     """Resolve and open the dataset on the driver; returns the config with an absolute data path."""
     uri = resolve_data_uri(cfg.data.path, cfg.data.cache_dir)
@@ -102,7 +121,16 @@ def check_data(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than the dataset's vocabulary "
                           f"({dataset.vocab_size}): use at least {dataset.vocab_size}")
     BatchSampler(dataset, shape["seq_len"], cfg.train.seed)  # raises when no full window fits
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
+    if cfg.eval.path is not None:
+        eval_uri = cfg.eval.path if "://" in cfg.eval.path else os.path.abspath(cfg.eval.path)
+        held_out = TokenDataset(eval_uri, what="eval.path")
+        if held_out.vocab_size > shape["vocab_size"]:
+            raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than eval.path's vocabulary "
+                              f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
+        BatchSampler(held_out, shape["seq_len"], cfg.train.seed)
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, path=eval_uri))
+    return cfg
 
 
 def warn_if_data_under_one_batch(cfg: RunConfig, num_workers: int) -> None:
@@ -258,7 +286,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         shape = resolve_worker_shape(cfg, ray.cluster_resources())
         warn_if_data_under_one_batch(cfg, shape.num_workers)
         bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
-        on_metrics = (lambda m: bar.update(m["step"], m["loss"], m["tokens_per_s"])) if bar else (lambda m: None)
+        on_metrics = (lambda m: _show_step(bar, m)) if bar else (lambda m: None)
         start = time.monotonic()
         on_note = bar.note if bar else (lambda text: None)
         controller = TrainController(cfg, shape, on_metrics=on_metrics, on_note=on_note,

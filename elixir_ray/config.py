@@ -104,11 +104,19 @@ class FaultConfig:
 
 
 @dataclass
+class EvalConfig:
+    path: Optional[str] = None  # a held-out token dataset (as data.path); None: no evaluation
+    every_steps: int = 50  # evaluate every N steps and after the last (0: only after the last)
+    batches: int = 4  # micro-batches per worker per evaluation: the same windows every time
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -288,6 +296,10 @@ def validate(cfg: RunConfig) -> None:
         _positive(f"train.{key}", getattr(t, key))
     if t.dtype not in _DTYPES:
         raise ConfigError(f"train.dtype {t.dtype!r} is unknown (allowed: {', '.join(_DTYPES)})")
+    if cfg.eval.every_steps < 0:
+        raise ConfigError(f"eval.every_steps must be >= 0 (0 evaluates only after the last step), "
+                          f"got {cfg.eval.every_steps}")
+    _positive("eval.batches", cfg.eval.batches)
     o = cfg.optim
     _positive("optim.lr", o.lr)
     _positive("optim.eps", o.eps)

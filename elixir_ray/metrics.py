@@ -11,11 +11,12 @@ SCHEMA = pa.schema([
     ("step", pa.int64()), ("loss", pa.float64()), ("lr", pa.float64()), ("grad_norm", pa.float64()),
     ("tokens", pa.int64()), ("step_seconds", pa.float64()), ("tokens_per_s", pa.float64()),
     ("samples_consumed", pa.int64()),
+    ("eval_loss", pa.float64()),  # null at steps without an evaluation (eval.every_steps)
 ])
 
 
 def metrics_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist([{k: r[k] for k in SCHEMA.names} for r in rows], schema=SCHEMA)
+    return pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA.names} for r in rows], schema=SCHEMA)
 
 
 def write_metrics(table: pa.Table, uri: str) -> None:

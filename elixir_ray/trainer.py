@@ -76,6 +76,8 @@ class RankTrainer:
         self.seq_len = resolve_model_shape(cfg.model)["seq_len"]
         dataset = TokenDataset(resolve_data_uri(cfg.data.path, cfg.data.cache_dir))
         self.sampler = BatchSampler(dataset, self.seq_len, cfg.train.seed)
+        self.eval_sampler = (BatchSampler(TokenDataset(cfg.eval.path, what="eval.path"), self.seq_len, cfg.train.seed)
+                             if cfg.eval.path is not None else None)
         self.state = TrainState()
         torch.manual_seed(cfg.train.seed + 1 + rank)  # dropout streams differ per rank, deterministically
 
@@ -119,7 +121,27 @@ class RankTrainer:
             "grad_norm": float(self.optimizer.last_grad_norm or 0.0),
             "tokens": tokens, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
             "samples_consumed": self.state.samples_consumed,
+            "eval_loss": self.evaluate() if self._evaluates_now() else None,  # not in the step's time
         }
+
+    def _evaluates_now(self) -> bool:
+        every, step = self.cfg.eval.every_steps, self.state.step
+        return self.eval_sampler is not None and ((every and step % every == 0) or step == self.cfg.train.steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss over the same held-out windows every time (eval.batches micro-batches per
+        rank, the first of eval.path's shuffled windows), so that evaluations compare; dropout off."""
+        batches = self.cfg.eval.batches
+        self.model.eval()
+        try:
+            total = torch.zeros((), device=self.device)
+            for i in range(batches):
+                batch = self.eval_sampler.rank_batch(0, self.rank, self.plan.micro_batch, batches, i)
+                total += self.model(batch.to(self.device, non_blocking=True)).float()
+        finally:
+            self.model.train()
+        return self._mean_over_ranks(total / batches)
 
     def state_shard(self, copy: bool = True, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """This rank's part of the training state: its chunk slices, step counts and RNG (views of the

@@ -114,10 +114,11 @@ def resolve_data_uri(path: str, cache_dir: str | None) -> str:
 class TokenDataset:
     """A read-only view of a token file; local files are memory-mapped, remote ones read once."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, what: str = "data.path"):
+        """`what`: the config key that named it, for the errors."""
         fs, path = storage.resolve(uri)
         if not storage.exists(fs, path):
-            raise ConfigError(f"data.path {uri!r} does not exist (build one with `elixir-ray prepare-data`)")
+            raise ConfigError(f"{what} {uri!r} does not exist (build one with `elixir-ray prepare-data`)")
         try:
             if "://" not in uri:
                 source = pa.memory_map(path, "r")
@@ -125,19 +126,19 @@ class TokenDataset:
                 source = fs.open_input_file(path)
             table = pa.ipc.open_file(source).read_all()
         except (pa.ArrowInvalid, OSError) as exc:
-            raise ConfigError(f"data.path {uri!r} is not a token dataset: {exc}") from None
+            raise ConfigError(f"{what} {uri!r} is not a token dataset: {exc}") from None
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
         if meta.get("format") != FORMAT or "tokens" not in table.column_names:
-            raise ConfigError(f"data.path {uri!r} is not an elixir_ray token dataset (no {FORMAT} metadata)")
+            raise ConfigError(f"{what} {uri!r} is not an elixir_ray token dataset (no {FORMAT} metadata)")
         column = table.column("tokens")
         if column.num_chunks == 1:
             self.tokens = column.chunk(0).to_numpy(zero_copy_only=True)
         else:
             self.tokens = column.to_numpy()
-        self.uri = uri
+        self.uri, self.what = uri, what
         self.vocab_size = int(meta.get("vocab_size", 257))
         if len(self.tokens) == 0:
-            raise ConfigError(f"data.path {uri!r} holds no tokens")
+            raise ConfigError(f"{what} {uri!r} holds no tokens")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -158,7 +159,7 @@ class BatchSampler:
         self.n_windows = self.dataset.num_windows(self.seq_len)
         if self.n_windows == 0:
             raise ConfigError(
-                f"data.path {self.dataset.uri!r} holds {len(self.dataset)} tokens, fewer than one "
+                f"{self.dataset.what} {self.dataset.uri!r} holds {len(self.dataset)} tokens, fewer than one "
                 f"window of model.seq_len+1 = {self.seq_len + 1}"
             )
         self._perm_epoch = -1
