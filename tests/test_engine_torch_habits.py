@@ -150,22 +150,20 @@ def test_seeding_then_wrapping_with_a_searched_plan_draws_the_random_numbers_pla
     torch.manual_seed(1)
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=(x,),
                       device_memory="64MiB", device="cpu")
-    losses = []
-    for _ in range(3):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+
+    def three_steps(m, o) -> list[float]:
+        losses = []
+        for _ in range(3):
+            loss = m(x)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    losses = three_steps(model, opt)
     torch.manual_seed(1)
-    ref_losses = []
-    for _ in range(3):
-        loss = reference(x)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    assert losses == pytest.approx(three_steps(reference, ref_opt), abs=1e-6)
 
 
 def test_a_scheduler_built_on_the_optimizer_wrap_returns_works_like_one_on_plain_adamw():
