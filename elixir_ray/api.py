@@ -101,7 +101,9 @@ def _eval_line(metrics) -> list[str]:
     if not rows:
         return []
     (s0, v0), (s1, v1) = rows[0], rows[-1]
-    return [f"eval loss: step {s0} {v0:.4f} -> step {s1} {v1:.4f} ({len(rows)} evaluation(s))"]
+    if len(rows) == 1:
+        return [f"eval loss: step {s0} {v0:.4f}"]
+    return [f"eval loss: step {s0} {v0:.4f} -> step {s1} {v1:.4f} ({len(rows)} evaluations)"]
 
 
 def _show_step(bar: ProgressBar, m: dict) -> None:
@@ -128,7 +130,14 @@ def check_data(cfg: RunConfig) -> RunConfig:
         if held_out.vocab_size > shape["vocab_size"]:
             raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
-        BatchSampler(held_out, shape["seq_len"], cfg.train.seed)
+        n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
+        if n < cfg.eval.windows:
+            warnings.warn(f"eval.path {eval_uri!r} holds {n} window(s) of {shape['seq_len'] + 1} tokens, fewer than "
+                          f"eval.windows={cfg.eval.windows}: each evaluation repeats some (set eval.windows={n}, or "
+                          f"give more held-out text)", stacklevel=3)
+        if eval_uri == uri:
+            warnings.warn(f"eval.path is data.path ({uri!r}): the 'held-out' loss is measured on training data",
+                          stacklevel=3)
         cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, path=eval_uri))
     return cfg
 

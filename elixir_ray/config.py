@@ -107,7 +107,9 @@ class FaultConfig:
 class EvalConfig:
     path: Optional[str] = None  # a held-out token dataset (as data.path); None: no evaluation
     every_steps: int = 50  # evaluate every N steps and after the last (0: only after the last)
-    batches: int = 4  # micro-batches per worker per evaluation: the same windows every time
+    # held-out windows per evaluation, shared out among the workers: the same windows every time,
+    # whatever the worker count, micro-batch or seed, so that evaluations (and runs) compare
+    windows: int = 64
 
 
 @dataclass
@@ -299,7 +301,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps must be >= 0 (0 evaluates only after the last step), "
                           f"got {cfg.eval.every_steps}")
-    _positive("eval.batches", cfg.eval.batches)
+    _positive("eval.windows", cfg.eval.windows)
     o = cfg.optim
     _positive("optim.lr", o.lr)
     _positive("optim.eps", o.eps)

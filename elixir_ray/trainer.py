@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from elixir_ray.model.factory import build_model, init_fn_for, sample_batch
 from elixir_ray.run_plan import RunPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_SEED = 0  # the order eval.windows are taken in: fixed, so a held-out set is the same for every run
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -55,8 +56,9 @@ class TrainState:
 
 class RankTrainer:
     def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, device: torch.device,
-                 group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, on_progress: Callable[[], None] = lambda: None):
         self.cfg, self.plan, self.rank, self.device = cfg, plan, rank, device
+        self.on_progress = on_progress  # called within a step's long parts (evaluation)
         self.world_size = plan.world_size
         self.compute_dtype = DTYPES[plan.dtype]
         module = build_model(cfg, device="meta")
@@ -76,7 +78,7 @@ class RankTrainer:
         self.seq_len = resolve_model_shape(cfg.model)["seq_len"]
         dataset = TokenDataset(resolve_data_uri(cfg.data.path, cfg.data.cache_dir))
         self.sampler = BatchSampler(dataset, self.seq_len, cfg.train.seed)
-        self.eval_sampler = (BatchSampler(TokenDataset(cfg.eval.path, what="eval.path"), self.seq_len, cfg.train.seed)
+        self.eval_sampler = (BatchSampler(TokenDataset(cfg.eval.path, what="eval.path"), self.seq_len, EVAL_SEED)
                              if cfg.eval.path is not None else None)
         self.state = TrainState()
         torch.manual_seed(cfg.train.seed + 1 + rank)  # dropout streams differ per rank, deterministically
@@ -130,18 +132,31 @@ class RankTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over the same held-out windows every time (eval.batches micro-batches per
-        rank, the first of eval.path's shuffled windows), so that evaluations compare; dropout off."""
-        batches = self.cfg.eval.batches
+        """The mean token loss over the first eval.windows of eval.path's windows (in a fixed shuffled
+        order), dropout off: the same windows whatever the worker count or micro-batch, so that
+        evaluations compare across restarts and runs.
+
+        Each rank takes an equal share (rounded up, so every rank runs as many forwards: a sharded
+        chunk's gather is a collective); positions past the last window are padding, their targets
+        ignored. `on_progress` hears of each forward (a long evaluation is not a stalled rank)."""
+        windows, world, mb = self.cfg.eval.windows, self.world_size, self.plan.micro_batch
+        share = -(-windows // world)
         self.model.eval()
         try:
-            total = torch.zeros((), device=self.device)
-            for i in range(batches):
-                batch = self.eval_sampler.rank_batch(0, self.rank, self.plan.micro_batch, batches, i)
-                total += self.model(batch.to(self.device, non_blocking=True)).float()
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for start in range(self.rank * share, (self.rank + 1) * share, mb):
+                count = min(mb, (self.rank + 1) * share - start)
+                rows = self.eval_sampler.samples(start, count)
+                inputs, targets = rows[:, :-1], rows[:, 1:].clone()
+                real = max(0, min(count, windows - start))  # rows before the padding
+                targets[real:] = -100  # cross_entropy's ignore_index
+                loss = self.model(inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+                if real:
+                    total += loss.double() * (real * self.seq_len)
+                self.on_progress()
         finally:
             self.model.train()
-        return self._mean_over_ranks(total / batches)
+        return self._mean_over_ranks(total) * world / (windows * self.seq_len)
 
     def state_shard(self, copy: bool = True, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """This rank's part of the training state: its chunk slices, step counts and RNG (views of the

@@ -1,4 +1,4 @@
-"""Shared fixtures: one small real Ray cluster per test session, and a tiny dataset."""
+"""Shared fixtures: one small real Ray cluster per test session, a tiny dataset and a held-out one."""
 
 import os
 
@@ -25,6 +25,18 @@ def tiny_dataset(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("data") / "tiny.arrow"
     prepare_dataset(builtin_corpus_files(max_bytes=400_000), str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def held_out(tmp_path_factory):
+    """A held-out token dataset: this project's docs, which the standard-library training data lacks."""
+    import glob
+
+    from elixir_ray.data.dataset import prepare_dataset
+
+    out = tmp_path_factory.mktemp("held-out") / "held-out.arrow"
+    prepare_dataset(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "*.md"))), str(out))
     return str(out)
 
 

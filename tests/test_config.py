@@ -36,7 +36,7 @@ def test_explicit_fields_override_named_size():
     ({"model": {"activation_checkpointing": "some"}}, "model.activation_checkpointing must be true, false, selective"),
     ({"model": {"activation_checkpointing": None}}, "model.activation_checkpointing: expected true or false or a string"),
     ({"checkpoint": {"via": "disk"}}, "checkpoint.via must be auto, object_store or storage, got 'disk'"),
-    ({"eval": {"batches": 0}}, "eval.batches must be a positive number"),
+    ({"eval": {"windows": 0}}, "eval.windows must be a positive number"),
     ({"eval": {"every_steps": -1}}, "eval.every_steps must be >= 0"),
 ])
 def test_bad_values_name_the_field(data, needle):

@@ -43,26 +43,27 @@ def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def reference_eval_loss(cfg_dict: dict, state: dict, world_size: int, micro_batch: int) -> float:
-    """Plain torch: the mean loss of the final weights over the windows the workers evaluate."""
+def reference_eval_loss(cfg_dict: dict, state: dict) -> float:
+    """Plain torch: the mean loss of the final weights over the held-out windows the workers evaluate
+    (the first eval.windows in the fixed evaluation order), all in one batch."""
+    from elixir_ray.trainer import EVAL_SEED
+
     cfg = check_data(as_config(cfg_dict))
     model = init_reference_model(cfg)
     model.load_state_dict(state)
     model.eval()
-    sampler = BatchSampler(TokenDataset(cfg.eval.path), resolve_model_shape(cfg.model)["seq_len"], cfg.train.seed)
+    sampler = BatchSampler(TokenDataset(cfg.eval.path), resolve_model_shape(cfg.model)["seq_len"], EVAL_SEED)
     with torch.no_grad():
-        losses = [model(sampler.rank_batch(0, rank, micro_batch, cfg.eval.batches, i)).item()
-                  for rank in range(world_size) for i in range(cfg.eval.batches)]
-    return float(np.mean(losses))
+        return model(sampler.samples(0, cfg.eval.windows)).item()
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, tmp_path, grad_accum):
+def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, held_out, tmp_path, grad_accum):
     # the workers time the model's kernels for the driver's plan, or (turned off) the plan uses FLOPs
     time_kernels = grad_accum == 1
     cfg = tiny_config(tiny_dataset, tmp_path, train={"grad_accum": grad_accum, "steps": 4},
                       engine={"time_kernels": time_kernels},
-                      eval={"path": tiny_dataset, "every_steps": 3, "batches": 2})
+                      eval={"path": held_out, "every_steps": 3, "windows": 11})  # 2 workers x 4: padded
     result = train(cfg, progress=False)
     timed_note = any("as the workers timed them" in n for n in result.plan.notes)
     assert timed_note == time_kernels, result.plan.notes
@@ -72,7 +73,7 @@ def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, tmp_path,
     # held-out loss after step 3 and after the last step, on the same windows, as plain torch computes it
     evals = result.metrics.column("eval_loss").to_pylist()
     assert [v is not None for v in evals] == [False, False, True, True]
-    assert evals[-1] == pytest.approx(reference_eval_loss(cfg, ref_state, 2, result.plan.micro_batch), abs=1e-5)
+    assert evals[-1] == pytest.approx(reference_eval_loss(cfg, ref_state), abs=1e-5)
     assert "eval loss: step 3" in result.summary()
     _, tensors = load_checkpoint(result.checkpoint_uri)
     for name, ref in ref_state.items():

@@ -111,6 +111,7 @@ class TrainController:
         self.on_note = on_note  # what the user should see besides steps (a checkpoint that takes a while)
         self.resume = resume
         self.poll_interval_s = poll_interval_s
+        self._beats = 0  # rank 0's count of work within steps, as of the last poll
         self.policy = RestartPolicy(cfg.fault.max_restarts)
         self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
         self.checkpoint_uri = cfg.checkpoint_uri
@@ -432,19 +433,23 @@ class TrainController:
                 if ref not in pending:
                     self._get([ref], "training")
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
-                raise WorkerGroupFailure("training", f"no step completed for {self.cfg.fault.detect_timeout_s:g}s")
+                raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
+                                                     f"{self.cfg.fault.detect_timeout_s:g}s")
         self.step = self._get(runs, "training")[0]
         self._drain_metrics()
 
     def _drain_metrics(self) -> bool:
         # bounded: a stalled rank 0 must count as a failure, not hang the driver
-        new = self._get([self.workers[0].poll.remote()], "polling metrics", timeout=self.cfg.fault.detect_timeout_s)[0]
+        new, beats = self._get([self.workers[0].poll.remote()], "polling metrics",
+                               timeout=self.cfg.fault.detect_timeout_s)[0]
+        progressed = bool(new) or beats != self._beats  # an evaluation's forwards count as progress
+        self._beats = beats
         for m in new:
             self.outcome.metrics.append(m)
             self.on_metrics(m)
             if self.outcome.restarts and self.outcome.restarts[-1].resumed_at is None:
                 self.outcome.restarts[-1].resumed_at = time.time()
-        return bool(new)
+        return progressed
 
     def _snapshot(self) -> None:
         """Every worker hands its shard to the object store; training waits only for that copy-out.

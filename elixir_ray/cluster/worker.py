@@ -48,6 +48,7 @@ class RankWorker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._bytes_written = 0  # by `write_shard`, read by the driver's `write_progress` polls
+        self._beats = 0  # forwards of an evaluation under way: progress the driver sees before the step ends
         torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
 
     def node_info(self) -> dict:
@@ -136,7 +137,10 @@ class RankWorker:
 
     def setup(self, plan: RunPlan) -> None:
         self._use_device()
-        self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None)
+        self.trainer = RankTrainer(self.cfg, plan, self.rank, self.device, group=None, on_progress=self._beat)
+
+    def _beat(self) -> None:
+        self._beats += 1
 
     def run(self, num_steps: int) -> int:
         """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
@@ -155,10 +159,12 @@ class RankWorker:
                                f"{traceback.format_exc()}") from exc
         return self.trainer.state.step
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> tuple[list[dict], int]:
+        """The metrics of the steps finished since the last poll, and how many pieces of work within
+        a step (evaluation forwards) this rank has done so far."""
         with self._lock:
             out, self._metrics = self._metrics, []
-        return out
+        return out, self._beats
 
     def stop(self) -> None:
         self._stop.set()
