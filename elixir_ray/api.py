@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
-from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM
+from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_hint
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
@@ -186,7 +186,8 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         except CheckpointError as exc:
             skipped.append(exc)
     if newest is None:
-        raise ConfigError(f"--resume {uri!r}: {skipped[0]}") from None
+        hint = checkpoint_path_hint(uri)
+        raise ConfigError(f"--resume {uri!r}{hint}" if hint else f"--resume {uri!r}: {skipped[0]}") from None
     for exc in skipped:
         warnings.warn(f"--resume {uri!r}: skipping checkpoint: {exc}; checking the previous one", stacklevel=2)
     try:

@@ -39,11 +39,12 @@ class ProgressBar:
                 f"{_fmt_rate(tokens_per_s)} tok/s  ETA {_fmt_seconds(eta)}")
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        first = self.start is None  # the first step shown (a resumed run's starts past 1)
         text = self.line(step, loss, tokens_per_s)
         if self.tty:
             self.stream.write("\r" + text.ljust(self._last_len))
             self._last_len = len(text)
-        elif step % self.every == 0 or step == self.total or step == 1:
+        elif step % self.every == 0 or step == self.total or first:
             self.stream.write(text + "\n")
         self.stream.flush()
 

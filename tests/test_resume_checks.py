@@ -64,6 +64,27 @@ def test_a_directory_without_any_readable_manifest_is_refused(tmp_path):
             check_resume(cfg, str(tmp_path / "nothing-here"))
 
 
+def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpoints_are(tmp_path):
+    """A manifest file crashed the listing (NotADirectoryError); a run directory said only that it had
+    no readable manifest. Export says the same, and refuses an output that is a directory."""
+    from elixir_ray.checkpoint.export import export_safetensors
+    from elixir_ray.checkpoint.store import CheckpointError
+
+    cfg = _cfg(tmp_path)
+    checkpoint = _save_model(str(tmp_path / "run" / "checkpoints"), 2, cfg)
+    manifest = os.path.join(checkpoint, "manifest.json")
+    cases = [(str(tmp_path / "run"), r"\(a run directory\? its checkpoints are in .*run/checkpoints\)"),
+             (manifest, rf"\(a checkpoint's manifest: give its directory, {checkpoint}\)")]
+    for given, hint in cases:
+        with pytest.raises(ConfigError, match=rf"--resume .* {hint}"):
+            check_resume(cfg, given)
+        with pytest.raises(CheckpointError, match=rf"no valid checkpoint at .* {hint}"):
+            export_safetensors(given, str(tmp_path / "w.safetensors"))
+    with pytest.raises(CheckpointError, match=r"the output .* is a directory: name the file, for example"):
+        export_safetensors(checkpoint, str(tmp_path))
+    assert export_safetensors(checkpoint, str(tmp_path / "w.safetensors"))[0] == checkpoint
+
+
 def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_take(tmp_path):
     """The restore takes the newest checkpoint that verifies: refused before any cluster starts when that
     one leaves nothing to train (naming its step). A corrupt file moves the restore back, so with the

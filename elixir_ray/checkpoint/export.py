@@ -10,17 +10,19 @@ import os
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.store import CheckpointError, load_newest_valid
+from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
 
 
 def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
     """Returns (the checkpoint exported, the number of tensors written)."""
+    if "://" not in out_uri and os.path.isdir(out_uri):
+        raise CheckpointError(f"the output {out_uri!r} is a directory: name the file, for example "
+                              f"{os.path.join(out_uri, 'weights.safetensors')}")
     errors: list = []
     found = load_newest_valid(ckpt_uri, errors)
     if found is None:
-        why = f": {errors[-1]}" if errors else ""
-        if not errors and "://" not in ckpt_uri and os.path.isdir(os.path.join(ckpt_uri, "checkpoints")):
-            why = f" (a run directory? its checkpoints are in {ckpt_uri.rstrip('/')}/checkpoints)"
+        hint = checkpoint_path_hint(ckpt_uri)
+        why = hint or (f": {errors[-1]}" if errors else "")
         raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{why}")
     path, manifest, tensors = found
     names = [k[len("model/"):] for k in tensors if k.startswith("model/")]

@@ -228,9 +228,23 @@ def list_checkpoints(uri: str) -> list[str]:
     return [_as_uri(uri, root, path) for path in _list(fs, root)]
 
 
+def checkpoint_path_hint(uri: str) -> str:
+    """For a local path that holds no checkpoint: what it is instead (a run directory, a file), and
+    where its checkpoints are; empty when there is nothing to add."""
+    if "://" in uri:
+        return ""
+    if os.path.isfile(uri):
+        parent = os.path.dirname(os.path.abspath(uri))
+        return (f" (a checkpoint's manifest: give its directory, {parent})" if os.path.basename(uri) == "manifest.json"
+                else " (a file: give a checkpoint directory, or a directory of them)")
+    if os.path.isdir(os.path.join(uri, "checkpoints")):
+        return f" (a run directory? its checkpoints are in {uri.rstrip('/')}/checkpoints)"
+    return ""
+
+
 def _list(fs: pafs.FileSystem, root: str) -> list[str]:
     """Committed checkpoints under root, as paths on fs."""
-    if not storage.exists(fs, root):
+    if fs.get_file_info(root).type != pafs.FileType.Directory:  # missing, or a file (one checkpoint's manifest?)
         return []
     found = []
     for info in fs.get_file_info(pafs.FileSelector(root)):
