@@ -52,6 +52,7 @@ SNAPSHOT_BYTES_PER_S = 256 * 2**20
 # checkpoint.via=auto snapshots through the object store while the state is at most this share of
 # the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
 OBJECT_STORE_SHARE = 0.5
+DEATH_GRACE_S = 5.0  # how long a rank's failure waits for news of a peer's death, to name the dead one
 WRITE_POLL_S = 1.0  # how often the driver asks the ranks how far their checkpoint write has got
 
 
@@ -73,7 +74,7 @@ class RestartRecord:
 
     reason: str
     failed_at: float  # when the driver noticed
-    failed_step: int  # the last step the driver had seen completed
+    failed_step: int  # the driver's step when it failed: where the segment under way started
     world_size: int = 0
     restored_from: str = ""  # "object_store", "durable", or "scratch"
     restored_step: int = 0
@@ -429,14 +430,33 @@ class TrainController:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
             if self._drain_metrics():
                 last_progress = time.monotonic()
-            for ref in runs:  # surface a failed rank at once rather than after the others hang
+            for rank, ref in enumerate(runs):  # surface a failed rank at once rather than after the others hang
                 if ref not in pending:
-                    self._get([ref], "training")
+                    try:
+                        self._get([ref], "training")
+                    except WorkerGroupFailure as failure:
+                        raise self._dead_peer(runs, rank) or failure
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
                 raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
                                                      f"{self.cfg.fault.detect_timeout_s:g}s")
         self.step = self._get(runs, "training")[0]
         self._drain_metrics()
+
+    def _dead_peer(self, runs: list, failed: int) -> Optional[WorkerGroupFailure]:
+        """When a worker is killed, its peers' collectives fail at once ("connection reset by peer")
+        and Ray reports the death a moment later: wait that moment, so the failure names the worker
+        that died rather than a survivor."""
+        others = [ref for rank, ref in enumerate(runs) if rank != failed]
+        ready, _ = ray.wait(others, num_returns=len(others), timeout=DEATH_GRACE_S)
+        for rank, ref in enumerate(runs):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as exc:
+                    return WorkerGroupFailure("training", f"worker {rank} died: {str(exc).splitlines()[0]}")
+                except Exception:  # another survivor's error
+                    continue
+        return None
 
     def _drain_metrics(self) -> bool:
         # bounded: a stalled rank 0 must count as a failure, not hang the driver
