@@ -83,9 +83,10 @@ def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resum
     half = tiny_config(tiny_dataset, tmp_path / "half", **base)
     half["cluster"] = {"num_workers": 1}
     with caplog.at_level("WARNING", logger="elixir_ray"):
-        train({**half, "train": {**half["train"], "steps": 4}}, progress=False, resume=first)
+        train({**half, "train": {**half["train"], "steps": 4, "seed": 5}}, progress=False, resume=first)
     assert "the checkpoint's run had a global batch of 8 (2 worker(s) x micro-batch 4 x grad_accum 1), this run " \
            "has 4" in caplog.text
+    assert "the checkpoint's run had train.seed=0, this run has 5" in caplog.text
     assert resumed.metrics.column("step").to_pylist() == [4, 5, 6]
     np.testing.assert_allclose(resumed.metrics.column("loss").to_pylist(),
                                full.metrics.column("loss").to_pylist()[3:], rtol=0, atol=1e-5)

@@ -350,6 +350,10 @@ class TrainController:
         step, another gradient noise), which a change of worker count does silently."""
         self.on_note(f"resuming from {path} (step {manifest['step']})")
         train, world = (manifest.get("config") or {}).get("train") or {}, manifest.get("world_size")
+        if "seed" in train and train["seed"] != self.cfg.train.seed:
+            log.warning(f"--resume: the checkpoint's run had train.seed={train['seed']}, this run has "
+                        f"{self.cfg.train.seed}: the data order from here on is another run's; to continue it "
+                        f"exactly, set train.seed={train['seed']}")
         if not (isinstance(world, int) and "micro_batch" in train):
             return
         theirs = train["micro_batch"] * train.get("grad_accum", 1) * world
