@@ -82,6 +82,9 @@ def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpo
             export_safetensors(given, str(tmp_path / "w.safetensors"))
     with pytest.raises(CheckpointError, match=r"the output .* is a directory: name the file, for example"):
         export_safetensors(checkpoint, str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"names a torch pickle, but export writes safetensors: name it .*w.safetensors"):
+        export_safetensors(checkpoint, str(tmp_path / "w.pt"))
+    assert not os.path.exists(tmp_path / "w.pt")
     assert export_safetensors(checkpoint, str(tmp_path / "w.safetensors"))[0] == checkpoint
 
 

@@ -13,11 +13,18 @@ from elixir_ray.checkpoint import safetensors_io
 from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
 
 
+PICKLE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+
+
 def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
     """Returns (the checkpoint exported, the number of tensors written)."""
     if "://" not in out_uri and os.path.isdir(out_uri):
         raise CheckpointError(f"the output {out_uri!r} is a directory: name the file, for example "
                               f"{os.path.join(out_uri, 'weights.safetensors')}")
+    stem, ext = os.path.splitext(out_uri)
+    if ext.lower() in PICKLE_EXTENSIONS:  # torch.load could not read what is written there
+        raise CheckpointError(f"the output {out_uri!r} names a torch pickle, but export writes safetensors: name it "
+                              f"{stem}.safetensors (load it with safetensors.torch.load_file)")
     errors: list = []
     found = load_newest_valid(ckpt_uri, errors)
     if found is None:
