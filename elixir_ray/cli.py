@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "module.load_state_dict accepts. Only the weights: no optimizer state.")
     p.add_argument("checkpoint", metavar="CKPT_URI", help="a checkpoint directory, or a directory of them")
     p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
-    p.add_argument("out", metavar="OUT", help="output file path or URI, e.g. weights.safetensors (not .pt: the file is safetensors)")
+    p.add_argument("out", metavar="OUT",
+                   help="output file path or URI, e.g. weights.safetensors (not .pt: the file is safetensors)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plan", help="show the plan the planner picks for a config, and why",
