@@ -20,7 +20,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_hint
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
-from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
+from elixir_ray.data.dataset import BatchSampler, TokenDataset, count_tokens, resolve_data_uri, windows_in
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, write_metrics
 from elixir_ray.run_plan import RunPlan
@@ -146,7 +146,7 @@ def warn_if_data_under_one_batch(cfg: RunConfig, num_workers: int) -> None:
     """A dataset with fewer windows than one global batch trains, but every step repeats windows
     inside its own batch: say so, with the sizes, rather than let it pass for a real run."""
     seq_len = resolve_model_shape(cfg.model)["seq_len"]
-    windows = TokenDataset(cfg.data.path).num_windows(seq_len)
+    windows = windows_in(count_tokens(cfg.data.path), seq_len)
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * num_workers
     if windows < global_batch:
         warnings.warn(

@@ -111,6 +111,22 @@ def resolve_data_uri(path: str, cache_dir: str | None) -> str:
     return builtin_dataset_uri(cache_dir) if path == "builtin" else path
 
 
+def windows_in(num_tokens: int, seq_len: int) -> int:
+    """Training windows (seq_len + 1 tokens, each overlapping the next by one) in so many tokens."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def count_tokens(uri: str) -> int:
+    """The tokens in a dataset `prepare_dataset` wrote, from its metadata: the file's footer is read,
+    not its tokens (a dataset in an object store is not fetched again for a count)."""
+    fs, path = storage.resolve(uri)
+    with fs.open_input_file(path) as source:
+        meta = pa.ipc.open_file(source).schema.metadata or {}
+    if b"num_tokens" in meta:
+        return int(meta[b"num_tokens"])
+    return len(TokenDataset(uri))
+
+
 class TokenDataset:
     """A read-only view of a token file; local files are memory-mapped, remote ones read once."""
 
@@ -144,7 +160,7 @@ class TokenDataset:
         return len(self.tokens)
 
     def num_windows(self, seq_len: int) -> int:
-        return max(0, (len(self.tokens) - 1) // seq_len)
+        return windows_in(len(self.tokens), seq_len)
 
 
 @dataclass

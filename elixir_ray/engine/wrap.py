@@ -46,7 +46,6 @@ class ChunkedModule(nn.Module):
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
         self.loss_scale = loss_scale
         self.slot_by_param = {id(s.param): s for s in slots}
-        self.optimizer = None  # the ChunkedAdam wrap returns beside it
 
     def forward(self, *args, **kwargs):
         with self.store.on_device():
@@ -63,8 +62,8 @@ class ChunkedModule(nn.Module):
         """The engine's gradients live in chunks, not in `.grad`: this clears them, as the optimizer's
         zero_grad does (nn.Module's own would find no `.grad` to clear and the next backward would add
         to this one's)."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none)
+        if self.hooks.optimizer is not None:
+            self.hooks.optimizer.zero_grad(set_to_none)
 
     def engine_stats(self) -> dict:
         return dict(self.store.stats, n_blocks=self.pool.n_blocks, chunks=len(self.store.chunks))
@@ -105,8 +104,8 @@ class ChunkedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the module's parameters, which are views "
                              "of the engine's chunks: load with assign=False (the default)")
-        if self.optimizer is not None:
-            self.optimizer.refuse_mid_update("load a state dict")
+        if self.hooks.optimizer is not None:
+            self.hooks.optimizer.refuse_mid_update("load a state dict")
         with self.store.on_device():
             return self._load_state_dict(state_dict, strict)
 
@@ -308,7 +307,6 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
-    model.optimizer = chunked_optimizer
     optimizer.register_step_pre_hook(_refuse_original_step)
     # the optimizer passed in holds no gradients or state of its own now: these act on the engine's,
     # so a loop that zeroes, saves or loads through it does what it did before wrap
