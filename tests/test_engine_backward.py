@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.engine.hooks import _parameters_reached
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import VOCAB, Toy, batches, param_groups, store_url, train_side_by_side  # noqa: E402
@@ -97,6 +98,16 @@ def test_autograd_grad_through_the_output_is_not_a_backward():
     for _ in range(3):
         assert torch.allclose(step(model, opt), step(ref, ref_opt), atol=1e-6)
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+
+
+def test_the_graph_walk_finds_every_parameter_of_a_deep_model():
+    """The walk that tells a rank which gradients its backward gives: with torch 2.11 it once found
+    only the first layer's, since a freed node's id was taken for a node already seen."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(16)])
+    slot_by_param = {id(p): object() for p in model.parameters()}
+    out = model(torch.randn(2, 8)).sum()
+    found = _parameters_reached([out.grad_fn], slot_by_param)
+    assert found == {id(slot) for slot in slot_by_param.values()}
 
 
 class Probed(Toy):

@@ -54,13 +54,17 @@ def _tensors_in(out) -> list[torch.Tensor]:
 def _parameters_reached(nodes: list, slot_by_param: dict) -> set[int]:
     """Ids of the slots whose parameters the autograd graph from `nodes` accumulates gradients into
     (reentrant checkpointed regions hide theirs: the forward records those); one walk for all of
-    them, since a forward's outputs share most of their graph."""
-    found, seen, stack = set(), set(), list(nodes)
+    them, since a forward's outputs share most of their graph.
+
+    `seen` holds the nodes themselves, not only their ids: torch makes a node's Python object when
+    it is asked for and frees it when nothing holds it, so an id seen before can name another node
+    later (with torch 2.11 every parameter after the first layer's was missed so)."""
+    found, seen, stack = set(), {}, list(nodes)
     while stack:
         n = stack.pop()
         if n is None or id(n) in seen:
             continue
-        seen.add(id(n))
+        seen[id(n)] = n
         variable = getattr(n, "variable", None)  # an AccumulateGrad node
         if variable is not None:
             slot = slot_by_param.get(id(variable))
