@@ -27,6 +27,30 @@ ATTENTION_FORWARD = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled
 ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD}
 
 
+def _flops(func, name: str, args: tuple, kwargs: dict, out) -> int:
+    """torch's FLOP formula for the call (0 where it has none)."""
+    if func.overloadpacket not in flop_registry:
+        return 0
+    formula = flop_registry[func.overloadpacket]
+    if name in ATTENTION_FORWARD | ATTENTION_BACKWARD:
+        args = _heads_matched(args)
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def _heads_matched(args: tuple) -> tuple:
+    """Grouped-query attention's key and value (fewer heads than the query) widened to the query's
+    heads, as views: the attention does that much work, and torch before 2.12 counts only equal heads
+    (its formula refuses the call otherwise)."""
+    heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+
+    def widened(a):
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] < heads and heads % a.shape[1] == 0:
+            b, h, s, d = a.shape
+            return a.unsqueeze(2).expand(b, h, heads // h, s, d).reshape(b, heads, s, d)
+        return a
+    return tuple(widened(a) for a in args)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple
@@ -86,9 +110,7 @@ class OpRecorder(TorchDispatchMode):
         if call is None:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0]
                        if isinstance(t, torch.Tensor) and t.layout == torch.strided]
-            flops = 0
-            if func.overloadpacket in flop_registry:
-                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            flops = _flops(func, name, args, kwargs, out)
             call = self.calls[key] = OpCall(op=name, args=spec_args, kwargs=spec_kwargs, flops=flops,
                                             bytes=sum(t.numel() * t.element_size() for t in tensors))
         call.count += 1
