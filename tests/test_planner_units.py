@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -41,6 +42,24 @@ def test_profile_hardware_measures_positive_rates():
     slow = HardwareProfile.slowest([hw, HardwareProfile(**{**json.loads(hw.to_json()), "h2d_gbps": 0.5})])
     assert slow.h2d_gbps == min(0.5, hw.h2d_gbps)
     assert hw.cpu_adam_low_grad_params_per_s > 0  # the engine's update from bf16 gradients, timed apart
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("h2d_gbps", "fast", "h2d_gbps must be a positive number, got 'fast'"),
+    ("matmul_tflops", 0, "matmul_tflops must be a positive number, got 0"),
+    ("cpu_adam_params_per_s", -1, "cpu_adam_params_per_s must be a positive number"),
+    ("d2h_gbps", True, "d2h_gbps must be a positive number"),
+    ("collective_gbps", float("nan"), "collective_gbps must be a non-negative number"),
+    ("device", "", "device must name a torch device"),
+])
+def test_a_hardware_profile_with_a_rate_that_is_not_a_positive_number_is_refused(field, value, message):
+    """Profiles are JSON files people edit: a zero rate would divide by zero in the cost model, a
+    negative one would predict a negative time."""
+    rates = dict(device="cuda:0", h2d_gbps=50.0, d2h_gbps=50.0, cpu_adam_params_per_s=4e9,
+                 device_adam_params_per_s=8e10, matmul_tflops=500.0, cpu_threads=16)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        HardwareProfile(**{**rates, field: value})
+    HardwareProfile(**{**rates, "collective_gbps": 0.0})  # 0: not measured, allowed
 
 
 def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():

@@ -7,6 +7,7 @@ that the plan for that machine must use. Each measurement takes well under a sec
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
@@ -34,6 +35,19 @@ class HardwareProfile:
     # pass and twice the parallel regions, so it need not run at the fp32 rate; 0: not measured
     # (a profile from an older version), taken as cpu_adam_params_per_s
     cpu_adam_low_grad_params_per_s: float = 0.0
+
+    def __post_init__(self):
+        """A profile is often hand-edited JSON: a rate that is not a positive number would plan with a
+        zero division or a negative time, so it is refused here, by name."""
+        for name in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
+                     "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s"):
+            value = getattr(self, name)
+            optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s")  # 0: not measured
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and not optional):
+                raise ValueError(f"{name} must be a {'non-negative' if optional else 'positive'} number, got {value!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must name a torch device such as 'cuda' or 'cpu', got {self.device!r}")
 
     def cpu_adam_rate(self, low_grads: bool) -> float:
         """Parameters per second the CPU updates from fp32 gradients, or from bf16 ones."""
