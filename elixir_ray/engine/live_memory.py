@@ -23,13 +23,16 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of live non-parameter storages made while on (`live`), and their maximum (`peak`)."""
+    """Bytes of live non-parameter storages made while on (`live`), and their maximum (`peak`);
+    `take_high()` gives the maximum since its last call, so a trace sampled at parameter accesses
+    still sees a peak that falls between two of them."""
 
     def __init__(self, excluded_storages: set[int]):
         super().__init__()
         self.excluded = excluded_storages
         self.live = 0
         self.peak = 0
+        self._high = 0
         self._refs: dict[int, list[int]] = {}  # storage -> [tensors alive on it, bytes]
 
     def _release(self, key: int) -> None:
@@ -54,4 +57,10 @@ class LiveBytes(TorchDispatchMode):
             entry[0] += 1
             weakref.finalize(t, self._release, key)  # a tensor's Python object lives as long as it does
         self.peak = max(self.peak, self.live)
+        self._high = max(self._high, self.live)
         return out
+
+    def take_high(self) -> int:
+        """The most bytes alive since the last call (or the start)."""
+        high, self._high = max(self._high, self.live), self.live
+        return high

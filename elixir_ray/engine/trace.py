@@ -47,6 +47,9 @@ class AccessTrace:
     largest_saved_bytes: int = 0  # the largest single saved activation
     activation_peak_bytes: int = 0  # the most bytes of activations (and their gradients) alive at once
     live_before: list[int] = field(default_factory=list)  # per event: activation bytes alive
+    # per event: the most activation bytes alive since the event before (the last one also counts
+    # what follows it), so that the largest is activation_peak_bytes
+    live_high: list[int] = field(default_factory=list)
     flops: int = 0  # matmul-class FLOPs of the step (forward, recompute and backward)
     forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
@@ -232,6 +235,7 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
     seen: set[int] = set()
     saved_before: list[int] = []
     live_before: list[int] = []
+    live_high: list[int] = []
     live = None
     grad_epochs: list[int] = []
     state = {"phase": "forward", "saved": 0, "largest": 0, "grads": 0}
@@ -253,6 +257,7 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
         phases.append(phase)
         saved_before.append(state["saved"])
         live_before.append(live.live if live is not None else 0)
+        live_high.append(live.take_high() if live is not None else 0)
         grad_epochs.append(state["grads"])
         for i in indices:
             if i not in seen:
@@ -315,6 +320,8 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
         finally:
             for h in handles:
                 h.remove()
+    if live_high:
+        live_high[-1] = max(live_high[-1], live.take_high())
     order = first_use + [i for i in range(len(params)) if i not in seen]
     ops = recorder.recorded()
     return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
@@ -322,4 +329,5 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
                        largest_saved_bytes=state["largest"], flops=sum(op.flops * op.count for op in ops),
                        forward_flops=sum(op.flops * op.forward_count for op in ops),
                        grad_epochs=grad_epochs, grad_order=grad_order, ops=ops,
-                       activation_peak_bytes=live.peak, live_before=live_before, weights_read=with_weights)
+                       activation_peak_bytes=live.peak, live_before=live_before, live_high=live_high,
+                       weights_read=with_weights)

@@ -7,14 +7,17 @@ import numpy as np
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
-from elixir_ray.planner.search import plan_layout
+from elixir_ray.planner.search import SAFETY, plan_layout
+from elixir_ray.units import format_bytes
 
 
 def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
     """Per traced access: bytes of resident optimizer state and buffers, pool blocks, and activations.
 
     The pool fills as chunks are first used and then stays full (eviction only swaps); activations
-    are those alive at each access, as traced (saved ones, backward's gradients, recomputed blocks).
+    are the most alive since the access before, as traced (saved ones, backward's gradients,
+    recomputed blocks), so the curve reaches the activation peak even where it falls between two
+    accesses (a GPT's logits and their gradient, after the last parameter is read).
     """
     lay = plan_layout(profile, plan)
     trace = profile.trace
@@ -28,7 +31,7 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     for chunks in lay.events:
         seen.update(chunks)
         pool.append(min(plan.n_blocks, len(seen)) * block)
-    acts = list(trace.live_before) or [0] * len(lay.events)
+    acts = list(trace.live_high or trace.live_before) or [0] * len(lay.events)
     n = len(lay.events)
     # what the plan budgets at its peak beside these: gradient staging, the fetch conversion buffer
     # and the Deep Optimizer States buffer (drawn flat: the budget holds room for them throughout)
@@ -47,7 +50,9 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     import matplotlib.pyplot as plt
 
     t = memory_timeline(plan, profile, elem_bytes)
-    top = max(plan.budget_bytes, plan.predicted_peak_bytes)
+    # a budget far above the peak (a CPU's free RAM, say) would flatten every curve: it is named, not drawn
+    budget_drawn = 0 < plan.budget_bytes <= 3 * plan.predicted_peak_bytes
+    top = plan.budget_bytes if budget_drawn else plan.predicted_peak_bytes
     gib, unit = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB")
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     x = np.arange(len(t["pool"]))
@@ -55,14 +60,17 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
                  labels=["optimizer state on device + module buffers", "pool blocks",
                          "gradient staging + copy buffers (room kept)", "activations"],
                  colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
-    if plan.budget_bytes:
+    if budget_drawn:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
-    # the curve samples activations at parameter accesses; their peak can fall between two of them
+        ax.axhline(plan.budget_bytes * (1 - SAFETY) / gib, color="black", linestyle=":", linewidth=1,
+                   label=f"usable: budget less {SAFETY:.0%} margin")
     ax.axhline(plan.predicted_peak_bytes / gib, color="#c44e52", linestyle=":", linewidth=1, label="predicted peak")
     ax.axvline(int(t["first_backward"][0]), color="grey", linestyle=":", linewidth=1, label="backward starts")
     ax.set_xlabel("traced access (one training step)")
     ax.set_ylabel(unit)
-    ax.set_title(f"predicted device memory (peak {plan.predicted_peak_bytes / gib:.2f} {unit})")
+    off_chart = (f", budget {format_bytes(plan.budget_bytes)} above the chart"
+                 if plan.budget_bytes and not budget_drawn else "")
+    ax.set_title(f"predicted device memory (peak {format_bytes(plan.predicted_peak_bytes)}{off_chart})")
     ax.set_ylim(0, top / gib * 1.55)  # room above the curves for the legend
     ax.legend(loc="upper left", fontsize=8, ncol=2)
     host = np.array([p != "device" for p in plan.placements])
@@ -70,7 +78,7 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     sizes = np.array(plan.chunk_numels, dtype=float) / 1e6
     colors = ["#4c72b0" if not h else ("#c44e52" if d else "#8c8c8c") for h, d in zip(host, dos)]
     bx.barh(np.arange(len(sizes)), sizes, color=colors)
-    bx.set_xlim(0, float(sizes.max(initial=0)) * 2.4 or 1.0)  # room beside the bars for the legend
+    bx.set_xlim(0, float(sizes.max(initial=0)) * 1.05 or 1.0)
     bx.invert_yaxis()
     bx.set_xlabel("parameters (millions)")
     bx.set_ylabel("chunk (first-use order)")
@@ -78,7 +86,8 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     from matplotlib.patches import Patch
 
     bx.legend(handles=[Patch(color="#4c72b0", label="state on device"), Patch(color="#8c8c8c", label="state on host"),
-                       Patch(color="#c44e52", label="host, updated on device (DOS)")], fontsize=8, loc="lower right")
+                       Patch(color="#c44e52", label="host, updated on device (DOS)")], fontsize=8,
+              loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below the bars: never over one
     fig.suptitle(f"{plan.predicted_step_seconds * 1e3:,.1f} ms predicted per step")
     fig.tight_layout()
     tmp = path + ".tmp.png"
