@@ -48,6 +48,12 @@ def _cmd_plan(args) -> int:
     from elixir_ray.units import parse_bytes
 
     cfg = load_config(args.config, overrides=args.set)
+    png = args.png or os.path.splitext(args.config)[0] + ".plan.png"
+    if not png.lower().endswith(".png"):
+        raise ConfigError(f"--png {png}: the chart is a PNG; name the file *.png")
+    for flag, path in (("--png", png), ("--json", args.json), ("--save-hardware", args.save_hardware)):
+        if path:
+            _check_writable(flag, path)
     for flag, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
         if value is not None:
             try:
@@ -70,6 +76,7 @@ def _cmd_plan(args) -> int:
         source = "rates measured on this machine"
     if args.save_hardware:
         _write_text(args.save_hardware, hardware.to_json())
+        print(f"... wrote the rates to {args.save_hardware} (--hardware reads them)", file=sys.stderr)
     try:
         result = plan_config(cfg, hardware, args.device_memory, args.world_size, args.host_memory, progress=_stage)
     except PlanError as exc:
@@ -80,10 +87,10 @@ def _cmd_plan(args) -> int:
           + (f" ({hardware.cpu_adam_low_grad_params_per_s / 1e6:,.0f} M from bf16 gradients)"
              if hardware.cpu_adam_low_grad_params_per_s else "")
           + f", matmul {hardware.matmul_tflops:.3g} TFLOPS")
+    print(_host_memory_line(args, hardware, result.host_budget))
     print(result.plan.explain())
     print()
     print(comparison_table(result))
-    png = args.png or os.path.splitext(args.config)[0] + ".plan.png"
     from elixir_ray.planner.chart import write_plan_chart
 
     write_plan_chart(result.plan, result.profile, result.elem_bytes, png)
@@ -92,6 +99,36 @@ def _cmd_plan(args) -> int:
         _write_text(args.json, json.dumps(result.plan.to_dict(), indent=1))
         print(f"plan: {args.json}")
     return 0
+
+
+def _host_memory_line(args, hardware, host_budget: int) -> str:
+    """Where the host RAM limit on optimizer state came from: it moves chunks between host and
+    device, so a plan for another machine must not silently take this one's."""
+    from elixir_ray.planner.api import HOST_FRACTION
+    from elixir_ray.planner.op_timing import device_is_here
+    from elixir_ray.units import format_bytes
+
+    line = f"host RAM for optimizer state: {format_bytes(host_budget)} per rank"
+    if args.host_memory:
+        return line + " (--host-memory)"
+    line += f" ({HOST_FRACTION:.0%} of this machine's free RAM over {args.world_size} rank(s); --host-memory sets it)"
+    if args.hardware and not device_is_here(hardware):
+        print(f"elixir-ray: warning: the rates are from {hardware.device_name or hardware.device}, but the host RAM "
+              f"limit is this machine's: give --host-memory for the machine the plan is for", file=sys.stderr)
+    return line
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """An output the command would fail to write after minutes of planning is refused first."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: give a file name")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in {folder}")
 
 
 def _stage(line: str) -> None:

@@ -104,13 +104,36 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
         model = Stack([256, 256])
     sample = _sample(64, 65)  # large activations: they dominate
     with pytest.raises(elixir_ray.PlanError, match=r"too small: the smallest plan needs .*activations at "
-                                                   r"micro-batch 64 need .*micro-batch 32"):
+                                                   r"micro-batch 64 need .*even micro-batch 1 needs about"):
         elixir_ray.plan(model, sample, device_memory="64KiB", hardware=GPU)
+    # a budget some smaller micro-batch fits: the hint names one that does
+    with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d+) or less") as refused:
+        elixir_ray.plan(model, sample, device_memory="2MiB", hardware=GPU)
+    smaller = int(re.search(r"use micro-batch (\d+) or less", str(refused.value)).group(1))
+    assert 1 < smaller < 64
+    elixir_ray.plan(model, _sample(smaller, 65), device_memory="2MiB", hardware=GPU)
     minimum = _min_budget(model, sample, hardware=GPU)
     plan = elixir_ray.plan(model, sample, device_memory=int(minimum * 1.03), hardware=GPU)
     assert plan.activation_checkpointing == [True, True]  # the only way in at the minimum
     off = _min_budget(model, sample, hardware=GPU, search_checkpointing=False)
     assert off > minimum
+
+
+def test_a_host_limit_that_keeps_state_on_the_device_is_named_when_nothing_fits():
+    """Optimizer state the host may not hold stays on the device: when that is why a budget is too
+    small, the refusal says so, with what the smallest plan would need were the host roomier."""
+    with torch.device("meta"):
+        model = Stack([256] * 4)
+    sample = _sample(4)
+    roomy = _min_budget(model, sample, hardware=GPU, host_memory="1GiB")
+    tight = _min_budget(model, sample, hardware=GPU, host_memory="1KiB")
+    assert tight > roomy
+    with pytest.raises(elixir_ray.PlanError, match=r"host memory sets part of that: only 1.0 KiB per rank") as err:
+        elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1KiB")
+    assert "with room on the host for all of it" in str(err.value)
+    plan = elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1GiB")
+    assert any("of 1.0 GiB allowed" in note for note in plan.notes)
+    assert any(note.startswith("device memory usable:") for note in plan.notes)
 
 
 def test_several_ranks_replicate_chunks_where_gathers_cost_more_than_the_memory():
@@ -134,7 +157,7 @@ def test_several_ranks_replicate_chunks_where_gathers_cost_more_than_the_memory(
     assert 0 < sum(not s for s in auto.sharded) < auto.n_chunks  # some chunks, chosen one by one
     assert auto.predicted_step_seconds < min(none.predicted_step_seconds, whole.predicted_step_seconds)
     assert auto.predicted_peak_bytes <= budget
-    sharded_host = parse_bytes(re.search(r"on the host: ([\d.]+ \w+) per rank", none.notes[1]).group(1).replace(" ", ""))
+    sharded_host = parse_bytes(re.search(r"on the host: ([\d.]+ \w+) per rank", "\n".join(none.notes)).group(1).replace(" ", ""))
     shards_only = elixir_ray.plan(model, sample, device_memory=budget, host_memory=int(1.05 * sharded_host), **kw)
     assert all(shards_only.sharded)
     with pytest.raises(ValueError, match="replicate must be one of auto, all, none"):
@@ -148,6 +171,9 @@ def test_searched_plan_is_predicted_no_slower_than_hand_made_recipes():
         result = plan_config(cfg, GPU, device_memory=budget)
         assert result.plan.predicted_peak_bytes <= parse_bytes(budget)
         for name, alt in result.alternatives.items():
+            if alt is None:  # the table says what the recipe exceeds
+                assert re.fullmatch(r"(device needs [\d.]+ \wiB)?(, )?(host needs .* per rank of .*)?",
+                                    result.misfits[name]) and result.misfits[name], (name, result.misfits)
             if alt is not None:
                 checked += 1
                 assert alt.predicted_peak_bytes <= parse_bytes(budget), name
@@ -222,6 +248,9 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = elixir_ray.Plan.from_json(out.read_text())
     assert plan.budget_bytes == 8 * 2**20 and plan.predicted_peak_bytes <= plan.budget_bytes
+    # the host RAM limit is printed with where it came from, and another machine's rates with this one's
+    # RAM draws a warning
+    assert "host RAM for optimizer state:" in proc.stdout and "give --host-memory" in proc.stderr
     bad = subprocess.run([sys.executable, "-m", "elixir_ray", "plan", "jobs/configs/tiny.yaml", "--hardware", str(hw),
                           "--device-memory", "1KiB", "--png", str(png)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "smallest plan needs" in bad.stderr
@@ -235,6 +264,10 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     (["--hardware", "jobs/configs/tiny.yaml"], "not a hardware profile (JSONDecodeError"),
     # another machine's rates, and no budget: what that device has free cannot be read here
     (["--hardware", "jobs/hardware/h100_anchors.json"], "cannot query for free memory: give the budget"),
+    # outputs that could not be written after planning are refused before it
+    (["--png", "/nonexistent-dir/x.png"], "the directory /nonexistent-dir does not exist"),
+    (["--png", "chart.jpg"], "name the file *.png"),
+    (["--json", "jobs"], "--json jobs is a directory"),
 ])
 def test_cli_plan_refuses_bad_flags_in_one_line_before_planning(flags, message, capsys):
     from elixir_ray.cli import main

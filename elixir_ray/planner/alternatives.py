@@ -18,6 +18,7 @@ from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.cost import host_grads_low_applies
 from elixir_ray.planner.search import SAFETY, Choice, Layout, choice_to_plan, evaluate, pool_candidates
+from elixir_ray.units import format_bytes
 
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
 
@@ -26,6 +27,18 @@ def _fits(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad
           host_budget: Optional[int]) -> bool:
     memory, _, host_bytes, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
     return sum(memory.values()) <= budget * (1 - SAFETY) and (host_budget is None or host_bytes <= host_budget)
+
+
+def _misfit(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, budget: int,
+            host_budget: Optional[int]) -> str:
+    """Why a placement at its smallest pool does not fit: device memory, host memory, or both."""
+    memory, _, host_bytes, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    reasons = []
+    if sum(memory.values()) > budget * (1 - SAFETY):
+        reasons.append(f"device needs {format_bytes(int(sum(memory.values()) / (1 - SAFETY)))}")
+    if host_budget is not None and host_bytes > host_budget:
+        reasons.append(f"host needs {format_bytes(host_bytes)} per rank of {format_bytes(host_budget)}")
+    return ", ".join(reasons) or "does not fit"
 
 
 def _largest_pool(lay: Layout, device: np.ndarray, grads_low: bool, *args) -> Optional[Choice]:
@@ -38,13 +51,18 @@ def _largest_pool(lay: Layout, device: np.ndarray, grads_low: bool, *args) -> Op
 
 def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, dtype_name: str, elem_bytes: int,
                     grad_accum: int = 1, host_budget: Optional[int] = None,
-                    updates_in_backward: bool = False) -> dict[str, Optional[Plan]]:
-    """name -> Plan, or None where that recipe does not fit the budget. Host gradients follow the
-    same rule as in the search (`host_grads_low_applies`), so only the placement differs."""
+                    updates_in_backward: bool = False, why_not: Optional[dict] = None) -> dict[str, Optional[Plan]]:
+    """name -> Plan, or None where that recipe does not fit the budget (`why_not`, when given, gets
+    name -> what does not fit for those). Host gradients follow the same rule as in the search
+    (`host_grads_low_applies`), so only the placement differs."""
     args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
     low = host_grads_low_applies(dtype_name, grad_accum)
     n_chunks = len(lay.sizes)
     choices: dict[str, Optional[Choice]] = {}
+    smallest: dict[str, Choice] = {}  # per recipe, its placement at the smallest pool: why it does not fit
+    smallest["all optimizer state on the host"] = Choice(lay, lay.min_blocks, np.zeros(n_chunks, dtype=bool), 0,
+                                                         grads_low=low)
+    smallest["as much as fits on the device"] = smallest["all optimizer state on the host"]
     choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), low, *args)
     most = None
     for k in range(n_chunks + 1):
@@ -56,7 +74,12 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
     for fraction in OFFLOAD_FRACTIONS:
         on_device = n_chunks - int(round(fraction * n_chunks))
         choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, low, *args)
+        smallest[f"offload fraction {fraction}"] = Choice(lay, lay.min_blocks, np.arange(n_chunks) < on_device, 0,
+                                                         grads_low=low)
+    if why_not is not None:
+        why_not.update({name: _misfit(smallest[name], *args) for name, c in choices.items() if c is None})
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
                                                          note=f"hand-made: {name}",
-                                                         updates_in_backward=updates_in_backward)
+                                                         updates_in_backward=updates_in_backward,
+                                                         host_budget=host_budget)
             for name, c in choices.items()}

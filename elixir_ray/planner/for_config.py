@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -28,9 +29,22 @@ def config_hints(cfg: RunConfig):
         yield
     except PlanError as exc:
         text = str(exc)
-        if "activation checkpointing" in text and not cfg.engine.search_checkpointing:
-            raise PlanError(f"{text} (in the config: --set engine.search_checkpointing=true lets the planner "
-                            f"choose per block, or --set model.activation_checkpointing=full)") from None
+        hints = {  # the planner's advice -> the config keys that follow it
+            "enable activation checkpointing": "--set engine.search_checkpointing=true lets the planner choose per "
+                                               "block, or --set model.activation_checkpointing=full",
+            "recompute whole blocks: full activation checkpointing, or let the planner choose per block":
+                "--set model.activation_checkpointing=full, or --set engine.search_checkpointing=true",
+        }
+        for advice, keys in hints.items():
+            if advice in text and not cfg.engine.search_checkpointing:
+                raise PlanError(text.replace(advice, f"{advice} ({keys})", 1)) from None
+        batch = re.search(r"use micro-batch (\d+) or less", text)
+        if batch:
+            raise PlanError(text.replace(batch.group(0), f"{batch.group(0)} (--set train.micro_batch="
+                                                         f"{batch.group(1)})", 1)) from None
+        if "use shorter sequences" in text:
+            raise PlanError(text.replace("use shorter sequences", "use shorter sequences (--set model.seq_len=...)",
+                                         1)) from None
         raise
 
 
@@ -40,6 +54,8 @@ class ConfigPlan:
     profile: ModelProfile  # the profile (checkpointing setting) the plan chose
     elem_bytes: int
     alternatives: dict  # name -> Plan or None (does not fit)
+    misfits: dict = field(default_factory=dict)  # name -> why it does not fit (device or host memory)
+    host_budget: int = 0  # host RAM per rank the plans could keep optimizer state in
 
 
 def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Optional[str] = None,
@@ -62,9 +78,11 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
                                      time_compute=device_is_here(hardware), replicate=cfg.engine.replicate,
                                      progress=progress)
     layout = plan_layout(chosen, plan)
+    why_not: dict = {}
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
-                                   in_backward)
-    return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives)
+                                   in_backward, why_not)
+    return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives, misfits=why_not,
+                      host_budget=host)
 
 
 def comparison_table(result: ConfigPlan) -> str:
@@ -77,7 +95,8 @@ def comparison_table(result: ConfigPlan) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for name, p in rows:
         if p is None:
-            lines.append(f"| {name} | does not fit | | | | |")
+            why = result.misfits.get(name)
+            lines.append(f"| {name} | does not fit{f' ({why})' if why else ''} | | | | |")
             continue
         lines.append(f"| {name} | {p.predicted_step_seconds * 1e3:,.1f} ms | {p.predicted_step_seconds / best:.2f}x | "
                      f"{format_bytes(p.predicted_peak_bytes)} | {p.placements.count('device')}/{p.n_chunks} | "

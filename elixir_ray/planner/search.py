@@ -279,6 +279,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
                                   dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward,
                                   parts.micro_steps)
         peaks = device_state + np.where(has_host, fixed[(gap > 0, True)], fixed[(False, False)])
+        unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
+        smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
         for k in np.flatnonzero(host_ok):
             need = peaks[k] / (1 - SAFETY)
             if need < smallest.get("need", float("inf")):
@@ -329,7 +331,7 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
     found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
                            note="searched: fastest predicted step within the budget",
-                           updates_in_backward=updates_in_backward)
+                           updates_in_backward=updates_in_backward, host_budget=host_budget)
     if routed:
         found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
                            "learned router, say), so ranks may use different parameters in a step")
@@ -367,11 +369,16 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
 
 
 def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
-                   grad_accum: int, budget: int, note: str, updates_in_backward: bool = False) -> Plan:
+                   grad_accum: int, budget: int, note: str, updates_in_backward: bool = False,
+                   host_budget: Optional[int] = None) -> Plan:
     memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
     lay = choice.layout
     start = "from the last backward" if updates_in_backward else "from step()"
-    notes = [note, f"optimizer state on the host: {format_bytes(host_bytes)} per rank",
+    host_limit = f" (of {format_bytes(host_budget)} allowed, host_memory)" if host_budget is not None else ""
+    notes = [note,
+             f"device memory usable: {format_bytes(int(budget * (1 - SAFETY)))} of the {format_bytes(budget)} "
+             f"budget ({SAFETY:.0%} kept back for the allocator's fragmentation and short-lived buffers)",
+             f"optimizer state on the host: {format_bytes(host_bytes)} per rank{host_limit}",
              f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
              f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
              hw.rates()]
@@ -398,6 +405,18 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
     )
 
 
+def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int) -> str:
+    """The micro-batch that would fit, taking activations as proportional to it (an estimate: the
+    caller's config or loop sets the micro-batch, and only a plan at that size is exact)."""
+    rest = need * (1 - SAFETY) - activations  # what does not shrink with the micro-batch
+    per_row = activations / max(1, batch)
+    fits = int((budget * (1 - SAFETY) - rest) // per_row) if per_row > 0 else 0
+    if fits >= 1 and batch > 1:
+        return f"taking activations as proportional to the micro-batch, use micro-batch {min(fits, batch - 1)} or less"
+    return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - SAFETY)))}: use shorter "
+            f"sequences or a smaller model, or give the device more memory")
+
+
 def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
                        grad_accum: int, host_budget: Optional[int]) -> str:
     if "choice" not in smallest:
@@ -410,16 +429,22 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
     if part == "activations":
         ckpt = prof.checkpointing
         if ckpt is not None and any(m == "selective" for m in ckpt):
-            hint = "recompute whole blocks (activation checkpointing full, or let the planner choose it)"
+            hint = "recompute whole blocks: full activation checkpointing, or let the planner choose per block"
         elif ckpt is not None and not all(m in (True, "full") for m in ckpt):
             hint = "enable activation checkpointing"
         else:
-            hint = f"use micro-batch {max(1, prof.batch_size // 2)}" if prof.batch_size > 1 else "use shorter sequences"
+            hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size)
         dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
     elif part == "pool blocks":
         dominant = (f"the pool needs at least {choice.n_blocks} blocks of {format_bytes(value // choice.n_blocks)} "
                     f"({format_bytes(value)}): the largest layer or parameter sets the block size")
     else:
         dominant = f"{part} needs {format_bytes(value)}"
-    return (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs "
+    text = (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs "
             f"{format_bytes(int(smallest['need']))} ({dominant})")
+    unbounded = smallest.get("unbounded_need", smallest["need"])
+    if host_budget is not None and unbounded < 0.99 * smallest["need"]:
+        text += (f"; host memory sets part of that: only {format_bytes(host_budget)} per rank may hold optimizer "
+                 f"state (host_memory, `--host-memory`), which keeps the rest on the device; with room on the "
+                 f"host for all of it the smallest plan needs {format_bytes(int(unbounded))}")
+    return text
