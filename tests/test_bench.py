@@ -30,6 +30,9 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert main(["bench", "--smoke", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     rows = {r["system"]: r for r in report["results"]}
+    for system, row in rows.items():  # each also kept on its own as it finished
+        assert json.loads((out / f"{system}.json").read_text()) == {k: v for k, v in row.items()
+                                                                    if k != "ratio_to_reference"}
     assert set(rows) == {"reference", "fsdp2_offload", "deepspeed_z3_offload", "elixir_ray"}
     for system in ("reference", "fsdp2_offload", "elixir_ray"):
         r = rows[system]
@@ -170,3 +173,20 @@ def test_benchmark_matrix_refuses_unknown_stages_before_running_any(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "== cuda-tests exited 0" in proc.stdout and (out / "cuda-tests" / "log.txt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("flags,message", [
+    ([], "no CUDA device here, and the gpt-4b shape is a GPU benchmark"),
+    (["--smoke", "--cap", "lots"], "--cap: expected a size"),
+    (["--smoke", "--steps", "0"], "--steps: expected a whole number of at least 1"),
+])
+def test_bench_refuses_what_it_cannot_run_before_running_anything(flags, message, tmp_path, capsys):
+    from elixir_ray.cli import main
+
+    try:
+        code = main(["bench", "--out", str(tmp_path / "bench"), *flags])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bench").exists()

@@ -68,6 +68,12 @@ def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, s
             if log_dir:
                 write_run_log(os.path.join(log_dir, f"plan-{i}.log"), cmd, proc, title=name)
             result = json.load(open(out)) if os.path.exists(out) else {"skipped": proc.stderr.strip()[-300:]}
+            if log_dir:  # kept as it comes: a run stopped later (a time limit) loses only the plan running
+                with open(os.path.join(log_dir, f"plan-{i}.json"), "w") as f:
+                    json.dump({"plan": name, **result}, f, indent=1)
+            progress(f"    {name}: " + (f"skipped: {result['skipped'][:200]}" if result.get("skipped") else
+                                        f"{result['step_seconds']:.3f} s/step measured, "
+                                        f"{plan.predicted_step_seconds:.3f} s predicted"))
             rows.append({"plan": name, "fits": True, "predicted_step_seconds": plan.predicted_step_seconds,
                          "predicted_peak_bytes": plan.predicted_peak_bytes, "device_chunks": plan.placements.count("device"),
                          "n_chunks": plan.n_chunks, "n_blocks": plan.n_blocks, **{k: result.get(k) for k in (

@@ -21,6 +21,11 @@ def add_ratios(results: list[dict]) -> list[dict]:
     return results
 
 
+def device_peak(r: dict) -> str:
+    """The peak device memory of a result, or "n/a (CPU)" where there is no device to measure."""
+    return format_bytes(r["peak_device_bytes"]) if str(r.get("device", "")).startswith("cuda") else "n/a (CPU)"
+
+
 def markdown_table(results: list[dict]) -> str:
     lines = ["| system | cap | tokens/s | TFLOPS | ratio to reference | peak device | peak host | step (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -31,7 +36,7 @@ def markdown_table(results: list[dict]) -> str:
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(
             f"| {r['system']} | {cap} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-            f"{r.get('ratio_to_reference', float('nan')):.2f} | {format_bytes(r['peak_device_bytes'])} | "
+            f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
     breakdown = breakdown_table(results)

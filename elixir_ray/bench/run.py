@@ -13,8 +13,9 @@ import sys
 import tempfile
 from typing import Optional
 
-from elixir_ray.bench.report import add_ratios, markdown_table, write_report
+from elixir_ray.bench.report import add_ratios, device_peak, markdown_table, write_report
 from elixir_ray.bench.systems import SHAPES, SYSTEMS
+from elixir_ray.units import format_bytes
 
 
 def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir: str, steps: int = 6,
@@ -24,7 +25,7 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
     with tempfile.TemporaryDirectory() as tmp:
         for i, system in enumerate(systems):
             progress(f"[{i + 1}/{len(systems)}] {system} on {shape}" +
-                     (f" capped at {cap_bytes / 2**30:.1f} GiB" if cap_bytes and system != "reference" else ""))
+                     (f" capped at {format_bytes(cap_bytes)}" if cap_bytes and system != "reference" else ""))
             out = os.path.join(tmp, f"{system}.json")
             cmd = [sys.executable, "-m", "elixir_ray.bench.one_system", "--system", system, "--shape", shape,
                    "--steps", str(steps), "--warmup", str(warmup), "--out", out]
@@ -40,10 +41,29 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
             else:
                 results.append({"system": system, "shape": shape,
                                 "skipped": f"process exited {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+            # each result is kept as it comes: a run stopped later (a time limit) loses only what was running
+            _write_json(os.path.join(out_dir, f"{system}.json"), results[-1])
+            progress(f"    {_one_line(results[-1])}")
     add_ratios(results)
-    title = f"{shape}: tokens/s and peak memory" + (f", cap {cap_bytes / 2**30:.0f} GiB" if cap_bytes else "")
+    title = f"{shape}: tokens/s and peak memory" + (f", cap {format_bytes(cap_bytes)}" if cap_bytes else "")
     paths = write_report(results, out_dir, title)
     return results, paths
+
+
+def _write_json(path: str, data) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _one_line(r: dict) -> str:
+    """A system's result in one line of the progress output (and so in a stage's log)."""
+    if r.get("skipped"):
+        return f"{r['system']}: skipped: {r['skipped'][:200]}"
+    return (f"{r['system']}: {r['step_seconds']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{r['tflops']:.3g} TFLOPS, peak device {device_peak(r)}, "
+            f"peak host {format_bytes(r.get('peak_host_bytes') or 0)}")
 
 
 def write_run_log(path: str, cmd: list[str], proc: subprocess.CompletedProcess, title: str = "") -> None:
@@ -54,10 +74,19 @@ def write_run_log(path: str, cmd: list[str], proc: subprocess.CompletedProcess, 
 
 
 def main_args(args) -> int:
+    import torch
+
+    from elixir_ray.errors import ConfigError
     from elixir_ray.units import parse_bytes
 
     shape = "smoke" if args.smoke else args.shape
-    cap = parse_bytes(args.cap) if args.cap else None
+    try:
+        cap = parse_bytes(args.cap) if args.cap else None
+    except ValueError as exc:
+        raise ConfigError(f"--cap: {exc}") from None
+    if not args.smoke and not torch.cuda.is_available():
+        raise ConfigError(f"no CUDA device here, and the {shape} shape is a GPU benchmark (building it would take "
+                          f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
     systems = args.systems or list(SYSTEMS)
     steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -66,14 +95,34 @@ def main_args(args) -> int:
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
+    if all(r.get("skipped") for r in results):
+        print("elixir-ray: error: no system ran to the end (see each system's log)", file=sys.stderr)
+        return 1
     return 0
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {low}, got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b")
-    p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b", help="model shape (default: gpt-4b; needs a GPU)")
+    p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB "
+                                               "(default: none)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (median reported); default 6, 2 with --smoke")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2, 1 with --smoke")
+    p.add_argument("--steps", type=_at_least(1), default=None,
+                   help="timed steps (median reported); default 6, 2 with --smoke")
+    p.add_argument("--warmup", type=_at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
-    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each system's output (SYSTEM.log)")
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each "
+                                                       "system's output, SYSTEM.log (default: runs/bench)")

@@ -64,6 +64,9 @@ class SystemResult:
     # allocation (each retry synchronises the device: under a cap, a cause of slow steps to look for)
     peak_reserved_bytes: int = 0
     alloc_retries: int = 0
+    # CUDA: the peak while building (elixir_ray's planning times kernels and measures copies within
+    # the cap), kept apart so that peak_device_bytes is the training steps' own
+    peak_build_device_bytes: int = 0
     # elixir_ray only: mean seconds per step by category, measured in extra steps run with the
     # engine's StepTimer on (its device syncs slow a step, so these are not the steps timed above);
     # the categories add up to breakdown_step_seconds, the mean wall time of those timed steps
@@ -230,6 +233,10 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
     step, params, timer = _build(system, shape, device, cap_bytes, plan)
+    peak_build = 0
+    if device.type == "cuda":
+        peak_build = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)  # from here on, what training itself holds
     expected = reference_parameters(shape)
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
@@ -252,6 +259,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
+        peak_build_device_bytes=peak_build,
         breakdown=breakdown, breakdown_step_seconds=breakdown_step, background=background,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
