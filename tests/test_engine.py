@@ -707,3 +707,12 @@ def test_host_gradients_in_the_compute_dtype_only_where_one_micro_step_is_promis
     with pytest.raises(ValueError, match="grad_accum=4"):
         wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), plan=low, device="cpu",
              dtype=torch.bfloat16, accumulation_steps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_gradients_norm_is_summed_in_fp64_a_tile_at_a_time(dtype):
+    from elixir_ray.engine.optimizer import NORM_TILE, _host_sum_of_squares
+
+    grad = (torch.randn(2 * NORM_TILE + 12345, generator=torch.Generator().manual_seed(0)) * 1e-3).to(dtype)
+    assert _host_sum_of_squares(grad) == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-12)
+    assert _host_sum_of_squares(grad[:0]) == 0.0
