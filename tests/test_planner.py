@@ -226,6 +226,8 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
         elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
     with pytest.raises(ValueError, match="unknown fields"):
         elixir_ray.Plan.from_json(json.dumps({**data, "surprise": 1}))
+    with pytest.raises(ValueError, match=r"not a plan \(no version or placements; found \['collective_gbps'"):
+        elixir_ray.Plan.from_json(GPU.to_json())  # a hardware profile handed over by mistake
     # version 2 wrote activation checkpointing as True/False per block, which still means the same
     old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
     assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]

@@ -57,6 +57,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict) or "version" not in data or "placements" not in data:
+            keys = sorted(data)[:6] if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a plan (no version or placements; found {keys}): write one with "
+                             f"`elixir-ray plan CONFIG --json FILE` or Plan.to_json()")
         if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"plan version {data.get('version')} is not supported (this build reads "
                              f"{', '.join(map(str, READABLE_VERSIONS))}); "
