@@ -106,17 +106,32 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
     with pytest.raises(elixir_ray.PlanError, match=r"too small: the smallest plan needs .*activations at "
                                                    r"micro-batch 64 need .*even micro-batch 1 needs about"):
         elixir_ray.plan(model, sample, device_memory="64KiB", hardware=GPU)
-    # a budget some smaller micro-batch fits: the hint names one that does
-    with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d+) or less") as refused:
+    # a budget some smaller micro-batch fits: the hint estimates one (activations taken as proportional)
+    with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d+) or less, an estimate") as refused:
         elixir_ray.plan(model, sample, device_memory="2MiB", hardware=GPU)
-    smaller = int(re.search(r"use micro-batch (\d+) or less", str(refused.value)).group(1))
-    assert 1 < smaller < 64
-    elixir_ray.plan(model, _sample(smaller, 65), device_memory="2MiB", hardware=GPU)
+    assert 1 < int(re.search(r"use micro-batch (\d+) or less", str(refused.value)).group(1)) < 64
     minimum = _min_budget(model, sample, hardware=GPU)
     plan = elixir_ray.plan(model, sample, device_memory=int(minimum * 1.03), hardware=GPU)
     assert plan.activation_checkpointing == [True, True]  # the only way in at the minimum
     off = _min_budget(model, sample, hardware=GPU, search_checkpointing=False)
     assert off > minimum
+
+
+def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
+    """For a config, the estimate is checked by planning at it (and a few below): the hint names a
+    micro-batch that fits, with the keys to set."""
+    cfg = config_from_dict({"model": {"size": "tiny", "activation_checkpointing": "full"},
+                            "train": {"micro_batch": 4}})
+    with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d) \(a plan at \d fits: "
+                                                   r"--set train.micro_batch=\d, and raise train.grad_accum") as err:
+        plan_config(cfg, GPU, device_memory="4MiB")
+    smaller = int(re.search(r"use micro-batch (\d)", str(err.value)).group(1))
+    small = config_from_dict({"model": {"size": "tiny", "activation_checkpointing": "full"},
+                              "train": {"micro_batch": smaller}})
+    assert plan_config(small, GPU, device_memory="4MiB").plan.predicted_peak_bytes <= 4 * 2**20
+    # where even one row does not fit, no micro-batch is named
+    with pytest.raises(elixir_ray.PlanError, match=r"even micro-batch 1 does not fit \(a plan at 1 was tried\)"):
+        plan_config(cfg, GPU, device_memory="3MiB")
 
 
 def test_a_host_limit_that_keeps_state_on_the_device_is_named_when_nothing_fits():
@@ -128,9 +143,15 @@ def test_a_host_limit_that_keeps_state_on_the_device_is_named_when_nothing_fits(
     roomy = _min_budget(model, sample, hardware=GPU, host_memory="1GiB")
     tight = _min_budget(model, sample, hardware=GPU, host_memory="1KiB")
     assert tight > roomy
-    with pytest.raises(elixir_ray.PlanError, match=r"host memory sets part of that: only 1.0 KiB per rank") as err:
+    # the device budget would do with room on the host: the host is named first
+    with pytest.raises(elixir_ray.PlanError, match=r"^host memory is too small for device_memory .*: only 1.0 KiB "
+                                                   r"per rank may hold optimizer state") as err:
         elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1KiB")
     assert "with room on the host for all of it" in str(err.value)
+    # neither would do: the device is named first, and the host's part in it
+    with pytest.raises(elixir_ray.PlanError, match=r"^device_memory .* is too small: .*host memory sets part of "
+                                                   r"that: only 1.0 KiB per rank"):
+        elixir_ray.plan(model, sample, device_memory=roomy // 2, hardware=GPU, host_memory="1KiB")
     plan = elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1GiB")
     assert any("of 1.0 GiB allowed" in note for note in plan.notes)
     assert any(note.startswith("device memory usable:") for note in plan.notes)

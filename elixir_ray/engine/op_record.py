@@ -44,7 +44,7 @@ def _heads_matched(args: tuple) -> tuple:
     heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
 
     def widened(a):
-        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] < heads and heads % a.shape[1] == 0:
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and 0 < a.shape[1] < heads and heads % a.shape[1] == 0:
             b, h, s, d = a.shape
             return a.unsqueeze(2).expand(b, h, heads // h, s, d).reshape(b, heads, s, d)
         return a

@@ -62,7 +62,6 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
     smallest: dict[str, Choice] = {}  # per recipe, its placement at the smallest pool: why it does not fit
     smallest["all optimizer state on the host"] = Choice(lay, lay.min_blocks, np.zeros(n_chunks, dtype=bool), 0,
                                                          grads_low=low)
-    smallest["as much as fits on the device"] = smallest["all optimizer state on the host"]
     choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), low, *args)
     most = None
     for k in range(n_chunks + 1):
@@ -77,7 +76,15 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
         smallest[f"offload fraction {fraction}"] = Choice(lay, lay.min_blocks, np.arange(n_chunks) < on_device, 0,
                                                          grads_low=low)
     if why_not is not None:
-        why_not.update({name: _misfit(smallest[name], *args) for name, c in choices.items() if c is None})
+        for name, c in choices.items():
+            if c is not None:
+                continue
+            if name in smallest:
+                why_not[name] = _misfit(smallest[name], *args)
+            else:  # every split was tried: say what the two ends exceed
+                ends = [Choice(lay, lay.min_blocks, np.arange(n_chunks) < k, 0, grads_low=low) for k in (0, n_chunks)]
+                why_not[name] = (f"no split fits: all on the host, {_misfit(ends[0], *args)}; all on the device, "
+                                 f"{_misfit(ends[1], *args)}")
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
                                                          note=f"hand-made: {name}",
                                                          updates_in_backward=updates_in_backward,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -21,10 +21,15 @@ from elixir_ray.planner.search import plan_layout
 from elixir_ray.units import parse_bytes
 
 
+BATCH_HINT = re.compile(r"use micro-batch (\d+) or less, an estimate that takes activations as proportional to the "
+                        r"micro-batch")
+
+
 @contextmanager
-def config_hints(cfg: RunConfig):
+def config_hints(cfg: RunConfig, fits: Optional[Callable[[int], bool]] = None):
     """A PlanError raised inside names the config keys that act on its advice (the planner itself
-    knows nothing of configs)."""
+    knows nothing of configs). `fits(micro_batch)`, when given, turns the planner's estimate of a
+    micro-batch that fits into one a plan was found for (it tries a few below the estimate)."""
     try:
         yield
     except PlanError as exc:
@@ -38,14 +43,29 @@ def config_hints(cfg: RunConfig):
         for advice, keys in hints.items():
             if advice in text and not cfg.engine.search_checkpointing:
                 raise PlanError(text.replace(advice, f"{advice} ({keys})", 1)) from None
-        batch = re.search(r"use micro-batch (\d+) or less", text)
+        batch = BATCH_HINT.search(text)
         if batch:
-            raise PlanError(text.replace(batch.group(0), f"{batch.group(0)} (--set train.micro_batch="
-                                                         f"{batch.group(1)})", 1)) from None
+            raise PlanError(text.replace(batch.group(0), _batch_advice(int(batch.group(1)), fits), 1)) from None
         if "use shorter sequences" in text:
             raise PlanError(text.replace("use shorter sequences", "use shorter sequences (--set model.seq_len=...)",
                                          1)) from None
         raise
+
+
+def _batch_advice(estimate: int, fits: Optional[Callable[[int], bool]]) -> str:
+    keep = "and raise train.grad_accum to keep the global batch"
+    if fits is None:
+        return (f"use micro-batch {estimate} or less, an estimate that takes activations as proportional to the "
+                f"micro-batch (--set train.micro_batch={estimate}, {keep})")
+    tried = range(estimate, max(0, estimate - 4), -1)
+    for m in tried:
+        if fits(m):
+            return f"use micro-batch {m} (a plan at {m} fits: --set train.micro_batch={m}, {keep})"
+    if tried[-1] == 1:
+        return ("even micro-batch 1 does not fit (a plan at 1 was tried): use shorter sequences (--set "
+                "model.seq_len=...) or a smaller model, or give the device more memory")
+    return (f"use a micro-batch below {tried[-1]} (plans at {estimate} down to {tried[-1]} do not fit: "
+            f"--set train.micro_batch=N, {keep})")
 
 
 @dataclass
@@ -71,12 +91,21 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     memory = device_memory or cfg.engine.device_memory
     budget = planning_budget(memory, hardware)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
-    with config_hints(cfg):
-        plan, chosen = search_module(build_model(cfg, device="meta"), (sample_batch(cfg, cfg.train.micro_batch),),
-                                     budget, world_size, hardware, dtype, None, cfg.train.grad_accum, host,
-                                     cfg.engine.search_checkpointing, in_backward,
-                                     time_compute=device_is_here(hardware), replicate=cfg.engine.replicate,
-                                     progress=progress)
+
+    def search(micro_batch: int, timed: bool, say=None):
+        return search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), budget, world_size,
+                             hardware, dtype, None, cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
+                             in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say)
+
+    def fits(micro_batch: int) -> bool:  # memory alone decides: no kernel timing
+        try:
+            search(micro_batch, timed=False)
+            return True
+        except PlanError:
+            return False
+
+    with config_hints(cfg, fits):
+        plan, chosen = search(cfg.train.micro_batch, device_is_here(hardware), progress)
     layout = plan_layout(chosen, plan)
     why_not: dict = {}
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,

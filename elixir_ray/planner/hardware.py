@@ -59,7 +59,7 @@ class HardwareProfile:
         """One line of the rates a prediction rests on, for a plan's notes: set beside a run's
         measurements, it tells a wrong rate from a wrong model."""
         low = (f" ({self.cpu_adam_low_grad_params_per_s / 1e9:.2f} G from bf16 gradients)"
-               if self.cpu_adam_low_grad_params_per_s > 0 else " (from bf16 gradients: not measured, taken as the same)")
+               if self.cpu_adam_low_grad_params_per_s > 0 else "")
         return (f"rates ({self.device_name or self.device}): host->device {self.h2d_gbps:.1f} GB/s, "
                 f"device->host {self.d2h_gbps:.1f} GB/s, CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G "
                 f"params/s{low} ({self.cpu_threads} CPU threads), device AdamW "

@@ -412,7 +412,8 @@ def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int) 
     per_row = activations / max(1, batch)
     fits = int((budget * (1 - SAFETY) - rest) // per_row) if per_row > 0 else 0
     if fits >= 1 and batch > 1:
-        return f"taking activations as proportional to the micro-batch, use micro-batch {min(fits, batch - 1)} or less"
+        return (f"use micro-batch {min(fits, batch - 1)} or less, an estimate that takes activations as "
+                f"proportional to the micro-batch")
     return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - SAFETY)))}: use shorter "
             f"sequences or a smaller model, or give the device more memory")
 
@@ -440,11 +441,16 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
                     f"({format_bytes(value)}): the largest layer or parameter sets the block size")
     else:
         dominant = f"{part} needs {format_bytes(value)}"
-    text = (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs "
-            f"{format_bytes(int(smallest['need']))} ({dominant})")
+    need = format_bytes(int(smallest["need"]))
     unbounded = smallest.get("unbounded_need", smallest["need"])
-    if host_budget is not None and unbounded < 0.99 * smallest["need"]:
-        text += (f"; host memory sets part of that: only {format_bytes(host_budget)} per rank may hold optimizer "
-                 f"state (host_memory, `--host-memory`), which keeps the rest on the device; with room on the "
-                 f"host for all of it the smallest plan needs {format_bytes(int(unbounded))}")
-    return text
+    if host_budget is None or unbounded >= 0.99 * smallest["need"]:
+        return f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}"
+    host = (f"only {format_bytes(host_budget)} per rank may hold optimizer state (80% of the free host RAM unless "
+            f"host_memory or --host-memory sets it), so the rest stays on the device")
+    if unbounded <= budget:  # the device would do, were the host roomier
+        return (f"host memory is too small for device_memory {format_bytes(budget)}: {host}, and the smallest plan "
+                f"then needs {need} of device memory; with room on the host for all of it, "
+                f"{format_bytes(int(unbounded))} would do: allow more host memory, or give the device more")
+    return (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}; "
+            f"host memory sets part of that: {host}; with room on the host for all of it the smallest plan needs "
+            f"{format_bytes(int(unbounded))}")
