@@ -110,6 +110,28 @@ def test_the_graph_walk_finds_every_parameter_of_a_deep_model():
     assert found == {id(slot) for slot in slot_by_param.values()}
 
 
+def test_the_graph_walk_holds_the_nodes_it_has_seen():
+    """Whatever the torch version: nodes whose Python objects are made afresh on each access (and
+    freed after) are still all walked, since a freed object's id can come back for another node."""
+    params = [object() for _ in range(16)]
+
+    class Accumulate:
+        def __init__(self, variable):
+            self.variable, self.next_functions = variable, ()
+
+    class Node:
+        def __init__(self, i):
+            self.i = i
+
+        @property
+        def next_functions(self):  # new objects each time, as torch hands out for nodes nothing holds
+            rest = ((Node(self.i + 1), 0),) if self.i + 1 < len(params) else ()
+            return ((Accumulate(params[self.i]), 0),) + rest
+
+    slot_by_param = {id(p): object() for p in params}
+    assert _parameters_reached([Node(0)], slot_by_param) == {id(s) for s in slot_by_param.values()}
+
+
 class Probed(Toy):
     """Toy with a monitoring head: computed in forward from a detached input, never part of the loss."""
 

@@ -187,6 +187,28 @@ def test_grouped_query_attention_and_buffers_are_traced_as_a_real_step_holds_the
     assert time_ops(trace.ops, CPU).estimated == []
 
 
+def test_grouped_query_attention_flops_are_counted_where_torchs_formula_wants_equal_heads(monkeypatch):
+    """torch 2.11's attention FLOP formula refuses fewer key/value heads than query heads (2.13 takes
+    them): the trace widens them first, and counts the FLOPs of the attention over every query head."""
+    from torch.utils.flop_counter import flop_registry
+
+    calls = []
+    for op in (torch.ops.aten._scaled_dot_product_flash_attention,
+               torch.ops.aten._scaled_dot_product_flash_attention_backward):
+        formula = flop_registry[op]
+
+        def equal_heads_only(*args, formula=formula, **kwargs):
+            heads = {a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4}
+            assert len(heads) == 1, "sdpa_flop_count: query/key/value shapes are incompatible"
+            calls.append(heads.pop())
+            return formula(*args, **kwargs)
+        monkeypatch.setitem(flop_registry, op, equal_heads_only)
+    trace = trace_step(GroupedQueryAttention(), (torch.randn(2, 256, 128),))
+    forward = next(op for op in trace.ops if op.op == "aten::_scaled_dot_product_flash_attention")
+    b, h, s, d = forward.args[0].shape  # the query's
+    assert forward.flops == 4 * b * h * s * s * d and calls and set(calls) == {h}
+
+
 class ReadsItsMask(torch.nn.Module):
     """Decides from the mask's values, as Hugging Face's attention does, and edits a mask in place."""
 
