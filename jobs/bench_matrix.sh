@@ -21,12 +21,22 @@
 # Python is `python3` unless PYTHON is set; the repository root must be importable.
 #
 # Environment:
-#   STAGE_TIMEOUT_S  stop a stage (its whole process group) after this many seconds (default: no limit);
-#                    set it below a remote command's own limit so that the stage's output is packed
+#   STAGE_TIMEOUT_S  stop each stage (its whole process group) after this many seconds (default 0: no
+#                    limit); it applies per stage, so a remote command's own limit must cover the stages
+#                    it runs, each plus up to 20 s to stop
 #   PACK_INTO        after each stage, also pack OUT_DIR/STAGE into PACK_INTO/STAGE.tgz: one file per
 #                    stage, for a transfer that brings back only a few files
+# Relative OUT_DIR and PACK_INTO are taken from the directory the script is called from.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+absolute() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+[ -n "${PACK_INTO:-}" ] && PACK_INTO="$(absolute "$PACK_INTO")"
+if [ $# -ge 1 ] && [ "$1" != "--one-stage" ]; then set -- "$(absolute "$1")" "${@:2}"; fi
+if ! [[ "${STAGE_TIMEOUT_S:-0}" =~ ^[0-9]+$ ]]; then
+    echo "STAGE_TIMEOUT_S must be a whole number of seconds, got '$STAGE_TIMEOUT_S'"
+    exit 2
+fi
+cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 stages="cuda-tests compute gpt-1.5b gpt-4b-40 gpt-4b-24 gpt-4b-16 peers-24 plans-24 gpt-10b"
@@ -53,7 +63,7 @@ if [ "${1:-}" = "--one-stage" ]; then  # how run_stage runs one stage under STAG
 fi
 
 if [ $# -lt 2 ]; then
-    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$self"
     exit 2
 fi
 out="$1"; shift
@@ -70,17 +80,18 @@ run_stage() {
     echo "== $stage ($(date -u +%H:%M:%S))"
     if [ "${STAGE_TIMEOUT_S:-0}" -gt 0 ]; then
         # timeout signals the stage's whole process group: the measured processes it started go too
-        timeout --kill-after=20 "$STAGE_TIMEOUT_S" bash "$0" --one-stage "$stage" "$dir" 2>&1 | tee "$dir/log.txt"
+        timeout --kill-after=20 "$STAGE_TIMEOUT_S" bash "$self" --one-stage "$stage" "$dir" 2>&1 | tee "$dir/log.txt"
     else
         stage_command "$stage" "$dir" 2>&1 | tee "$dir/log.txt"
     fi
     rc=${PIPESTATUS[0]}
-    if [ "$rc" -eq 124 ]; then
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         echo "== $stage stopped after STAGE_TIMEOUT_S=$STAGE_TIMEOUT_S s" | tee -a "$dir/log.txt"
     fi
     echo "== $stage exited $rc ($(date -u +%H:%M:%S))"
-    if [ -n "${PACK_INTO:-}" ]; then
-        mkdir -p "$PACK_INTO" && tar czf "$PACK_INTO/$stage.tgz" -C "$out" "$stage"
+    if [ -n "${PACK_INTO:-}" ]; then  # under a temporary name first: never half an archive
+        mkdir -p "$PACK_INTO" && tar czf "$PACK_INTO/.$stage.tgz.tmp" -C "$out" "$stage" \
+            && mv "$PACK_INTO/.$stage.tgz.tmp" "$PACK_INTO/$stage.tgz" || { echo "== packing $stage failed"; rc=1; }
     fi
     return "$rc"
 }

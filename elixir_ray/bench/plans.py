@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Optional
 
 import torch
 
-from elixir_ray.bench.run import write_run_log
+from elixir_ray.bench.run import run_logged, write_json
 from elixir_ray.bench.systems import SHAPES
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.hardware import HardwareProfile
@@ -64,13 +63,10 @@ def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, s
             cmd = [sys.executable, "-m", "elixir_ray.bench.one_system", "--system", "elixir_ray", "--shape", shape_name,
                    "--cap-bytes", str(cap_bytes), "--plan", plan_path, "--steps", str(steps), "--warmup", str(warmup),
                    "--out", out] + (["--device", device] if device else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if log_dir:
-                write_run_log(os.path.join(log_dir, f"plan-{i}.log"), cmd, proc, title=name)
-            result = json.load(open(out)) if os.path.exists(out) else {"skipped": proc.stderr.strip()[-300:]}
+            code, tail = run_logged(cmd, os.path.join(log_dir or tmp, f"plan-{i}.log"), title=name)
+            result = json.load(open(out)) if os.path.exists(out) else {"skipped": f"process exited {code}: {tail}"}
             if log_dir:  # kept as it comes: a run stopped later (a time limit) loses only the plan running
-                with open(os.path.join(log_dir, f"plan-{i}.json"), "w") as f:
-                    json.dump({"plan": name, **result}, f, indent=1)
+                write_json(os.path.join(log_dir, f"plan-{i}.json"), {"plan": name, **result})
             progress(f"    {name}: " + (f"skipped: {result['skipped'][:200]}" if result.get("skipped") else
                                         f"{result['step_seconds']:.3f} s/step measured, "
                                         f"{plan.predicted_step_seconds:.3f} s predicted"))

@@ -33,16 +33,14 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
                 cmd += ["--cap-bytes", str(cap_bytes)]
             if device:
                 cmd += ["--device", device]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            write_run_log(os.path.join(out_dir, f"{system}.log"), cmd, proc)
+            code, tail = run_logged(cmd, os.path.join(out_dir, f"{system}.log"))
             if os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
             else:
-                results.append({"system": system, "shape": shape,
-                                "skipped": f"process exited {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+                results.append({"system": system, "shape": shape, "skipped": f"process exited {code}: {tail}"})
             # each result is kept as it comes: a run stopped later (a time limit) loses only what was running
-            _write_json(os.path.join(out_dir, f"{system}.json"), results[-1])
+            write_json(os.path.join(out_dir, f"{system}.json"), results[-1])
             progress(f"    {_one_line(results[-1])}")
     add_ratios(results)
     title = f"{shape}: tokens/s and peak memory" + (f", cap {format_bytes(cap_bytes)}" if cap_bytes else "")
@@ -50,7 +48,7 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
     return results, paths
 
 
-def _write_json(path: str, data) -> None:
+def write_json(path: str, data) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -66,11 +64,22 @@ def _one_line(r: dict) -> str:
             f"peak host {format_bytes(r.get('peak_host_bytes') or 0)}")
 
 
-def write_run_log(path: str, cmd: list[str], proc: subprocess.CompletedProcess, title: str = "") -> None:
-    """A measured process's whole output beside the report: a failure's traceback is there."""
-    with open(path, "w") as f:
-        f.write((f"# {title}\n" if title else "") +
-                f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+def run_logged(cmd: list[str], path: str, title: str = "") -> tuple[int, str]:
+    """Run a measured process with its whole output going into `path` as it comes (a failure's
+    traceback is there, and so is what a process stopped midway had printed); returns its exit
+    status and the output's last 300 characters."""
+    with open(path, "w") as log:
+        log.write((f"# {title}\n" if title else "") + f"$ {' '.join(cmd)}\n")
+        log.flush()
+        start = log.tell()
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    with open(path, errors="replace") as log:
+        log.seek(start)
+        tail = log.read()[-300:].strip()
+    with open(path, "a") as log:
+        log.write(f"\n# exit {code}\n")
+    return code, tail
 
 
 def main_args(args) -> int:
@@ -84,7 +93,7 @@ def main_args(args) -> int:
         cap = parse_bytes(args.cap) if args.cap else None
     except ValueError as exc:
         raise ConfigError(f"--cap: {exc}") from None
-    if not args.smoke and not torch.cuda.is_available():
+    if shape != "smoke" and not torch.cuda.is_available():
         raise ConfigError(f"no CUDA device here, and the {shape} shape is a GPU benchmark (building it would take "
                           f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
     systems = args.systems or list(SYSTEMS)
@@ -95,13 +104,15 @@ def main_args(args) -> int:
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
-    if all(r.get("skipped") for r in results):
-        print("elixir-ray: error: no system ran to the end (see each system's log)", file=sys.stderr)
+    failed = [r["system"] for r in results if str(r.get("skipped", "")).startswith(("failed", "process exited"))]
+    if failed or all(r.get("skipped") for r in results):  # a peer that is not installed is only skipped
+        print(f"elixir-ray: error: {', '.join(failed) or 'no system'} did not run to the end (see "
+              f"{os.path.join(args.out, 'SYSTEM.log')})", file=sys.stderr)
         return 1
     return 0
 
 
-def _at_least(low: int):
+def at_least(low: int):
     def parse(text: str) -> int:
         import argparse
 
@@ -120,9 +131,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB "
                                                "(default: none)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
-    p.add_argument("--steps", type=_at_least(1), default=None,
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="timed steps (median reported); default 6, 2 with --smoke")
-    p.add_argument("--warmup", type=_at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
+    p.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each "
                                                        "system's output, SYSTEM.log (default: runs/bench)")

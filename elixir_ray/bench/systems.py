@@ -237,6 +237,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     if device.type == "cuda":
         peak_build = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)  # from here on, what training itself holds
+        torch.cuda.reset_accumulated_memory_stats(device)  # and the allocator's retries in it alone
     expected = reference_parameters(shape)
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
