@@ -55,7 +55,9 @@ def _step_dir(step: int) -> str:
 
 def save_checkpoint(uri: str, step: int, tensors: Mapping[str, np.ndarray], extra: dict,
                     keep: Optional[int] = None, part_bytes: int = PART_BYTES) -> str:
-    """Write the tensors and the manifest; returns the committed checkpoint's path."""
+    """Write the tensors and the manifest; returns the committed checkpoint's path. `keep` then
+    leaves the newest `keep` checkpoints under `uri` by step, whichever run wrote them (a run's own
+    pruning, `checkpoint.keep`, goes through CheckpointPersister and removes only its own)."""
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
     remove_stale_temporaries(fs, root)  # first: on a full disk, a crashed save's leftovers free the space
