@@ -44,6 +44,7 @@ class Result:
     checkpoint_via: str = ""  # "object_store" or "storage" (checkpoint.via, resolved)
     final_step: int = 0  # the last step trained
     checkpoint_step: Optional[int] = None  # the step checkpoint_uri holds
+    start_step: int = 0  # the --resume checkpoint's step (the metrics hold the steps before it too)
 
     @property
     def final_checkpoint_written(self) -> bool:
@@ -52,10 +53,11 @@ class Result:
 
     def summary(self) -> str:
         losses = self.metrics.column("loss").to_pylist()
-        steps = self.metrics.num_rows
+        steps = self.final_step - self.start_step
+        resumed = f", resumed from step {self.start_step}" if self.start_step else ""
         return "\n".join([
             f"run finished: {steps} steps in {self.seconds:.1f}s on {self.plan.world_size} worker(s) "
-            f"({self.plan.strategy}, {self.plan.dtype})",
+            f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
             *(f"restart: {r.reason}; restored step {r.restored_step} from {r.restored_from} on "
@@ -255,6 +257,23 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
             f"checkpoints will fail to write ({fix}, or free space)", stacklevel=3)
 
 
+REACH_TIMEOUT_S = 10.0
+
+
+def _check_reachable(address: str, hint: str) -> None:
+    """A host:port that nothing answers at fails here in seconds: Ray itself retries for minutes."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # "auto", ray:// and the rest: Ray's own message says what is wrong
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: nothing answers there "
+                           f"({exc.strerror or type(exc).__name__}; {hint})") from None
+
+
 def _ensure_ray(cfg: RunConfig) -> bool:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here.
 
@@ -266,13 +285,15 @@ def _ensure_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+        hint = "give the head's GCS address, host:6379, or unset RAY_ADDRESS for a local cluster"
+        _check_reachable(address, hint)
         try:
             ray.init(namespace=cfg.cluster.namespace)
         except (ValueError, ConnectionError) as exc:  # a bad or unreachable address: one line, not a traceback
-            first = str(exc).splitlines()[0]
-            raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}: {first} "
-                               f"(give the head's GCS address, host:6379, or unset RAY_ADDRESS for a local "
-                               f"cluster)") from None
+            text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: {text[:600]} "
+                               f"({hint})") from None
     else:
         ray.init(address="local", num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
                  include_dashboard=False, namespace=cfg.cluster.namespace)
@@ -296,12 +317,28 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         shape = resolve_worker_shape(cfg, ray.cluster_resources())
         warn_if_data_under_one_batch(cfg, shape.num_workers)
         bar = ProgressBar(cfg.train.steps, every=cfg.train.log_every) if progress else None
-        on_metrics = (lambda m: _show_step(bar, m)) if bar else (lambda m: None)
+        controller = None
+        saver = MetricsSaver(os.path.join(cfg.run_dir, "metrics.parquet"),
+                             lambda: controller.outcome.metrics if controller else [])
+
+        def on_metrics(m: dict) -> None:
+            if bar:
+                _show_step(bar, m)
+            saver.save(every_s=METRICS_SAVE_EVERY_S)
+
         start = time.monotonic()
         on_note = bar.note if bar else (lambda text: None)
         controller = TrainController(cfg, shape, on_metrics=on_metrics, on_note=on_note,
                                      resume=RestoreSource(resume) if resume else None)
-        outcome = controller.run()
+        if resume is not None:  # the steps before the checkpoint, as the run that wrote it logged them
+            controller.outcome.metrics = earlier_metrics(cfg, resume)
+        try:
+            outcome = controller.run()
+        except BaseException as exc:  # SIGTERM too (`ray job stop`): Ray's driver turns it into SystemExit
+            saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
+            if isinstance(exc, ClusterError):
+                raise ClusterError(f"{exc}{_where_to_resume(controller, saver.uri)}") from exc
+            raise
         if bar:
             bar.close()
         seconds = time.monotonic() - start
@@ -309,6 +346,57 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     finally:
         if started_here:
             ray.shutdown()
+
+
+METRICS_SAVE_EVERY_S = 10.0  # how often a run's metrics so far are written while it trains
+
+
+class MetricsSaver:
+    """Writes the run's metrics so far (atomically, the whole table), at most every so often while
+    it trains and once more when it stops: a run stopped (`ray job stop`) or failed midway keeps
+    the metrics of the steps it trained, which the end of a run alone used to write."""
+
+    def __init__(self, uri: str, rows):
+        self.uri, self.rows = uri, rows
+        self.saved_at = time.monotonic()
+
+    def save(self, every_s: float = 0.0) -> None:
+        if time.monotonic() - self.saved_at < every_s:
+            return
+        self.saved_at = time.monotonic()
+        rows = list(self.rows())
+        if not rows:
+            return
+        try:
+            fs, path = storage.resolve(os.path.dirname(self.uri))
+            fs.create_dir(path, recursive=True)
+            write_metrics(metrics_table(rows), self.uri)
+        except Exception as exc:  # never what stops a run: the end of the run writes them again
+            log.warning("could not write the metrics so far to %s: %s", self.uri, exc)
+
+
+def earlier_metrics(cfg: RunConfig, resume: str) -> list[dict]:
+    """The metrics the run directory already holds, when the checkpoint resumed is this run's: the
+    controller keeps those up to the restored step, so a resumed run's metrics start at step 1."""
+    from elixir_ray.metrics import read_metrics
+
+    fs, run_path = storage.resolve(cfg.run_dir)
+    _, resume_path = storage.resolve(resume)
+    if not resume_path.startswith(run_path.rstrip("/") + "/"):
+        return []
+    try:
+        return read_metrics(os.path.join(cfg.run_dir, "metrics.parquet"))
+    except (OSError, ValueError) as exc:
+        log.warning("the run's earlier metrics could not be read (%s): they start at the resumed step", exc)
+        return []
+
+
+def _where_to_resume(controller, metrics_uri: str) -> str:
+    if controller is None or not controller.outcome.checkpoint_uri:
+        return ""
+    uri, step = controller.outcome.checkpoint_uri, controller.outcome.checkpoint_step
+    return (f"\nthe newest checkpoint is step {step}: continue with --resume {uri}"
+            f"\nmetrics so far: {_shown(metrics_uri)}")
 
 
 def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
@@ -323,4 +411,4 @@ def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
                   metrics_uri=metrics_uri, seconds=seconds, restarts=outcome.restarts,
                   persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
                   checkpoint_via=outcome.checkpoint_via, final_step=outcome.final_step,
-                  checkpoint_step=outcome.checkpoint_step)
+                  checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from elixir_ray import storage
@@ -24,3 +25,12 @@ def write_metrics(table: pa.Table, uri: str) -> None:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     storage.write_bytes_atomic(fs, path, sink.getvalue().to_pybytes())
+
+
+def read_metrics(uri: str) -> list[dict]:
+    """A metrics file's rows ([] where there is none yet)."""
+    fs, path = storage.resolve(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return []
+    with fs.open_input_file(path) as f:
+        return pq.read_table(f).to_pylist()

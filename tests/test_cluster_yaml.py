@@ -19,6 +19,8 @@ def test_cluster_yaml_has_the_launcher_keys():
     assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
     assert any("ray start --address" in c for c in cfg["worker_start_ray_commands"])
     assert cfg["max_workers"] >= len(provider["worker_ips"])
+    # the checkout's own virtualenv (this machine's paths, maybe a CPU torch) is not copied to the nodes
+    assert ".gitignore" in cfg["rsync_filter"] and any(".venv" in p for p in cfg["rsync_exclude"])
 
 
 def test_cluster_yaml_validates_against_rays_schema():

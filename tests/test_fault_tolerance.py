@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import warnings
 
 import numpy as np
@@ -63,6 +64,60 @@ def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_p
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, fault={"max_restarts": 0})
     with pytest.raises(ClusterError, match="giving up after 0 restart"):
         train(cfg, progress=False)
+
+
+def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, tiny_dataset, tmp_path):
+    """A run that gives up writes the metrics of the steps it trained and names its newest
+    checkpoint; resumed in the same run directory, its metrics start at step 1 again."""
+    from elixir_ray.metrics import read_metrics
+
+    killer = WorkerKiller(worker_actor_name("t", 1), 7)
+    killer.start()
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, checkpoint={"every_steps": 3, "keep": 2},
+                      fault={"max_restarts": 0})
+    with pytest.raises(ClusterError, match=r"giving up after 0 restart.*\nthe newest checkpoint is step (\d+): "
+                                           r"continue with --resume (\S+)") as err:
+        train(cfg, progress=False)
+    killer.join(timeout=5)
+    step, uri = re.search(r"step (\d+): continue with --resume (\S+)", str(err.value)).groups()
+    assert int(step) >= 3 and os.path.basename(uri) == f"step-{int(step):08d}"
+    kept = [row["step"] for row in read_metrics(os.path.join(str(tmp_path / "runs"), "t", "metrics.parquet"))]
+    assert kept[:int(step)] == list(range(1, int(step) + 1)), kept  # every step trained, from the first
+    resumed = train({**cfg, "train": {**cfg["train"], "steps": int(step) + 2}, "fault": {"max_restarts": 1}},
+                    progress=False, resume=uri)
+    assert resumed.metrics.column("step").to_pylist() == list(range(1, int(step) + 3))
+    assert resumed.start_step == int(step) and "2 steps in" in resumed.summary()
+    assert f"resumed from step {step}" in resumed.summary()
+
+
+def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
+    """`ray job stop` sends SIGTERM: the run ends as on Ctrl-C, with the metrics so far written."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from elixir_ray.metrics import read_metrics
+
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 100000}, checkpoint={"every_steps": 3},
+                      cluster={"num_workers": 1, "local_num_cpus": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "elixir_ray", "train", str(path), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    checkpoints = tmp_path / "runs" / "t" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not (checkpoints.exists() and list_checkpoints(str(checkpoints))) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    steps = [row["step"] for row in read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))]
+    assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1)), (steps, out)
 
 
 def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_path):

@@ -100,6 +100,7 @@ class ControllerOutcome:
     restarts: list[RestartRecord] = field(default_factory=list)
     snapshot_stalls: list[float] = field(default_factory=list)  # seconds training paused per snapshot
     checkpoint_via: str = ""  # "object_store" or "storage": how the checkpoints left the workers
+    start_step: int = 0  # the step this run started from (a --resume checkpoint's; 0 for a new run)
     transitions: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -413,6 +414,8 @@ class TrainController:
             tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step
+        if not self.outcome.restarts:
+            self.outcome.start_step = step
         self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
         if self.outcome.restarts:
             record = self.outcome.restarts[-1]
