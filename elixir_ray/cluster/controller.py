@@ -177,6 +177,9 @@ class TrainController:
                                f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
         self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
+        self.on_note(f"step {self.step}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
+                     f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
+                     f"{self.shape.num_workers} worker(s)")
         self.shape = self._wait_for_workers()
         self.outcome.restarts[-1].world_size = self.shape.num_workers
 
@@ -420,6 +423,8 @@ class TrainController:
         if self.outcome.restarts:
             record = self.outcome.restarts[-1]
             record.restored_from, record.restored_step = source, step
+            where = {"object_store": "the object store", "durable": "durable storage"}.get(source, "scratch")
+            self.on_note(f"restored step {step} from {where} on {len(self.workers)} worker(s); training goes on")
         log.info("starting at step %d (from %s)", step, source)
 
     def _train(self) -> None:
