@@ -186,6 +186,8 @@ class TrainController:
     # -- states -------------------------------------------------------------------------------
 
     def _place(self) -> None:
+        if not self.outcome.restarts:
+            self._refuse_a_running_namesake()
         try:
             self.pg = create_placement_group(self.shape, self.cfg.cluster.placement_timeout_s)
         except ClusterError as exc:
@@ -194,6 +196,18 @@ class TrainController:
         config = self.cfg.to_dict()
         for rank, bundle in enumerate(order):
             self.workers.append(self._start_worker(config, rank, bundle))
+
+    def _refuse_a_running_namesake(self) -> None:
+        """A run of the same name already on the cluster is refused before this one waits for
+        resources (on a full cluster it would wait for that run to end, then overwrite its outputs)."""
+        name, namespace = worker_actor_name(self.cfg.name, 0), self.cfg.cluster.namespace
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        raise ClusterError(f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {name!r} "
+                           f"in namespace {namespace!r}): wait for it to end, or give this run another name "
+                           f"(--set name=...)")
 
     def _start_worker(self, config: dict, rank: int, bundle: int):
         name, namespace = worker_actor_name(self.cfg.name, rank), self.cfg.cluster.namespace
