@@ -22,7 +22,7 @@ from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_h
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, count_tokens, resolve_data_uri, windows_in
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
-from elixir_ray.metrics import metrics_table, write_metrics
+from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
 from elixir_ray.units import format_bytes
@@ -368,9 +368,7 @@ class MetricsSaver:
         if not rows:
             return
         try:
-            fs, path = storage.resolve(os.path.dirname(self.uri))
-            fs.create_dir(path, recursive=True)
-            write_metrics(metrics_table(rows), self.uri)
+            write_metrics(metrics_table(rows), self.uri)  # the atomic write makes the run directory
         except Exception as exc:  # never what stops a run: the end of the run writes them again
             log.warning("could not write the metrics so far to %s: %s", self.uri, exc)
 
@@ -378,9 +376,7 @@ class MetricsSaver:
 def earlier_metrics(cfg: RunConfig, resume: str) -> list[dict]:
     """The metrics the run directory already holds, when the checkpoint resumed is this run's: the
     controller keeps those up to the restored step, so a resumed run's metrics start at step 1."""
-    from elixir_ray.metrics import read_metrics
-
-    fs, run_path = storage.resolve(cfg.run_dir)
+    _, run_path = storage.resolve(cfg.run_dir)
     _, resume_path = storage.resolve(resume)
     if not resume_path.startswith(run_path.rstrip("/") + "/"):
         return []

@@ -153,14 +153,17 @@ def _cmd_bench(args) -> int:
     return main_args(args)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
+def at_least(low: int):
+    """An argparse type: a whole number of at least `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {low}, got {text!r}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--device-memory", metavar="BYTES", help="budget, e.g. 24GiB (default: engine.device_memory, "
                                                              "else what the device has free)")
-    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="ranks to plan for (default 1)")
+    p.add_argument("--world-size", type=at_least(1), default=1, metavar="N", help="ranks to plan for (default 1)")
     p.add_argument("--host-memory", metavar="BYTES", help="host RAM per rank for optimizer state "
                                                           "(default: 80%% of free RAM over the ranks)")
     p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware) instead of "

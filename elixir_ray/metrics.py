@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from elixir_ray import storage
@@ -30,7 +29,7 @@ def write_metrics(table: pa.Table, uri: str) -> None:
 def read_metrics(uri: str) -> list[dict]:
     """A metrics file's rows ([] where there is none yet)."""
     fs, path = storage.resolve(uri)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+    if not storage.exists(fs, path):
         return []
     with fs.open_input_file(path) as f:
         return pq.read_table(f).to_pylist()

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from elixir_ray.bench.plans import plan_table_markdown, run_plan_table  # noqa: E402
-from elixir_ray.bench.run import at_least  # noqa: E402
+from elixir_ray.cli import at_least  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware  # noqa: E402
 from elixir_ray.units import parse_bytes  # noqa: E402

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from typing import Optional
 
+from elixir_ray import storage
 from elixir_ray.bench.report import add_ratios, device_peak, markdown_table, write_report
 from elixir_ray.bench.systems import SHAPES, SYSTEMS
 from elixir_ray.units import format_bytes
@@ -49,10 +50,7 @@ def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir:
 
 
 def write_json(path: str, data) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    storage.write_bytes_atomic(*storage.resolve(path), json.dumps(data, indent=1).encode())
 
 
 def _one_line(r: dict) -> str:
@@ -112,21 +110,9 @@ def main_args(args) -> int:
     return 0
 
 
-def at_least(low: int):
-    def parse(text: str) -> int:
-        import argparse
-
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {low}, got {text!r}")
-        return value
-    return parse
-
-
 def add_arguments(p) -> None:
+    from elixir_ray.cli import at_least
+
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b", help="model shape (default: gpt-4b; needs a GPU)")
     p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB "
                                                "(default: none)")

@@ -205,9 +205,12 @@ class TrainController:
             ray.get_actor(name, namespace=namespace)
         except ValueError:
             return
-        raise ClusterError(f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {name!r} "
-                           f"in namespace {namespace!r}): wait for it to end, or give this run another name "
-                           f"(--set name=...)")
+        raise self._namesake_error(name)
+
+    def _namesake_error(self, actor: str) -> ClusterError:
+        return ClusterError(f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {actor!r} "
+                            f"in namespace {self.cfg.cluster.namespace!r}): wait for it to end, or give this run "
+                            f"another name (--set name=...)")
 
     def _start_worker(self, config: dict, rank: int, bundle: int):
         name, namespace = worker_actor_name(self.cfg.name, rank), self.cfg.cluster.namespace
@@ -222,10 +225,7 @@ class TrainController:
                 return options.remote(config, rank, self.shape.num_workers)
             except ray.exceptions.ActorAlreadyExistsError:
                 if time.monotonic() >= deadline:
-                    raise ClusterError(
-                        f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {name!r} in "
-                        f"namespace {namespace!r}): wait for it to end, or give this run another name "
-                        f"(--set name=...)") from None
+                    raise self._namesake_error(name) from None
                 time.sleep(0.2)
 
     def _rendezvous(self) -> None:
@@ -431,10 +431,10 @@ class TrainController:
             tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
             self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
         self.step = step
+        self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
         if not self.outcome.restarts:
             self.outcome.start_step = step
-        self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
-        if self.outcome.restarts:
+        else:
             record = self.outcome.restarts[-1]
             record.restored_from, record.restored_step = source, step
             where = {"object_store": "the object store", "durable": "durable storage"}.get(source, "scratch")

@@ -58,33 +58,28 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
     args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
     low = host_grads_low_applies(dtype_name, grad_accum)
     n_chunks = len(lay.sizes)
+
+    def smallest_pool(on_device: int) -> Choice:  # the first `on_device` chunks' state on the device
+        return Choice(lay, lay.min_blocks, np.arange(n_chunks) < on_device, 0, grads_low=low)
+
+    # the recipes with a fixed placement, by how many chunks keep their state on the device
+    fixed = {"all optimizer state on the host": 0,
+             **{f"offload fraction {f}": n_chunks - int(round(f * n_chunks)) for f in OFFLOAD_FRACTIONS}}
     choices: dict[str, Optional[Choice]] = {}
-    smallest: dict[str, Choice] = {}  # per recipe, its placement at the smallest pool: why it does not fit
-    smallest["all optimizer state on the host"] = Choice(lay, lay.min_blocks, np.zeros(n_chunks, dtype=bool), 0,
-                                                         grads_low=low)
-    choices["all optimizer state on the host"] = _largest_pool(lay, np.zeros(n_chunks, dtype=bool), low, *args)
-    most = None
-    for k in range(n_chunks + 1):
-        device = np.arange(n_chunks) < k
-        choice = Choice(lay, lay.min_blocks, device, 0, grads_low=low)
-        if _fits(choice, *args):
-            most = choice
-    choices["as much as fits on the device"] = most
-    for fraction in OFFLOAD_FRACTIONS:
-        on_device = n_chunks - int(round(fraction * n_chunks))
-        choices[f"offload fraction {fraction}"] = _largest_pool(lay, np.arange(n_chunks) < on_device, low, *args)
-        smallest[f"offload fraction {fraction}"] = Choice(lay, lay.min_blocks, np.arange(n_chunks) < on_device, 0,
-                                                         grads_low=low)
+    for name in dict.fromkeys(("all optimizer state on the host", "as much as fits on the device", *fixed)):
+        if name in fixed:
+            choices[name] = _largest_pool(lay, smallest_pool(fixed[name]).device, low, *args)
+        else:  # the most chunks' state on the device that fits, with the smallest pool
+            choices[name] = next((c for c in map(smallest_pool, range(n_chunks, -1, -1)) if _fits(c, *args)), None)
     if why_not is not None:
         for name, c in choices.items():
             if c is not None:
                 continue
-            if name in smallest:
-                why_not[name] = _misfit(smallest[name], *args)
+            if name in fixed:
+                why_not[name] = _misfit(smallest_pool(fixed[name]), *args)
             else:  # every split was tried: say what the two ends exceed
-                ends = [Choice(lay, lay.min_blocks, np.arange(n_chunks) < k, 0, grads_low=low) for k in (0, n_chunks)]
-                why_not[name] = (f"no split fits: all on the host, {_misfit(ends[0], *args)}; all on the device, "
-                                 f"{_misfit(ends[1], *args)}")
+                why_not[name] = (f"no split fits: all on the host, {_misfit(smallest_pool(0), *args)}; all on the "
+                                 f"device, {_misfit(smallest_pool(n_chunks), *args)}")
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
                                                          note=f"hand-made: {name}",
                                                          updates_in_backward=updates_in_backward,

@@ -16,7 +16,7 @@ from elixir_ray.engine.trace import sample_input_tuple
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
-from elixir_ray.planner.search import plan_search
+from elixir_ray.planner.search import HOST_FRACTION, plan_search
 from elixir_ray.units import parse_bytes
 
 
@@ -50,7 +50,6 @@ def planning_budget(device_memory: Union[int, str, None], hardware: HardwareProf
     return budget_bytes(device_memory, torch.device(hardware.device))
 
 
-HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state; the rest for the process, data and pinning
 
 
 def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) -> int:

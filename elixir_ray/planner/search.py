@@ -30,6 +30,7 @@ from elixir_ray.units import format_bytes
 
 DOS_GAPS = (0, 2, 3, 4, 8)
 SAFETY = 0.08  # fraction of the budget kept free for allocator fragmentation and transients
+HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state by default; the rest for the process, data and pinning
 
 
 @dataclass
@@ -445,8 +446,8 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
     unbounded = smallest.get("unbounded_need", smallest["need"])
     if host_budget is None or unbounded >= 0.99 * smallest["need"]:
         return f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}"
-    host = (f"only {format_bytes(host_budget)} per rank may hold optimizer state (80% of the free host RAM unless "
-            f"host_memory or --host-memory sets it), so the rest stays on the device")
+    host = (f"only {format_bytes(host_budget)} per rank may hold optimizer state ({HOST_FRACTION:.0%} of the free "
+            f"host RAM unless host_memory or --host-memory sets it), so the rest stays on the device")
     if unbounded <= budget:  # the device would do, were the host roomier
         return (f"host memory is too small for device_memory {format_bytes(budget)}: {host}, and the smallest plan "
                 f"then needs {need} of device memory; with room on the host for all of it, "
