@@ -10,6 +10,7 @@ device 0, about half a GiB of another rank's GPU).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
@@ -18,11 +19,13 @@ import threading
 import traceback
 import uuid
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import ray
 import torch
 import torch.distributed as dist
 
+from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.profile import WorkerProfile, profile_worker
@@ -30,6 +33,7 @@ from elixir_ray.trainer import DTYPES, RankTrainer
 
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+log = logging.getLogger("elixir_ray")
 
 
 def worker_actor_name(run_name: str, rank: int) -> str:
@@ -115,16 +119,33 @@ class RankWorker:
             dist.destroy_process_group()
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if init_method.startswith("file://"):
+        host = urlsplit(init_method).hostname
+        if init_method.startswith("file://") or is_loopback(host):
             # one node: gloo's pairs and NCCL's bootstrap listen where the hostname resolves (the
             # container's or the machine's address) unless told the interface; loopback is enough
             os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
+        elif backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            self._gloo_on_node_interface()
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=self.rank,
             world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             device_id=self.device if backend == "nccl" else None,
         )
+
+    def _gloo_on_node_interface(self) -> None:
+        """Across nodes, gloo listens on the interface holding Ray's address for this node, which
+        the other nodes reach (else where the hostname resolves: often loopback, see network.py)."""
+        node_ip = ray.util.get_node_ip_address()
+        name = interface_with_address(node_ip)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            log.info("rank %d: gloo listens on %s (%s, this node's Ray address)", self.rank, name, node_ip)
+        else:
+            log.warning("rank %d: no network interface here holds this node's Ray address %s, so gloo listens "
+                        "where the hostname %s resolves; if the group times out, set GLOO_SOCKET_IFNAME to the "
+                        "interface the other nodes reach (in the job's runtime_env env_vars)",
+                        self.rank, node_ip, socket.gethostname())
 
     def profile(self, micro_batch: int) -> WorkerProfile:
         """Measure this worker's device and rates, and time the model's kernels at `micro_batch` on
