@@ -9,10 +9,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A real local Ray cluster with 4 logical CPUs, shared by every test that needs one."""
+    """A real local Ray cluster with 4 logical CPUs, shared by every test that needs one: always a new
+    one (a bare ray.init() would join a cluster `ray start` left running on this machine)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, namespace="elixir_ray_tests",
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="elixir_ray_tests",
                  object_store_memory=200 * 2**20, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -361,6 +361,30 @@ def test_a_learned_router_built_on_meta_is_refused_with_what_to_change():
         trace_step(model, (batches(1, 8)[0],))
 
 
+def test_a_value_read_through_an_index_list_is_traced_on_a_meta_module():
+    """`ids[:, [-1, 0]]` on meta made its index on the meta device, values lost: Hugging Face's check
+    for padding in input_ids (`pad_token_id in ids[:, [-1, 0]]`) failed the trace of a meta model."""
+    class PadCheck(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 4)
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, ids):
+            layer = self.a if 3 in ids[:, [-1, 0]] else self.b
+            return layer(self.emb(ids)).square().mean()
+
+    with torch.device("meta"):
+        model = PadCheck()
+    names = [n for n, _ in model.named_parameters()]
+    for first, last, used in ((3, 5, "a"), (5, 5, "b")):
+        ids = torch.full((2, 6), 7)
+        ids[0, 0], ids[1, -1] = first, last
+        trace = trace_step(model, (ids,))
+        assert {names[i].split(".")[0] for i, got in enumerate(trace.got_grad) if got} == {"emb", used}
+        assert not trace.weights_read
+
+
 def _learned_router_rank_main(rank: int, world: int, store: str, out: str) -> None:
     import datetime
 

@@ -46,22 +46,14 @@ def test_hf_model_matches_plain_training(name):
         ref_losses.append(loss.item())
 
     eng = copy.deepcopy(base)
-
-    class Call(torch.nn.Module):  # HF models take keyword inputs; the engine traces positional ones
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, batch):
-            return self.m(input_ids=batch, labels=batch).loss
-
-    wrapped_in = Call(eng)
-    plan = manual_plan(wrapped_in, (data[0],), chunk_size=4096, n_blocks=3)
-    model, opt = wrap(wrapped_in, torch.optim.AdamW(wrapped_in.parameters(), lr=1e-3), sample_inputs=(data[0],),
-                      plan=plan, device="cpu")
+    # the model itself, called by keyword as HF loops call it; the trace takes the loss from its ModelOutput
+    sample = {"input_ids": data[0], "labels": data[0]}
+    plan = manual_plan(eng, sample, chunk_size=4096, n_blocks=3)
+    model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-3), sample_inputs=sample, plan=plan,
+                      device="cpu")
     losses = []
     for batch in data:
-        loss = model(batch)
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -69,8 +61,18 @@ def test_hf_model_matches_plain_training(name):
     assert model.engine_stats()["evictions"] > 0
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
     state = model.state_dict()
+    assert list(state) == list(ref.state_dict())  # the model's own keys: save_pretrained(state_dict=) takes them
     for key, value in ref.state_dict().items():
-        assert torch.allclose(state[f"m.{key}"], value.float(), atol=1e-5), key
+        assert torch.allclose(state[key], value.float(), atol=1e-5), key
+
+
+def test_hf_model_traced_without_labels_names_what_the_trace_needs():
+    model = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"])
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TypeError, match=r"GPT2LMHeadModel's forward returned a ModelOutput with no loss, .* pass "
+                                        r"loss_fn=.*a Hugging Face model returns one when labels are among"):
+        wrap(model, torch.optim.AdamW(model.parameters()), sample_inputs={"input_ids": ids}, device_memory="64MiB",
+             device="cpu")
 
 
 def test_hf_sdpa_attention_with_a_padding_mask_trains_like_torch():
@@ -113,3 +115,68 @@ def test_hf_gradient_checkpointing_with_updates_started_in_backward(reentrant):
     losses = train_pairs(model, opt, data)
     assert model.engine_stats()["evictions"] > 0
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+
+
+def test_hf_save_pretrained_takes_the_wrapped_models_state_dict(tmp_path):
+    """The README's way to save a wrapped HF model: its own save_pretrained, given the engine's weights."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"])
+    ids = torch.randint(0, 64, (2, 16))
+    model, opt = wrap(hf, torch.optim.AdamW(hf.parameters(), lr=1e-2), sample_inputs={"input_ids": ids, "labels": ids},
+                      device_memory="64MiB", device="cpu")
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    hf.save_pretrained(tmp_path, state_dict=model.state_dict())  # it drops tied keys from the dict it is given
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    state = model.state_dict()
+    for key, value in back.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_hf_generate_through_the_wrapped_model_matches_plain_generate():
+    """generate calls the model itself many times (with a growing cache): the wrapped model runs it
+    with the parameters fetched, and training goes on exactly afterwards. pad_token_id is set and no
+    attention mask is given, so GPT-2's forward checks input_ids for padding by value (in the trace too)."""
+    torch.manual_seed(0)
+    config = copy.deepcopy(_configs()["gpt2"])
+    config.pad_token_id = config.eos_token_id = 1
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    ref = copy.deepcopy(base)
+    ids = torch.randint(2, 64, (2, 16))
+    sample = {"input_ids": ids, "labels": ids}
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), sample_inputs=sample,
+                      plan=manual_plan(base, sample, chunk_size=4096, n_blocks=3), device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def step():
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+
+    step()
+    for m in (model, ref):
+        m.eval()
+    out = model.generate(ids[:, :4], attention_mask=torch.ones(2, 4, dtype=torch.long), max_new_tokens=10,
+                         do_sample=False)
+    assert torch.equal(out, ref.generate(ids[:, :4], attention_mask=torch.ones(2, 4, dtype=torch.long),
+                                         max_new_tokens=10, do_sample=False))
+    assert out.shape == (2, 14)
+    for m in (model, ref):
+        m.train()
+    step()
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(state[key], value, atol=1e-5), key
+    with pytest.raises(RuntimeError, match="called directly"):
+        base.generate(ids[:, :4], max_new_tokens=2)
+
+
+def test_generate_on_a_module_without_one_says_so():
+    module = torch.nn.Linear(4, 1)
+    model, _ = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(torch.randn(2, 4),),
+                    device_memory="64MiB", device="cpu", loss_fn=lambda out: out.sum())
+    with pytest.raises(AttributeError, match="Linear has no generate method"):
+        model.generate(torch.randn(2, 4))

@@ -211,6 +211,40 @@ def test_sample_inputs_given_as_a_bare_tensor_or_short_of_a_keyword_argument_say
     module, x = Masked(), torch.randn(4, 8)
     with pytest.raises(TypeError, match=r"sample_inputs must be a tuple .* shape \(4, 8\): pass sample_inputs=\(batch,\)"):
         wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=x, device_memory="64MiB", device="cpu")
-    with pytest.raises(TypeError, match=r"keyword-only argument: 'mask': the trace calls Masked\(\*sample_inputs\), with "
-                                        r"1 positional input\(s\) and no keyword arguments"):
+    with pytest.raises(TypeError, match=r"keyword-only argument: 'mask': the trace calls Masked with 1 positional "
+                                        r"input\(s\). Give sample_inputs every input forward needs: a tuple of its "
+                                        r"positional inputs, or a dict of its keyword inputs"):
         wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu")
+    with pytest.raises(TypeError, match=r"its keys must be argument names, got 0"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs={0: x}, device_memory="64MiB", device="cpu")
+    mask = torch.ones(4, 1)
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs={"x": x, "mask": mask},
+                      device_memory="64MiB", device="cpu")
+    model(x, mask=mask).backward()
+    opt.step()
+
+
+def test_a_step_whose_output_holds_no_loss_is_refused_at_wrap_naming_loss_fn():
+    """Traced without a loss, the step had no backward: a plan without gradients or their order."""
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.l(x)
+            return y.pow(2).mean(), y
+
+    module, x = Pair(), torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"Pair's forward returned a tuple, and the trace runs one backward from the "
+                                        r"step's loss: pass loss_fn="):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu")
+    with pytest.raises(TypeError, match=r"loss_fn returned a tuple, not the step.s loss tensor"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu",
+             loss_fn=lambda out: out[1:])
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB",
+                      device="cpu", loss_fn=lambda out: out[0])
+    assert model.plan.predicted_step_seconds > 0
+    loss, _ = model(x)
+    loss.backward()
+    opt.step()

@@ -169,6 +169,12 @@ class EngineHooks:
         return t
 
     def forward(self, *args, **kwargs):
+        return self.call(self.module, *args, **kwargs)
+
+    def call(self, fn, *args, **kwargs):
+        """Run `fn` (the module, or one of its methods that calls it, such as a Hugging Face model's
+        generate) as the wrapped model's forward: the module may be called inside, and its
+        parameters are fetched as it uses them."""
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
         self.phase = "forward"
@@ -178,7 +184,7 @@ class EngineHooks:
         try:
             self._calling = True
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
-                out = self.module(*args, **kwargs)
+                out = fn(*args, **kwargs)
         finally:
             self._calling = False
             self.phase = "backward"

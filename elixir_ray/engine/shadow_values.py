@@ -6,7 +6,8 @@ mask whether it may use causal attention, and position ids come from a cumulativ
 trace keeps each sample input's real value as a shadow of its meta stand-in and carries shadows
 through every kernel whose tensor arguments all have one (masks, ids, positions: small integer
 work, never the weights, which stay meta). A kernel that needs values then gets them from the
-shadows. A kernel that mixes in a weight has no shadow, so nothing the weights compute is ever
+shadows (a CPU tensor the step makes from Python values, such as the index tensor of
+`ids[:, [-1, 0]]`, is its own). A kernel that mixes in a weight has no shadow, so nothing the weights compute is ever
 real; and a tensor such a kernel writes into (in place, `out=`) loses its shadow, with every
 other view of its memory, so that no value read later is stale. Uninitialised allocations and
 random kernels get no shadow (the latter would advance the caller's random state).
@@ -68,6 +69,8 @@ class ShadowValues(TorchDispatchMode):
         return self.max_elements is None or t.numel() <= self.max_elements
 
     def _has(self, t: torch.Tensor) -> bool:
+        if t.device.type == "cpu":  # made during the step from Python values (an index list): real already
+            return t.layout == torch.strided and self._small(t)
         return t in self.shadows and t.layout == torch.strided and storage_key(t) not in self._poisoned
 
     def _real(self, func, args, kwargs):
@@ -85,7 +88,7 @@ class ShadowValues(TorchDispatchMode):
 
         def swap(x):
             if isinstance(x, torch.Tensor):
-                return self.shadows[x]
+                return x if x.device.type == "cpu" else self.shadows[x]
             if isinstance(x, torch.device) and x.type == "meta":
                 return torch.device("cpu")
             return x
@@ -99,6 +102,8 @@ class ShadowValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
+        if any(t.device.type == "cpu" for t in written):  # a real tensor written: not a kernel of the trace's
+            return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError):  # a kernel the meta device cannot run without values

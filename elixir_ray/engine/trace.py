@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
 from elixir_ray.engine.op_record import OpCall, OpRecorder
+from elixir_ray.engine.sample import SampleInputs, as_sample_inputs, loss_in
 from elixir_ray.engine.shadow_values import MAX_SHADOW_ELEMENTS, ShadowValues
 
 
@@ -134,6 +135,30 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _IndexListsOnCpu(TorchFunctionMode):
+    """`ids[:, [-1, 0]]` on a meta tensor: torch turns the list into an index tensor on the meta
+    device, whose values are lost, so a value read after it (Hugging Face's check for padding in
+    `input_ids`, `pad_token_id in ids[:, [-1, 0]]`) fails. Made on the CPU instead, the index keeps
+    its values and ShadowValues follows the result."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and args[0].device.type == "meta":
+            index = args[1]
+            if isinstance(index, tuple):
+                args = (args[0], tuple(_cpu_index(i) for i in index))
+            else:
+                args = (args[0], _cpu_index(index))
+        return func(*args, **kwargs)
+
+
+def _cpu_index(index):
+    if isinstance(index, list) and index and all(type(i) in (int, bool) for i in index) \
+            and len({type(i) for i in index}) == 1:
+        return torch.tensor(index, device="cpu")
+    return index
+
+
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False) -> Optional[torch.Tensor]:
     tensors = (query, key, value) + ((attn_mask,) if attn_mask is not None else ())
@@ -167,17 +192,16 @@ class ValueReadError(RuntimeError):
     """The step read the values of a tensor the trace has none for."""
 
 
-def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
+def _forward_on_meta(module: nn.Module, inputs: SampleInputs, loss_fn):
     try:
-        out = module(*inputs)
-        return loss_fn(out) if loss_fn else out
+        out = inputs.call(module)
+        loss = loss_fn(out) if loss_fn else loss_in(out)
     except TypeError as exc:
         if "forward()" not in str(exc) or "argument" not in str(exc):
             raise
-        raise TypeError(f"{exc}: the trace calls {type(module).__name__}(*sample_inputs), with {len(inputs)} "
-                        f"positional input(s) and no keyword arguments. Give sample_inputs every input forward "
-                        f"needs, in order; an input forward takes by keyword only can come through a small "
-                        f"nn.Module around it that takes it positionally") from exc
+        raise TypeError(f"{exc}: the trace calls {type(module).__name__} with {inputs.describe()}. Give "
+                        f"sample_inputs every input forward needs: a tuple of its positional inputs, or a dict "
+                        f"of its keyword inputs") from exc
     except (RuntimeError, NotImplementedError) as exc:
         if not any(m in str(exc) for m in _VALUE_READS):
             raise
@@ -186,6 +210,17 @@ def _forward_on_meta(module: nn.Module, inputs: tuple, loss_fn):
             f"values computed from sample_inputs (masks, positions), and from the weights when the module has "
             f"real ones (not built on the meta device), but not from tensors the step makes on another "
             f"device") from exc
+    if loss_fn is not None and not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn returned a {type(loss).__name__}, not the step's loss tensor")
+    if loss is None:
+        # a step traced without its backward would plan without gradients, recomputation or backward's
+        # order of accesses: refused rather than planned wrong
+        what = "a ModelOutput with no loss" if hasattr(out, "loss") else f"a {type(out).__name__}"
+        raise TypeError(f"{type(module).__name__}'s forward returned {what}, and the trace runs one backward "
+                        f"from the step's loss: pass loss_fn=, a function from forward's output to the loss "
+                        f"(loss_fn=lambda out: out[0], say), or return the loss (a Hugging Face model returns "
+                        f"one when labels are among sample_inputs)")
+    return loss
 
 
 def _backward_with_modes(loss: torch.Tensor) -> None:
@@ -200,21 +235,12 @@ def _backward_with_modes(loss: torch.Tensor) -> None:
         (loss,), (torch.ones_like(loss),), False, False, (), True, True)
 
 
-def sample_input_tuple(sample_inputs) -> tuple:
-    """`sample_inputs` as the tuple of forward's positional inputs; a bare tensor is refused, since
-    tuple() would split it along its first dimension into as many inputs."""
-    if isinstance(sample_inputs, torch.Tensor):
-        raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs, got a tensor of shape "
-                        f"{tuple(sample_inputs.shape)}: pass sample_inputs=(batch,)")
-    return tuple(sample_inputs)
-
-
-def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Optional[torch.dtype] = None
+def trace_step(module: nn.Module, sample_inputs, loss_fn=None, dtype: Optional[torch.dtype] = None
                ) -> AccessTrace:
     """Trace one step on the meta device. A step that reads values computed from the weights (which
     experts a learned router picks) is traced again with the weights' real values carried beside
     the meta tensors: every kernel then also runs on the CPU, so this costs a real step there."""
-    sample_inputs = sample_input_tuple(sample_inputs)
+    sample_inputs = as_sample_inputs(sample_inputs)
     try:
         return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
     except ValueReadError as exc:
@@ -224,7 +250,7 @@ def trace_step(module: nn.Module, sample_inputs: tuple, loss_fn=None, dtype: Opt
     return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=True)
 
 
-def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optional[torch.dtype],
+def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: Optional[torch.dtype],
                 with_weights: bool) -> AccessTrace:
     named = unique_parameters(module)
     params = [p for _, p in named]
@@ -304,15 +330,16 @@ def _trace_step(module: nn.Module, sample_inputs: tuple, loss_fn, dtype: Optiona
                 shadows.add(meta, p.detach().to("cpu", meta.dtype, copy=True))
             for meta, buf in buffer_metas:
                 shadows.add(meta, buf.detach().to("cpu", meta.dtype, copy=True))
-        real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(tuple(sample_inputs))[0]]
+        given = (sample_inputs.args, sample_inputs.kwargs)
+        real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(given)[0]]
         try:
-            with recorder, live, _FusedAttentionOnMeta(), \
+            with recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
-                inputs = tree_map(lambda x: _to_meta(x, dtype), tuple(sample_inputs))
+                inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):
                     if real is not None:
                         shadows.add(meta, real)
-                loss = _forward_on_meta(module, inputs, loss_fn)
+                loss = _forward_on_meta(module, SampleInputs(*inputs), loss_fn)
                 state["phase"] = "backward"
                 recorder.forward = False
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:

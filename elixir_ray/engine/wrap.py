@@ -27,7 +27,8 @@ from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
-from elixir_ray.engine.trace import sample_input_tuple, trace_step, unique_parameters
+from elixir_ray.engine.sample import as_sample_inputs, loss_in
+from elixir_ray.engine.trace import trace_step, unique_parameters
 
 
 def _post_order(module: nn.Module):
@@ -51,12 +52,23 @@ class ChunkedModule(nn.Module):
         with self.store.on_device():
             out = self.hooks.forward(*args, **kwargs)
         if self.loss_scale is not None and torch.is_grad_enabled():
-            if not (isinstance(out, torch.Tensor) and out.requires_grad and out.numel() == 1):
-                raise TypeError("with dtype=torch.float16 the module must return the scalar loss, so that the "
-                                "engine can scale it; return the loss from forward, or use bfloat16")
+            loss = loss_in(out)
+            if not (loss is not None and loss.requires_grad and loss.numel() == 1):
+                raise TypeError("with dtype=torch.float16 the module must return the scalar loss (or a Hugging Face "
+                                "ModelOutput holding it), so that the engine can scale it; return the loss from "
+                                "forward, or use bfloat16")
             scale = self.loss_scale.scale
-            out.register_hook(lambda g: g * scale)
+            loss.register_hook(lambda g: g * scale)
         return out
+
+    def generate(self, *args, **kwargs):
+        """The module's own `generate` (a Hugging Face model's), with its parameters fetched as the
+        wrapped forward fetches them: the module itself may not be called directly."""
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise AttributeError(f"{type(self.module).__name__} has no generate method")
+        with self.store.on_device(), torch.no_grad():
+            return self.hooks.call(generate, *args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's gradients live in chunks, not in `.grad`: this clears them, as the optimizer's
@@ -204,7 +216,7 @@ def _check_parameter_dtypes(module: nn.Module) -> None:
                          f"(module.float()), and choose the compute precision with dtype=")
 
 
-def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Optional[tuple] = None,
+def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Union[tuple, dict, None] = None,
          device_memory: Union[int, str, None] = None, plan: Optional[Plan] = None,
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
          dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
@@ -212,6 +224,10 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
          accumulation_steps: Optional[int] = None, prefetch: int = 1):
     """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`.
 
+    `sample_inputs` is one step's inputs, traced to order the chunks: a tuple of forward's positional
+    inputs, or a dict of its keyword inputs (a Hugging Face model's `input_ids` and `labels`). The
+    trace runs backward from the loss: forward's output when it is a tensor, else its `loss` (a
+    ModelOutput's), else what `loss_fn(output)` returns.
     `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
     host chunks start their CPU update during the N-th backward (see docs/engine.md); `prefetch`
     is how many traced accesses ahead the pool loads chunks (0: only on demand).
@@ -227,7 +243,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Opt
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
     with device_scope(device):
-        return _wrap(module, optimizer, sample_input_tuple(sample_inputs) if sample_inputs is not None else None,
+        return _wrap(module, optimizer, as_sample_inputs(sample_inputs) if sample_inputs is not None else None,
                      device_memory, plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn,
                      accumulation_steps, prefetch)
 
@@ -247,14 +263,15 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
             if id(p) not in in_module:
                 raise ValueError("the optimizer holds a parameter that is not in the module")
     if sample_inputs is None:
-        raise ValueError("wrap needs sample_inputs=(batch,) to trace the order parameters are used in")
+        raise ValueError("wrap needs sample_inputs=(batch,) (or a dict of forward's keyword inputs) to trace the "
+                         "order parameters are used in")
     if plan is None:  # the planner imports the engine, so it is imported here, when needed
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
 
         def search() -> Plan:
             with random_state_kept(device):
                 return search_plan(
-                    module, tuple(sample_inputs), device_memory, comm.world, quick_hardware(device, device_memory),
+                    module, sample_inputs, device_memory, comm.world, quick_hardware(device, device_memory),
                     dtype, loss_fn, grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
                     updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
                                                                   dtype == torch.float16))
@@ -276,7 +293,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
             raise ValueError(f"the plan sets activation checkpointing but {type(module).__name__} has no "
                              f"set_checkpointing(mask)")
         module.set_checkpointing(plan.activation_checkpointing)
-    trace = trace_step(module, tuple(sample_inputs), loss_fn)
+    trace = trace_step(module, sample_inputs, loss_fn)
     # ---- nothing above modified the module; from here on it is converted ----
     index = {n: i for i, n in enumerate(names)}
     ordered = [params[index[n]] for n in plan.param_order]
@@ -372,13 +389,13 @@ def _materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torc
                 mod._buffers[name] = b.to(store.device)
 
 
-def manual_plan(module: nn.Module, sample_inputs: tuple, chunk_size: int, n_blocks: int, world_size: int = 1,
+def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size: int, n_blocks: int, world_size: int = 1,
                 placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
                 dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
                 host_grads_low: bool = False) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
     named = unique_parameters(module)
-    trace = trace_step(module, sample_input_tuple(sample_inputs), loss_fn)
+    trace = trace_step(module, as_sample_inputs(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
     slots, sizes = pack([named[i][1].numel() for i in trace.order], chunk_size, world_size)
     n = len(sizes)

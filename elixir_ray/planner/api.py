@@ -12,7 +12,7 @@ from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.plan import Plan
-from elixir_ray.engine.trace import sample_input_tuple
+from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
@@ -58,9 +58,9 @@ def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) ->
     return int(HOST_FRACTION * free) // max(1, ranks_on_host)
 
 
-def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_size: int, hardware: HardwareProfile,
-                  dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int, host_budget: Optional[int],
-                  search_checkpointing: bool, updates_in_backward: bool = False,
+def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], budget: int, world_size: int,
+                  hardware: HardwareProfile, dtype: torch.dtype, loss_fn: Optional[Callable], grad_accum: int,
+                  host_budget: Optional[int], search_checkpointing: bool, updates_in_backward: bool = False,
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
                   low_host_grads: bool = True, replicate: str = "auto",
                   progress: Optional[Callable[[str], None]] = None) -> tuple[Plan, ModelProfile]:
@@ -77,7 +77,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
     for i, v in enumerate(variants):
         say(f"tracing one step of {type(module).__name__} on the meta device"
             + (f" (activation checkpointing setting {i + 1} of {len(variants)})" if len(variants) > 1 else ""))
-        profiles.append(profile_model(module, tuple(sample_inputs), loss_fn, v, dtype))
+        profiles.append(profile_model(module, sample_inputs, loss_fn, v, dtype))
     if time_compute:
         timed: dict = {}  # the checkpointing settings share most of their kernels: each is timed once
         distinct = len({call_key(op) for p in profiles for op in p.trace.ops})
@@ -98,7 +98,7 @@ def search_module(module: nn.Module, sample_inputs: tuple, budget: int, world_si
     return found, chosen
 
 
-def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str, None] = None, world_size: int = 1,
+def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], device_memory: Union[int, str, None] = None, world_size: int = 1,
          hardware: Optional[HardwareProfile] = None, dtype: Optional[torch.dtype] = None,
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
          search_checkpointing: bool = True, updates_in_backward: bool = False,
@@ -122,7 +122,7 @@ def plan(module: nn.Module, sample_inputs: tuple, device_memory: Union[int, str,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    sample_inputs = sample_input_tuple(sample_inputs)
+    sample_inputs = as_sample_inputs(sample_inputs)
     with random_state_kept(torch.device(hardware.device) if hardware is not None else None):
         return _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, loss_fn, grad_accum,
                      host_memory, search_checkpointing, updates_in_backward, time_compute, low_host_grads,
@@ -146,14 +146,14 @@ def _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, los
                          low_host_grads=low_host_grads, replicate=replicate, progress=progress)[0]
 
 
-def time_run_kernels(module: nn.Module, sample_inputs: tuple, hardware: HardwareProfile, dtype: torch.dtype,
+def time_run_kernels(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], hardware: HardwareProfile, dtype: torch.dtype,
                      search_checkpointing: bool, max_bytes: Optional[int] = None) -> dict:
     """{call key: [seconds, replayed]} of every kernel the plan search will trace for `module`, timed on
     `hardware.device` (which must be this process's): what a Ray worker measures for the driver."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     timed: dict = {}
     for v in variants:
-        time_ops(profile_model(module, tuple(sample_inputs), None, v, dtype).trace.ops, hardware,
+        time_ops(profile_model(module, sample_inputs, None, v, dtype).trace.ops, hardware,
                  max_bytes=max_bytes, cache=timed)
     return kernel_table(timed)
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from elixir_ray.engine.sample import as_sample_inputs
 from elixir_ray.engine.trace import AccessTrace, trace_step, unique_parameters
 from elixir_ray.planner.op_timing import ComputeTimes
 
@@ -38,9 +39,10 @@ def supports_checkpointing(module: nn.Module) -> bool:
     return callable(getattr(module, "checkpointing", None)) and callable(getattr(module, "set_checkpointing", None))
 
 
-def profile_model(module: nn.Module, sample_inputs: tuple, loss_fn: Optional[Callable] = None,
+def profile_model(module: nn.Module, sample_inputs, loss_fn: Optional[Callable] = None,
                   checkpointing: Optional[list] = None, dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """Trace one step of `module` (real or on the meta device) with the given checkpointing setting."""
+    sample_inputs = as_sample_inputs(sample_inputs)
     previous = module.checkpointing() if supports_checkpointing(module) else None
     if checkpointing is not None:
         if previous is None:
@@ -49,14 +51,13 @@ def profile_model(module: nn.Module, sample_inputs: tuple, loss_fn: Optional[Cal
         module.set_checkpointing(list(checkpointing))
     try:
         named = unique_parameters(module)
-        trace = trace_step(module, tuple(sample_inputs), loss_fn, dtype)
+        trace = trace_step(module, sample_inputs, loss_fn, dtype)
         traced_setting = module.checkpointing() if previous is not None else None
     finally:
         if previous is not None:
             module.set_checkpointing(previous)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    first = sample_inputs[0] if sample_inputs else None
-    batch = int(first.shape[0]) if hasattr(first, "shape") and len(first.shape) else 1
+    batch = sample_inputs.batch_size()
     return ModelProfile(names=[n for n, _ in named], numels=[p.numel() for _, p in named], trace=trace,
                         buffer_bytes=buffers, checkpointing=traced_setting, batch_size=batch)
 

@@ -19,7 +19,7 @@ from elixir_ray.checkpoint import list_checkpoints
 
 
 def main(dataset: str, out_dir: str) -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of a signal
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 2**10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     cfg = {
