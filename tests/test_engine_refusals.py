@@ -248,3 +248,75 @@ def test_a_step_whose_output_holds_no_loss_is_refused_at_wrap_naming_loss_fn():
     loss, _ = model(x)
     loss.backward()
     opt.step()
+
+
+def test_a_forward_after_the_backward_that_started_the_updates_is_refused_until_the_step():
+    """With accumulation_steps=N the N-th backward starts host chunks' updates: a forward before the
+    step (a validation loss) computed with some weights old and some new, silently."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(3, 4)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data, accumulation_steps=2)
+    model(data[0]).backward()
+    with torch.no_grad():
+        model(data[2])  # after the first of two backwards nothing is updated yet: allowed
+    model(data[1]).backward()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"cannot run the model between backward\(\) and "
+                                                            r"optimizer.step\(\) with accumulation_steps=2.*Run it "
+                                                            r"before that backward or after optimizer.step\(\)"):
+        model(data[2])
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        assert torch.isfinite(model(data[2]))
+
+
+def test_a_module_wrapped_twice_is_refused_saying_so():
+    """The second wrap's trace called the wrapped module and got the "called directly" refusal."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    _wrapped(module, torch.optim.AdamW(module.parameters()), data)
+    with pytest.raises(ValueError, match=r"this Toy was already given to elixir_ray.wrap.*copy.deepcopy\(module\)"):
+        _wrapped(module, torch.optim.AdamW(module.parameters()), data)
+    with pytest.raises(ValueError, match=r"this Sequential \(its 0\) was already given to elixir_ray.wrap"):
+        outer = torch.nn.Sequential(module)
+        wrap(outer, torch.optim.AdamW(outer.parameters()), sample_inputs=(data[0],), device_memory="64MiB",
+             device="cpu")
+
+
+class _Scale(torch.nn.Module):  # meta weights and a meta buffer, no reset_parameters
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.register_buffer("shift", torch.zeros(n))
+
+    def forward(self, x):
+        return x * self.weight + self.shift
+
+
+def test_a_meta_module_that_nothing_initialises_is_refused_naming_init_fn():
+    """Without reset_parameters its weights kept whatever memory they were given (NaN losses)."""
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), _Scale(8))
+    x = torch.randn(4, 8)
+
+    def loss(out):
+        return out.square().mean()
+
+    with pytest.raises(ValueError, match=r"Sequential is on the meta device, and 1 of its modules hold meta weights or "
+                                         r"buffers but have no reset_parameters\(\) to initialise them: 1 \(_Scale: "
+                                         r"weight, buffer shift\). Pass init_fn="):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu",
+             loss_fn=loss)
+
+    def init(mod):
+        if isinstance(mod, _Scale):
+            torch.nn.init.ones_(mod.weight)
+            torch.nn.init.zeros_(mod.shift)
+        elif isinstance(mod, torch.nn.Linear):
+            mod.reset_parameters()
+
+    model, _ = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB",
+                    device="cpu", loss_fn=loss, init_fn=init)
+    state = model.state_dict()
+    assert torch.equal(state["1.weight"], torch.ones(8)) and torch.equal(state["1.shift"], torch.zeros(8))
+    assert torch.isfinite(model(x)).all()

@@ -127,6 +127,12 @@ def test_load_state_dict_checks_shapes_and_reports_keys_as_torch_does():
     partial["extra"] = torch.zeros(1)
     missing, unexpected = model.load_state_dict(partial, strict=False)
     assert (missing, unexpected) == (["ln.bias"], ["extra"])
+    with pytest.raises(RuntimeError, match=r"missing keys \['ln.bias'\], unexpected keys \['extra'\]; nothing was "
+                                           r"loaded"):  # torch's type: `except RuntimeError` catches both
+        model.load_state_dict(partial)
+    prefixed = {f"module.{k}": v for k, v in reference.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"keys start with 'module.', as model.named_parameters\(\) names them"):
+        model.load_state_dict(prefixed)
     assert list(model.state_dict(prefix="net.")) == [f"net.{k}" for k in reference.state_dict()]
     with pytest.raises(ValueError, match="assign=False"):
         model.load_state_dict(reference.state_dict(), assign=True)

@@ -145,7 +145,7 @@ class EngineHooks:
             f"the {type(mod).__name__} given to elixir_ray.wrap was called directly: call the model wrap returned "
             f"(model, optimizer = elixir_ray.wrap(module, ...); loss = model(batch)). Its parameters live in the "
             f"engine's chunks now, and only the wrapped model fetches them; for the weights as plain tensors use "
-            f"model.state_dict()")
+            f"model.state_dict()" + ("; its generate is model.generate(...)" if hasattr(mod, "generate") else ""))
 
     def _pre_forward(self, chunks):
         def hook(mod, args):
@@ -175,6 +175,10 @@ class EngineHooks:
         """Run `fn` (the module, or one of its methods that calls it, such as a Hugging Face model's
         generate) as the wrapped model's forward: the module may be called inside, and its
         parameters are fetched as it uses them."""
+        if self.optimizer is not None:
+            self.optimizer.refuse_mid_update(
+                "run the model", "Run it before that backward or after optimizer.step() (or wrap with "
+                "accumulation_steps=None, which starts the updates at step())")
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
         self.phase = "forward"

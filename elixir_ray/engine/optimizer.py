@@ -214,14 +214,16 @@ class ChunkedAdam(torch.optim.Optimizer):
             s.has_grad = False
         self._zeros_kept = not set_to_none
 
-    def refuse_mid_update(self, what: str) -> None:
+    def refuse_mid_update(self, what: str, instead: str = "Load before the step's forward, or after "
+                                                               "optimizer.step()") -> None:
         """Between a backward that started updates (accumulation_steps) and the step, some chunks are
         already updated from the old state: loading now would be half overwritten by them and half
-        not, and the step would apply nothing on top of what was loaded."""
+        not, and the step would apply nothing on top of what was loaded; a forward would compute
+        with some weights old and some new."""
         if any(c.updated for c in self.store.chunks):
             raise RuntimeError(f"cannot {what} between backward() and optimizer.step() with accumulation_steps="
                                f"{self.accumulation_steps}: this step's updates already started during the backward. "
-                               f"Load before the step's forward, or after optimizer.step()")
+                               f"{instead}")
 
     def state_dict(self) -> dict:
         """The AdamW state in torch's format, whole tensors on the host (optimizer_state.py); with

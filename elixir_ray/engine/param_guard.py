@@ -86,8 +86,9 @@ def _message(t: "ChunkParameter", func) -> str:
     return (f"parameter {getattr(t, '_engine_name', '?')} was read ({what}) while its chunk has no copy on the "
             f"device: elixir_ray frees a chunk's compute copy when it evicts it (after every optimizer.step(), all "
             f"of them), so outside the wrapped model's forward and backward a parameter has no data. Read the "
-            f"weights with model.state_dict() (full fp32 tensors on the host), and compute with them (a "
-            f"regulariser, a norm to log) inside the model's forward")
+            f"weights with model.state_dict() (full fp32 tensors on the host; a Hugging Face model saves them with "
+            f"save_pretrained(path, state_dict=model.state_dict())), and compute with them (a regulariser, a norm "
+            f"to log) inside the model's forward")
 
 
 class ChunkParameter(nn.Parameter):

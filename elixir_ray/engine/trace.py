@@ -235,12 +235,24 @@ def _backward_with_modes(loss: torch.Tensor) -> None:
         (loss,), (torch.ones_like(loss),), False, False, (), True, True)
 
 
+def check_not_wrapped(module: nn.Module) -> None:
+    """A module wrapped before has its parameters in that wrap's chunks and its hooks on: a second
+    trace would run into them (the "called directly" refusal, which points the wrong way)."""
+    for name, mod in module.named_modules():
+        if any(getattr(h, "__qualname__", "").startswith("EngineHooks.") for h in mod._forward_pre_hooks.values()):
+            what = f"{type(module).__name__}" + (f" (its {name})" if name else "")
+            raise ValueError(f"this {what} was already given to elixir_ray.wrap, and its parameters live in that "
+                             f"wrap's chunks: keep training the model that wrap returned, or wrap a fresh module "
+                             f"(copy.deepcopy(module) before the first wrap)")
+
+
 def trace_step(module: nn.Module, sample_inputs, loss_fn=None, dtype: Optional[torch.dtype] = None
                ) -> AccessTrace:
     """Trace one step on the meta device. A step that reads values computed from the weights (which
     experts a learned router picks) is traced again with the weights' real values carried beside
     the meta tensors: every kernel then also runs on the CPU, so this costs a real step there."""
     sample_inputs = as_sample_inputs(sample_inputs)
+    check_not_wrapped(module)
     try:
         return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
     except ValueReadError as exc:

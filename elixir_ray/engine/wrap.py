@@ -28,7 +28,7 @@ from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_opt
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import as_sample_inputs, loss_in
-from elixir_ray.engine.trace import trace_step, unique_parameters
+from elixir_ray.engine.trace import check_not_wrapped, trace_step, unique_parameters
 
 
 def _post_order(module: nn.Module):
@@ -137,7 +137,14 @@ class ChunkedModule(nn.Module):
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
-            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            hint = ""
+            if unexpected and all(k.startswith("module.") and k[len("module."):] in own for k in unexpected):
+                hint = (" (the keys start with 'module.', as model.named_parameters() names them: state_dict() and "
+                        "load_state_dict() use the module's own keys)")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys "
+                               f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected keys "
+                               f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}{hint}; nothing was loaded "
+                               f"(strict=False loads the keys that match)")
         if shape_of is None:
             def shape_of(key):
                 return tuple(torch.as_tensor(state_dict[key]).shape)
@@ -202,6 +209,29 @@ def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
     write_slot(c, c.master, slot, flat)
 
 
+def _check_meta_initialisable(module: nn.Module) -> None:
+    """Without init_fn, a submodule whose own weights or buffers are on the meta device is initialised
+    by its reset_parameters(); one without that method would keep whatever memory it was given (NaN
+    losses, or a rotary embedding's frequencies made of garbage), so it is refused before any work."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    seen: set[int] = set()
+    missing = []
+    for mod in _post_order(module):
+        params = [(n, p) for n, p in mod._parameters.items() if p is not None and id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        tensors = [n for n, p in params if p.device.type == "meta"]
+        tensors += [f"buffer {n}" for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"]
+        if tensors and not callable(getattr(mod, "reset_parameters", None)):
+            missing.append(f"{names.get(id(mod)) or '(the module itself)'} ({type(mod).__name__}: {', '.join(tensors)})")
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(
+            f"{type(module).__name__} is on the meta device, and {len(missing)} of its modules hold meta weights or "
+            f"buffers but have no reset_parameters() to initialise them: {'; '.join(missing[:4])}{more}. Pass "
+            f"init_fn=, called on each module with meta weights (for a Hugging Face model: "
+            f"init_fn=model._init_weights), or build the module with real weights")
+
+
 def _check_parameter_dtypes(module: nn.Module) -> None:
     """Every parameter becomes a view of a chunk in one compute dtype (fp32 masters beside it): a model
     whose parameters differ in dtype, or are float64, would silently run in another precision."""
@@ -233,7 +263,10 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     is how many traced accesses ahead the pool loads chunks (0: only on demand).
     """
     check_optimizer(optimizer)
+    check_not_wrapped(module)
     _check_parameter_dtypes(module)
+    if init_fn is None:
+        _check_meta_initialisable(module)
     if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
                          f"or None, got {accumulation_steps!r}")
