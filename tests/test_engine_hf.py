@@ -180,3 +180,23 @@ def test_generate_on_a_module_without_one_says_so():
                     device_memory="64MiB", device="cpu", loss_fn=lambda out: out.sum())
     with pytest.raises(AttributeError, match="Linear has no generate method"):
         model.generate(torch.randn(2, 4))
+
+
+def test_hf_plan_error_names_the_models_own_activation_checkpointing():
+    """The planner cannot switch a Hugging Face model's checkpointing per block, but the model can
+    recompute its layers itself: when activations do not fit, the refusal says how."""
+    import elixir_ray
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 128, (8, 256))
+    switch = ("activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable")
+              else "gradient_checkpointing_enable")
+    with pytest.raises(elixir_ray.PlanError, match=rf"activations at micro-batch 8 need .*: call "
+                                                   rf"LlamaForCausalLM.{switch}\(\) before planning or wrap"):
+        elixir_ray.plan(model, {"input_ids": ids, "labels": ids}, device_memory="24MiB")
+    getattr(model, switch)()
+    plan = elixir_ray.plan(model, {"input_ids": ids, "labels": ids}, device_memory="24MiB")
+    assert plan.predicted_peak_bytes <= 24 * 2**20

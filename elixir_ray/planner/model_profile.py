@@ -29,6 +29,9 @@ class ModelProfile:
     checkpointing: Optional[list]  # the per-block setting traced (None: the module has no switch)
     batch_size: int  # rows in the sample inputs (the micro-batch the activations were measured at)
     compute: Optional[ComputeTimes] = None  # the step's kernels timed on the device, when it was at hand
+    # how to turn on activation checkpointing that the planner cannot switch itself (a Hugging Face
+    # model's own), for the message when activations do not fit; None when there is nothing to say
+    checkpointing_hint: Optional[str] = None
 
     @property
     def total_params(self) -> int:
@@ -59,7 +62,21 @@ def profile_model(module: nn.Module, sample_inputs, loss_fn: Optional[Callable] 
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     batch = sample_inputs.batch_size()
     return ModelProfile(names=[n for n, _ in named], numels=[p.numel() for _, p in named], trace=trace,
-                        buffer_bytes=buffers, checkpointing=traced_setting, batch_size=batch)
+                        buffer_bytes=buffers, checkpointing=traced_setting, batch_size=batch,
+                        checkpointing_hint=_own_checkpointing_hint(module) if previous is None else None)
+
+
+def _own_checkpointing_hint(module: nn.Module) -> Optional[str]:
+    """A Hugging Face model recomputes its layers after gradient_checkpointing_enable() (named
+    activation_checkpointing_enable() from transformers 5.x), a switch the planner does not try (it
+    is not per block)."""
+    for switch, state in (("activation_checkpointing_enable", "is_activation_checkpointing"),
+                          ("gradient_checkpointing_enable", "is_gradient_checkpointing")):
+        if callable(getattr(type(module), switch, None)) and hasattr(type(module), state):
+            if getattr(module, state):
+                return None
+            return f"call {type(module).__name__}.{switch}() before planning or wrap"
+    return None
 
 
 CHECKPOINT_FRACTIONS = (0.0, 0.25, 1 / 3, 0.5, 2 / 3, 1.0)

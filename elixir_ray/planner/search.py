@@ -436,6 +436,8 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
             hint = "enable activation checkpointing"
         else:
             hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size)
+            if prof.checkpointing_hint:
+                hint = f"{prof.checkpointing_hint} (activation checkpointing), or {hint}"
         dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
     elif part == "pool blocks":
         dominant = (f"the pool needs at least {choice.n_blocks} blocks of {format_bytes(value // choice.n_blocks)} "
