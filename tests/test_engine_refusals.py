@@ -215,6 +215,10 @@ def test_sample_inputs_given_as_a_bare_tensor_or_short_of_a_keyword_argument_say
                                         r"input\(s\). Give sample_inputs every input forward needs: a tuple of its "
                                         r"positional inputs, or a dict of its keyword inputs"):
         wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(x,), device_memory="64MiB", device="cpu")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'batch'.*with keyword inputs batch, x\..*a "
+                                        r"dict that forward takes as one input goes in a tuple"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs={"x": x, "batch": x}, device_memory="64MiB",
+             device="cpu")
     with pytest.raises(TypeError, match=r"its keys must be argument names, got 0"):
         wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs={0: x}, device_memory="64MiB", device="cpu")
     mask = torch.ones(4, 1)

@@ -34,7 +34,7 @@ class SampleInputs:
         return int(first.shape[0]) if first is not None and first.dim() else 1
 
     def describe(self) -> str:
-        parts = [f"{len(self.args)} positional input(s)"]
+        parts = [f"{len(self.args)} positional input(s)"] if self.args or not self.kwargs else []
         if self.kwargs:
             parts.append(f"keyword inputs {', '.join(sorted(self.kwargs))}")
         return " and ".join(parts)

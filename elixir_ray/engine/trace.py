@@ -199,9 +199,11 @@ def _forward_on_meta(module: nn.Module, inputs: SampleInputs, loss_fn):
     except TypeError as exc:
         if "forward()" not in str(exc) or "argument" not in str(exc):
             raise
+        one_dict = (" (a dict that forward takes as one input goes in a tuple: sample_inputs=(batch,))"
+                    if inputs.kwargs and not inputs.args else "")
         raise TypeError(f"{exc}: the trace calls {type(module).__name__} with {inputs.describe()}. Give "
                         f"sample_inputs every input forward needs: a tuple of its positional inputs, or a dict "
-                        f"of its keyword inputs") from exc
+                        f"of its keyword inputs{one_dict}") from exc
     except (RuntimeError, NotImplementedError) as exc:
         if not any(m in str(exc) for m in _VALUE_READS):
             raise
