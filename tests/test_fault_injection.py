@@ -228,3 +228,36 @@ def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_clu
         result = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
     assert "meeting through a TCP store on 127.0.0.1" in caplog.text
     assert _steps(result) == [1] and not result.restarts
+
+
+def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray_cluster, tiny_dataset, tmp_path,
+                                                                             monkeypatch):
+    """Profiling, setting up and restoring are waited for as long as they take: a rank that stopped
+    answering there (SIGSTOP: a process hung in a driver call looks the same) held the driver forever."""
+    marker = tmp_path / "stopped"
+
+    class HangingWorker(RankWorker):
+        def profile(self, micro_batch):
+            if self.rank == 1 and not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)  # the whole process: its other threads stop too
+            return super().profile(micro_batch)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(HangingWorker))
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
+                      fault={"max_restarts": 1, "detect_timeout_s": 8})
+    started = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = train(cfg, progress=False)
+    finally:
+        if marker.exists():
+            try:
+                os.kill(int(marker.read_text()), signal.SIGCONT)  # the teardown SIGKILLs it; be sure
+            except (ProcessLookupError, ValueError):
+                pass
+    (record,) = result.restarts
+    assert "profiling the workers" in record.reason and "worker(s) 1 did not answer for 8s" in record.reason, record
+    assert _steps(result) == [1, 2, 3, 4]
+    assert time.monotonic() - started < 120

@@ -53,6 +53,7 @@ SNAPSHOT_BYTES_PER_S = 256 * 2**20
 # the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
 OBJECT_STORE_SHARE = 0.5
 DEATH_GRACE_S = 5.0  # how long a rank's failure waits for news of a peer's death, to name the dead one
+PING_INTERVAL_S = 5.0  # how often a long setup call's wait checks that every worker still answers
 WRITE_POLL_S = 1.0  # how often the driver asks the ranks how far their checkpoint write has got
 
 
@@ -229,7 +230,10 @@ class TrainController:
                 time.sleep(0.2)
 
     def _rendezvous(self) -> None:
-        infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info")
+        # the first call each new worker answers: it waits for the worker's process to start, which a
+        # liveness ping cannot tell from a hang, so it gets the rendezvous's own limit
+        infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info",
+                          timeout=self.cfg.cluster.init_timeout_s)
         driver_node = ray.get_runtime_context().get_node_id()
         self._on_driver_node = all(info["node_id"] == driver_node for info in infos)
         # Every rank on a node sees all of that node's GPUs; local rank = order within the node.
@@ -241,22 +245,22 @@ class TrainController:
             gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
             for local_rank, rank in enumerate(ranks):
                 calls.append(self.workers[rank].set_devices.remote(gpus, local_rank))
-        self._get(calls, "setting devices")
+        self._get_watched(calls, "setting devices")
         last_error = None
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
             if len(by_node) == 1:  # through a file on the node: no listening socket at all
-                path = self._get([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
+                path = self._get_watched([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
                 self._rendezvous_files.append(path)
                 init_method = f"file://{path}"
-                if not all(self._get([w.sees_file.remote(path) for w in self.workers], "checking the file")):
+                if not all(self._get_watched([w.sees_file.remote(path) for w in self.workers], "checking the file")):
                     # ranks in containers of their own share no temp directory: a TCP store on loopback
-                    port = self._get([self.workers[0].free_port.remote("127.0.0.1")], "probing a port")[0]
+                    port = self._get_watched([self.workers[0].free_port.remote("127.0.0.1")], "probing a port")[0]
                     init_method = f"tcp://127.0.0.1:{port}"
                     log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
                                 "(it listens on every interface)", os.path.dirname(path), port)
             else:
                 addr = infos[0]["node_ip"]
-                port = self._get([self.workers[0].free_port.remote(addr)], "probing a port")[0]
+                port = self._get_watched([self.workers[0].free_port.remote(addr)], "probing a port")[0]
                 init_method = f"tcp://{addr}:{port}"
             try:
                 self._get([w.init_process_group.remote(init_method, self.shape.backend,
@@ -270,7 +274,8 @@ class TrainController:
 
     def _profile(self) -> None:
         micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)
-        self.outcome.profiles = self._get([w.profile.remote(micro) for w in self.workers], "profiling the workers")
+        self.outcome.profiles = self._get_watched([w.profile.remote(micro) for w in self.workers],
+                                                  "profiling the workers")
 
     def _plan(self) -> None:
         # Restarts reuse the first profiles: the same kind of machines, measured once.
@@ -284,7 +289,7 @@ class TrainController:
         self.outcome.plan = plan
         self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
-        self._get([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
+        self._get_watched([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
 
     def _checkpoint_via(self) -> str:
         """`checkpoint.via`, with `auto` resolved from the state's size and the object store's; a
@@ -338,7 +343,8 @@ class TrainController:
         except OSError:  # not even the driver can write there: the checkpoint's write will say why
             return True
         try:
-            return all(self._get([w.sees_file.remote(probe) for w in self.workers], "checking the checkpoint path"))
+            return all(self._get_watched([w.sees_file.remote(probe) for w in self.workers],
+                                         "checking the checkpoint path"))
         finally:
             os.remove(probe)
 
@@ -359,8 +365,8 @@ class TrainController:
                 mine = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             return False
-        return all(d == mine for d in self._get([w.file_digest.remote(manifest) for w in self.workers],
-                                                "checking the checkpoint path"))
+        return all(d == mine for d in self._get_watched([w.file_digest.remote(manifest) for w in self.workers],
+                                                        "checking the checkpoint path"))
 
     def _note_resume(self, path: str, manifest: dict) -> None:
         """Say where a resumed run starts, and warn when its global batch is not the checkpoint's: the
@@ -426,10 +432,12 @@ class TrainController:
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
-            self._get([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers], "restoring state")
+            self._get_watched([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers],
+                              "restoring state")
         elif tensors is not None:
             tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
-            self._get([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers], "restoring state")
+            self._get_watched([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers],
+                              "restoring state")
         self.step = step
         self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
         if not self.outcome.restarts:
@@ -623,6 +631,25 @@ class TrainController:
         return WorkerShape(num_workers=fit, use_gpu=self.shape.use_gpu, cpus_per_worker=self.shape.cpus_per_worker)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _get_watched(self, refs: list, what: str) -> list:
+        """Wait for calls that take as long as they take (profiling, setting up, restoring), pinging
+        every worker meanwhile: a worker that no longer answers for fault.detect_timeout_s (stopped,
+        hung in a driver call) fails the group, where a bare wait would wait forever. The workers
+        are threaded, so a busy one still answers."""
+        limit = self.cfg.fault.detect_timeout_s
+        while True:
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=min(PING_INTERVAL_S, limit))
+            self._get(done, what)  # a worker that failed or died says so at once
+            if not pending:
+                return self._get(refs, what)
+            pings = [w.alive.remote() for w in self.workers]
+            answered, silent = ray.wait(pings, num_returns=len(pings), timeout=limit)
+            if silent:
+                ranks = ", ".join(str(rank) for rank, ping in enumerate(pings) if ping in silent)
+                raise WorkerGroupFailure(what, f"worker(s) {ranks} did not answer for {limit:g}s "
+                                               f"(fault.detect_timeout_s): hung or stopped")
+            self._get(answered, what)
 
     def _get(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         try:

@@ -55,6 +55,11 @@ class RankWorker:
         self._beats = 0  # forwards of an evaluation under way: progress the driver sees before the step ends
         torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
 
+    def alive(self) -> bool:
+        """Answered on another of the actor's threads while a long call runs: the driver's sign that
+        this worker is busy rather than hung."""
+        return True
+
     def node_info(self) -> dict:
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
