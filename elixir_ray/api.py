@@ -213,6 +213,29 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
 
 
+def _writable_local_dir(uri: str, key: str) -> Optional[str]:
+    """The nearest directory of local `uri` that exists (where its files will land), refused when it
+    is a file or cannot be written (a read-only mount too); None for an object store URI."""
+    path = storage.local_path(uri)
+    if path is None:
+        return None
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key} {uri!r}: {path} is a file, not a directory: point {key} at a directory (it is "
+                          f"made if missing)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {uri!r}: {path} cannot be written by this user (or is on a read-only "
+                          f"filesystem): point {key} at a writable directory")
+    return path
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """The run directory gets the metrics and the plan (and the checkpoints, unless checkpoint.uri
+    sends them elsewhere): a run that could not write it would train to the end and then fail."""
+    _writable_local_dir(cfg.run_dir, "output_dir")
+
+
 def check_checkpoint_space(cfg: RunConfig) -> None:
     """A checkpoint that cannot be written where it goes would lose the run's weights at its end:
     refuse a local `checkpoint.uri` under a file or in a directory that cannot be written, or whose
@@ -224,17 +247,9 @@ def check_checkpoint_space(cfg: RunConfig) -> None:
     from elixir_ray.model.factory import build_model
 
     uri = cfg.checkpoint_uri
-    path = storage.local_path(uri)
+    path = _writable_local_dir(uri, "checkpoint.uri")
     if path is None:
         return
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)  # the nearest directory that exists: where the checkpoints will land
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint.uri {uri!r}: {path} is a file, not a directory: point checkpoint.uri at a "
-                          f"directory (it is made if missing)")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"checkpoint.uri {uri!r}: {path} cannot be written by this user: point checkpoint.uri "
-                          f"at a writable directory")
     try:
         free = shutil.disk_usage(path).free
     except OSError:
@@ -311,6 +326,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     cfg = check_data(as_config(config, overrides))
     if resume is not None:
         check_resume(cfg, resume)
+    check_output_dir(cfg)
     check_checkpoint_space(cfg)
     started_here = _ensure_ray(cfg)
     try:
@@ -321,10 +337,15 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         saver = MetricsSaver(os.path.join(cfg.run_dir, "metrics.parquet"),
                              lambda: controller.outcome.metrics if controller else [])
 
+        every = cfg.checkpoint.every_steps
+
         def on_metrics(m: dict) -> None:
             if bar:
                 _show_step(bar, m)
-            saver.save(every_s=METRICS_SAVE_EVERY_S)
+            # at a checkpoint's step at once: a run resumed from it (after its driver was killed) then
+            # finds every step before the checkpoint in the metrics on disk
+            at_checkpoint = bool(every) and m["step"] % every == 0
+            saver.save(every_s=0.0 if at_checkpoint else METRICS_SAVE_EVERY_S)
 
         start = time.monotonic()
         on_note = bar.note if bar else (lambda text: None)
@@ -374,11 +395,12 @@ class MetricsSaver:
 
 
 def earlier_metrics(cfg: RunConfig, resume: str) -> list[dict]:
-    """The metrics the run directory already holds, when the checkpoint resumed is this run's: the
-    controller keeps those up to the restored step, so a resumed run's metrics start at step 1."""
-    _, run_path = storage.resolve(cfg.run_dir)
+    """The metrics the run directory already holds, when the checkpoint resumed is this run's (under
+    its run directory or its checkpoint.uri): the controller keeps those up to the restored step, so
+    a resumed run's metrics start at step 1."""
     _, resume_path = storage.resolve(resume)
-    if not resume_path.startswith(run_path.rstrip("/") + "/"):
+    own = [storage.resolve(d)[1].rstrip("/") + "/" for d in (cfg.run_dir, cfg.checkpoint_uri)]
+    if not any((resume_path.rstrip("/") + "/").startswith(d) for d in own):
         return []
     try:
         return read_metrics(os.path.join(cfg.run_dir, "metrics.parquet"))

@@ -257,3 +257,52 @@ def test_a_lost_final_checkpoint_is_not_reported_as_the_result(ray_cluster, tiny
     out, err = capsys.readouterr()
     assert "step-00000002 is step 2, NOT the final step 4: its checkpoint could not be written" in out
     assert "error: training reached step 4, but its checkpoint was not written" in err
+
+
+def test_the_metrics_on_disk_reach_every_checkpoint_step(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    """A driver killed outright writes nothing more: its metrics file must already hold every step up
+    to the checkpoint a resume takes (they were written every 10 s only, and the resume's metrics had
+    a gap). Here the timed writes never come and the end's write fails, as after a SIGKILL."""
+    import elixir_ray.api as api
+    from elixir_ray.metrics import read_metrics
+
+    def killed(*args, **kwargs):
+        raise SystemExit("the driver is gone")
+
+    monkeypatch.setattr(api, "METRICS_SAVE_EVERY_S", 1e9)
+    monkeypatch.setattr(api, "_write_outputs", killed)
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 7}, checkpoint={"every_steps": 3},
+                      cluster={"num_workers": 1})
+    with pytest.raises(SystemExit):
+        train(cfg, progress=False)
+    steps = [row["step"] for row in read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))]
+    assert steps[:6] == [1, 2, 3, 4, 5, 6], steps
+
+
+def test_a_resume_from_a_checkpoint_uri_outside_the_run_directory_keeps_the_earlier_metrics(
+        ray_cluster, tiny_dataset, tmp_path):
+    """The README's s3:// setup puts checkpoints outside the run directory: a resume of the same run
+    there overwrote its metrics with the resumed steps only."""
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2,
+                                                                              "uri": str(tmp_path / "ck")},
+                      cluster={"num_workers": 1})
+    first = train(cfg, progress=False)
+    assert first.checkpoint_uri.startswith(str(tmp_path / "ck"))
+    resumed = train({**cfg, "train": {**cfg["train"], "steps": 6}}, progress=False, resume=str(tmp_path / "ck"))
+    assert resumed.metrics.column("step").to_pylist() == [1, 2, 3, 4, 5, 6]
+    # a checkpoint from elsewhere is not this run's: its metrics start at the resumed step
+    other = train({**cfg, "name": "other", "train": {**cfg["train"], "steps": 6}, "checkpoint": {"every_steps": 2}},
+                  progress=False, resume=first.checkpoint_uri)
+    assert other.metrics.column("step").to_pylist() == [5, 6]
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(tiny_dataset, tmp_path):
+    """With checkpoint.uri elsewhere nothing checked output_dir: the run trained every step and then
+    failed writing its metrics, without saying where its checkpoints were."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = tiny_config(tiny_dataset, tmp_path, checkpoint={"uri": str(tmp_path / "ck")})
+    cfg["output_dir"] = str(blocker / "runs")
+    with pytest.raises(ConfigError, match=r"output_dir .*a-file is a file, not a directory: point output_dir at a "
+                                          r"directory"):
+        train(cfg, progress=False)

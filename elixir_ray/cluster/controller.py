@@ -439,7 +439,13 @@ class TrainController:
             self._get_watched([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers],
                               "restoring state")
         self.step = step
-        self.outcome.metrics = [m for m in self.outcome.metrics if m["step"] <= step]
+        kept = [m for m in self.outcome.metrics if m["step"] <= step]
+        if not self.outcome.restarts and kept and kept[-1]["step"] < step:  # a resume: the earlier run's rows
+            gap = f"steps {kept[-1]['step'] + 1}-{step}" if kept[-1]["step"] + 1 < step else f"step {step}"
+            log.warning("the earlier metrics of this run stop at step %d, before the checkpoint's step %d (its driver "
+                        "stopped before writing them): %s are missing from metrics.parquet", kept[-1]["step"], step,
+                        gap)
+        self.outcome.metrics = kept
         if not self.outcome.restarts:
             self.outcome.start_step = step
         else:
