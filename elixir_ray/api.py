@@ -60,8 +60,9 @@ class Result:
             f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
-            *(f"restart: {r.reason}; restored step {r.restored_step} from {r.restored_from} on "
-              f"{r.world_size} worker(s)" for r in self.restarts),
+            *(f"restart: {r.reason}; " + (f"restored step {r.restored_step} from {r.restored_from} on "
+                                          f"{r.world_size} worker(s)" if r.restored_from
+                                          else "failed again before its restore") for r in self.restarts),
             *(f"warning: {e}" for e in self.persist_errors),
             f"metrics:    {_shown(self.metrics_uri)}",
             f"checkpoint: {_checkpoint_line(self)}",

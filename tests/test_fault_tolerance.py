@@ -306,3 +306,18 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(tiny_dat
     with pytest.raises(ConfigError, match=r"output_dir .*a-file is a file, not a directory: point output_dir at a "
                                           r"directory"):
         train(cfg, progress=False)
+
+
+def test_a_resume_with_dropout_onto_another_worker_count_warns_that_it_is_not_exact(
+        ray_cluster, tiny_dataset, tmp_path, caplog):
+    """Each rank's dropout masks come from its own saved random stream: the README said a resume with
+    the same global batch continues exactly, which holds only on the same number of workers."""
+    cfg = tiny_config(tiny_dataset, tmp_path, model={"dropout": 0.1}, train={"steps": 2, "micro_batch": 4},
+                      cluster={"num_workers": 1})
+    first = train(cfg, progress=False)
+    more = {**cfg, "name": "two", "train": {**cfg["train"], "steps": 3, "micro_batch": 2},
+            "cluster": {"num_workers": 2}}
+    with caplog.at_level("WARNING", logger="elixir_ray"):
+        train(more, progress=False, resume=first.checkpoint_uri)
+    assert "model.dropout=0.1 and the run goes on on 2 worker(s) instead of 1" in caplog.text
+    assert "the checkpoint.s run had a global batch" not in caplog.text  # 2 x 2 = 1 x 4: only the streams differ

@@ -16,3 +16,24 @@ def test_a_log_shows_the_first_step_seen_every_nth_and_the_last_with_notes_betwe
     lines = out.getvalue().splitlines()
     assert [line.split("  ")[0].split()[-1] for line in lines if line.startswith("[")] == ["13/30", "20/30", "30/30"]
     assert "step 15: eval loss 2.5000" in lines
+
+
+def test_the_summary_says_when_a_restart_failed_again_before_its_restore():
+    """A second failure before the first restart's restore left "restored step 0 from  on 2 worker(s)"."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from elixir_ray.api import Result
+    from elixir_ray.cluster.controller import RestartRecord
+
+    restarts = [RestartRecord(reason="worker 1 died (training)", failed_at=0.0, failed_step=2, world_size=2),
+                RestartRecord(reason="worker 0 died (setting up the workers)", failed_at=1.0, failed_step=2,
+                              world_size=2, restored_from="object_store", restored_step=2)]
+    result = Result(metrics=pa.table({"step": [1, 2, 3], "loss": [3.0, 2.5, 2.0]}), checkpoint_uri=None,
+                    plan=SimpleNamespace(world_size=2, strategy="chunked", dtype="float32"), run_dir="runs/t",
+                    metrics_uri="runs/t/metrics.parquet", seconds=1.0, restarts=restarts, final_step=3)
+    lines = [line for line in result.summary().splitlines() if line.startswith("restart:")]
+    assert lines == ["restart: worker 1 died (training); failed again before its restore",
+                     "restart: worker 0 died (setting up the workers); restored step 2 from object_store on 2 "
+                     "worker(s)"]

@@ -178,11 +178,15 @@ class TrainController:
                                f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
         self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
-        self.on_note(f"step {self.step}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
+        reached = max([self.step] + [m["step"] for m in self.outcome.metrics[-1:]])  # the last step trained
+        self.on_note(f"step {reached}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
                      f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
                      f"{self.shape.num_workers} worker(s)")
+        before = self.shape.num_workers
         self.shape = self._wait_for_workers()
         self.outcome.restarts[-1].world_size = self.shape.num_workers
+        if self.shape.num_workers != before:
+            self._warn_dropout_streams(before)
 
     # -- states -------------------------------------------------------------------------------
 
@@ -378,6 +382,8 @@ class TrainController:
             log.warning(f"--resume: the checkpoint's run had train.seed={train['seed']}, this run has "
                         f"{self.cfg.train.seed}: the data order from here on is another run's; to continue it "
                         f"exactly, set train.seed={train['seed']}")
+        if isinstance(world, int) and world != self.shape.num_workers:
+            self._warn_dropout_streams(world)
         if not (isinstance(world, int) and "micro_batch" in train):
             return
         theirs = train["micro_batch"] * train.get("grad_accum", 1) * world
@@ -388,6 +394,15 @@ class TrainController:
                        f"{self.cfg.train.grad_accum}): it goes on differently from that run; to continue it exactly, "
                        f"set train.micro_batch or train.grad_accum so that the product is {theirs}")
             log.warning(message)
+
+    def _warn_dropout_streams(self, before: int) -> None:
+        """Each rank draws its dropout masks from its own random stream, saved per rank: on another
+        number of workers the masks differ from the ones the run would have drawn."""
+        if self.cfg.model.dropout > 0:
+            log.warning(f"model.dropout={self.cfg.model.dropout:g} and the run goes on on {self.shape.num_workers} "
+                        f"worker(s) instead of {before}: each rank draws its dropout masks from its own random "
+                        f"stream, so the masks, and the losses, differ slightly from how the run would have gone on "
+                        f"(with the same global batch and no dropout it goes on exactly)")
 
     def _for_the_workers(self, path: str, manifest: dict, tensors):
         """What a durable restore hands the workers: the checkpoint's lazily read tensors (pickled as
