@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -360,6 +361,10 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
             saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
             if isinstance(exc, ClusterError):
                 raise ClusterError(f"{exc}{_where_to_resume(controller, saver.uri)}") from exc
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, `ray job stop`
+                where = _where_to_resume(controller, saver.uri)
+                if where:
+                    print(f"run stopped ({type(exc).__name__}){where}", file=sys.stderr, flush=True)
             raise
         if bar:
             bar.close()

@@ -118,6 +118,7 @@ def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
     assert proc.returncode != 0, out
     steps = [row["step"] for row in read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))]
     assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1)), (steps, out)
+    assert "run stopped (SystemExit)\nthe newest checkpoint is step" in out and "continue with --resume" in out, out
 
 
 def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_path):

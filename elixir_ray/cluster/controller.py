@@ -515,7 +515,7 @@ class TrainController:
 
     def _drain_metrics(self) -> bool:
         # bounded: a stalled rank 0 must count as a failure, not hang the driver
-        new, beats = self._get([self.workers[0].poll.remote()], "polling metrics",
+        new, beats = self._get([self.workers[0].poll.remote()], "polling worker 0 for metrics",
                                timeout=self.cfg.fault.detect_timeout_s)[0]
         progressed = bool(new) or beats != self._beats  # an evaluation's forwards count as progress
         self._beats = beats
