@@ -57,7 +57,9 @@ def check_optimizer(optimizer) -> None:
     if optimizer.state:
         raise ValueError(f"the optimizer already has state for {len(optimizer.state)} parameter(s) (it has "
                          f"stepped, or loaded a state dict): the engine keeps its own AdamW state and would start "
-                         f"it afresh. Wrap a new optimizer, and restore a run with load_engine_state")
+                         f"it afresh. Wrap a new optimizer, then load the saved state into the one wrap returns "
+                         f"(optimizer.load_state_dict(torch.load(...)): torch's AdamW format), or restore a "
+                         f"checkpoint of a Ray run with load_engine_state")
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
