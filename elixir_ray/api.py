@@ -354,7 +354,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         controller = TrainController(cfg, shape, on_metrics=on_metrics, on_note=on_note,
                                      resume=RestoreSource(resume) if resume else None)
         if resume is not None:  # the steps before the checkpoint, as the run that wrote it logged them
-            controller.outcome.metrics = earlier_metrics(cfg, resume)
+            controller.outcome.metrics = earlier_metrics(cfg)
         try:
             outcome = controller.run()
         except BaseException as exc:  # SIGTERM too (`ray job stop`): Ray's driver turns it into SystemExit
@@ -400,14 +400,10 @@ class MetricsSaver:
             log.warning("could not write the metrics so far to %s: %s", self.uri, exc)
 
 
-def earlier_metrics(cfg: RunConfig, resume: str) -> list[dict]:
-    """The metrics the run directory already holds, when the checkpoint resumed is this run's (under
-    its run directory or its checkpoint.uri): the controller keeps those up to the restored step, so
-    a resumed run's metrics start at step 1."""
-    _, resume_path = storage.resolve(resume)
-    own = [storage.resolve(d)[1].rstrip("/") + "/" for d in (cfg.run_dir, cfg.checkpoint_uri)]
-    if not any((resume_path.rstrip("/") + "/").startswith(d) for d in own):
-        return []
+def earlier_metrics(cfg: RunConfig) -> list[dict]:
+    """The metrics the run directory already holds: the controller keeps those up to the restored
+    step when the checkpoint resumed is this run's (its manifest names this run), so a resumed run's
+    metrics start at step 1."""
     try:
         return read_metrics(os.path.join(cfg.run_dir, "metrics.parquet"))
     except (OSError, ValueError) as exc:

@@ -122,8 +122,9 @@ def test_hf_save_pretrained_takes_the_wrapped_models_state_dict(tmp_path):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"])
     ids = torch.randint(0, 64, (2, 16))
-    model, opt = wrap(hf, torch.optim.AdamW(hf.parameters(), lr=1e-2), sample_inputs={"input_ids": ids, "labels": ids},
-                      device_memory="64MiB", device="cpu")
+    batch = transformers.BatchEncoding({"input_ids": ids, "labels": ids})  # a tokenizer's output: a Mapping
+    model, opt = wrap(hf, torch.optim.AdamW(hf.parameters(), lr=1e-2), sample_inputs=batch, device_memory="64MiB",
+                      device="cpu")
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()

@@ -324,3 +324,30 @@ def test_a_meta_module_that_nothing_initialises_is_refused_naming_init_fn():
     state = model.state_dict()
     assert torch.equal(state["1.weight"], torch.ones(8)) and torch.equal(state["1.shift"], torch.zeros(8))
     assert torch.isfinite(model(x)).all()
+
+
+def test_a_tied_weight_that_another_holder_resets_is_initialised():
+    """The embedding holding it has no reset_parameters, but the head it is tied to does."""
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(16, 8))
+
+        def forward(self, ids):
+            return self.weight[ids]
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.head = Table(), torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.table.weight
+
+        def forward(self, ids):
+            return self.head(self.table(ids)).square().mean()
+
+    with torch.device("meta"):
+        module = Tied()
+    model, _ = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(torch.randint(0, 16, (2, 4)),),
+                    device_memory="64MiB", device="cpu")
+    weight = model.state_dict()["table.weight"]
+    assert torch.isfinite(weight).all() and 0 < weight.abs().max() <= 8 ** -0.5  # Linear's kaiming bound

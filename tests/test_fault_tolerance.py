@@ -291,10 +291,15 @@ def test_a_resume_from_a_checkpoint_uri_outside_the_run_directory_keeps_the_earl
     assert first.checkpoint_uri.startswith(str(tmp_path / "ck"))
     resumed = train({**cfg, "train": {**cfg["train"], "steps": 6}}, progress=False, resume=str(tmp_path / "ck"))
     assert resumed.metrics.column("step").to_pylist() == [1, 2, 3, 4, 5, 6]
-    # a checkpoint from elsewhere is not this run's: its metrics start at the resumed step
-    other = train({**cfg, "name": "other", "train": {**cfg["train"], "steps": 6}, "checkpoint": {"every_steps": 2}},
-                  progress=False, resume=first.checkpoint_uri)
-    assert other.metrics.column("step").to_pylist() == [5, 6]
+    # another run's checkpoint (a fork under a new name, sharing checkpoint.uri) is not this run's
+    # history, whatever this run's directory holds: its metrics start at the resumed step
+    from elixir_ray.metrics import metrics_table, write_metrics
+
+    write_metrics(metrics_table([{"step": s, "loss": 9.0} for s in range(1, 6)]),
+                  str(tmp_path / "runs" / "fork" / "metrics.parquet"))
+    fork = train({**cfg, "name": "fork", "train": {**cfg["train"], "steps": 6}}, progress=False,
+                 resume=first.checkpoint_uri)
+    assert fork.metrics.column("step").to_pylist() == [5, 6]
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(tiny_dataset, tmp_path):

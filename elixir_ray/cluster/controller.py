@@ -236,8 +236,9 @@ class TrainController:
     def _rendezvous(self) -> None:
         # the first call each new worker answers: it waits for the worker's process to start, which a
         # liveness ping cannot tell from a hang, so it gets the rendezvous's own limit
-        infos = self._get([w.node_info.remote() for w in self.workers], "reading worker node info",
-                          timeout=self.cfg.cluster.init_timeout_s)
+        infos = self._get([w.node_info.remote() for w in self.workers],
+                          "waiting for the workers to start (cluster.init_timeout_s: raise it where a worker's "
+                          "runtime_env or image takes longer to set up)", timeout=self.cfg.cluster.init_timeout_s)
         driver_node = ray.get_runtime_context().get_node_id()
         self._on_driver_node = all(info["node_id"] == driver_node for info in infos)
         # Every rank on a node sees all of that node's GPUs; local rank = order within the node.
@@ -395,6 +396,14 @@ class TrainController:
                        f"set train.micro_batch or train.grad_accum so that the product is {theirs}")
             log.warning(message)
 
+    def _same_run(self, manifest: dict) -> bool:
+        """Whether a --resume checkpoint was written by this run (same name and output_dir), whose
+        metrics in the run directory are then its history up to the checkpoint."""
+        theirs = manifest.get("config") or {}
+        if theirs.get("name") != self.cfg.name or not isinstance(theirs.get("output_dir"), str):
+            return False
+        return storage.resolve(theirs["output_dir"])[1] == storage.resolve(self.cfg.output_dir)[1]
+
     def _warn_dropout_streams(self, before: int) -> None:
         """Each rank draws its dropout masks from its own random stream, saved per rank: on another
         number of workers the masks differ from the ones the run would have drawn."""
@@ -422,6 +431,7 @@ class TrainController:
     def _restore(self) -> None:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
         source, tensors, step, consumed, shard_refs = "scratch", None, 0, 0, None
+        own_run = False  # resumed (--resume) from a checkpoint this run wrote
         for snap in reversed(self.snapshots):
             found = snap.live_shards()
             if found is not None:  # the workers read the shards themselves: no second copy of the state
@@ -444,6 +454,9 @@ class TrainController:
             tensors = self._for_the_workers(path, manifest, tensors)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
             self._note_resume(path, manifest)
+            own_run = self._same_run(manifest)
+            if not own_run:  # another run's checkpoint: this run directory's rows are not its history
+                self.outcome.metrics = []
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
@@ -455,11 +468,12 @@ class TrainController:
                               "restoring state")
         self.step = step
         kept = [m for m in self.outcome.metrics if m["step"] <= step]
-        if not self.outcome.restarts and kept and kept[-1]["step"] < step:  # a resume: the earlier run's rows
-            gap = f"steps {kept[-1]['step'] + 1}-{step}" if kept[-1]["step"] + 1 < step else f"step {step}"
+        last = kept[-1]["step"] if kept else 0
+        if own_run and last < step:  # a resume of this run: its earlier rows should reach the checkpoint
+            gap = f"steps {last + 1}-{step}" if last + 1 < step else f"step {step}"
             log.warning("the earlier metrics of this run stop at step %d, before the checkpoint's step %d (its driver "
-                        "stopped before writing them): %s are missing from metrics.parquet", kept[-1]["step"], step,
-                        gap)
+                        "stopped before writing them, or they were removed): %s are missing from metrics.parquet",
+                        last, step, gap)
         self.outcome.metrics = kept
         if not self.outcome.restarts:
             self.outcome.start_step = step

@@ -9,6 +9,7 @@ names stay its state_dict's keys (no wrapper module in between).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,9 +29,10 @@ class SampleInputs:
         return [x for x in tree_flatten((self.args, self.kwargs))[0] if isinstance(x, torch.Tensor)]
 
     def batch_size(self) -> int:
-        """The first dimension of the first tensor input (1 when it has none): what the planner
-        scales activations by when it tries other micro-batch sizes."""
-        first = next(iter(self.tensors()), None)
+        """The first dimension of `input_ids` when given, else of the first tensor input (1 when it
+        has none): what the planner scales activations by when it tries other micro-batch sizes."""
+        ids = self.kwargs.get("input_ids")
+        first = ids if isinstance(ids, torch.Tensor) else next(iter(self.tensors()), None)
         return int(first.shape[0]) if first is not None and first.dim() else 1
 
     def describe(self) -> str:
@@ -49,7 +51,7 @@ def as_sample_inputs(sample_inputs) -> SampleInputs:
     if isinstance(sample_inputs, torch.Tensor):
         raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs (or a dict of its keyword "
                         f"inputs), got a tensor of shape {tuple(sample_inputs.shape)}: pass sample_inputs=(batch,)")
-    if isinstance(sample_inputs, dict):
+    if isinstance(sample_inputs, Mapping):  # a dict, or a tokenizer's BatchEncoding
         bad = [k for k in sample_inputs if not isinstance(k, str)]
         if bad:
             raise TypeError(f"sample_inputs as a dict holds forward's keyword inputs, so its keys must be "

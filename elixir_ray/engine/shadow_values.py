@@ -111,7 +111,8 @@ class ShadowValues(TorchDispatchMode):
             if real is None:
                 raise
             return tree_map(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
-        metas = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # a kernel on real CPU tensors alone (made in the step from Python values) has real outputs already
+        metas = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         real = None
         if metas and all(self._small(t) for t in metas):
             real = self._real(func, args, kwargs)
@@ -121,7 +122,7 @@ class ShadowValues(TorchDispatchMode):
                     self._poisoned[storage_key(t)] = t.untyped_storage()
             return out
         for meta, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
-            if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
+            if isinstance(meta, torch.Tensor) and meta.device.type == "meta" and isinstance(value, torch.Tensor):
                 self.add(meta, value)
         return out
 

@@ -37,6 +37,11 @@ def _post_order(module: nn.Module):
     yield module
 
 
+class StateDictMismatch(RuntimeError):
+    """A state dict whose keys or shapes are not the module's: torch's RuntimeError, told apart from
+    a failure a restore could retry."""
+
+
 class ChunkedModule(nn.Module):
     """The wrapped module: call it like the original; `state_dict()` returns full fp32 tensors."""
 
@@ -129,7 +134,10 @@ class ChunkedModule(nn.Module):
         never read whole on each rank; `shape_of(key)` is the shape of the value there (checked
         against the parameter's before anything is written); buffers come from `state_dict`."""
         with self.store.on_device():
-            self._load_state_dict(state_dict, True, read_part, shape_of)
+            try:
+                self._load_state_dict(state_dict, True, read_part, shape_of)
+            except StateDictMismatch as exc:  # a checkpoint of another model: no restart mends it
+                raise ValueError(str(exc)) from exc
 
     def _load_state_dict(self, state_dict, strict: bool, read_part=None, shape_of=None) -> _IncompatibleKeys:
         self.store.settle_all()
@@ -141,7 +149,7 @@ class ChunkedModule(nn.Module):
             if unexpected and all(k.startswith("module.") and k[len("module."):] in own for k in unexpected):
                 hint = (" (the keys start with 'module.', as model.named_parameters() names them: state_dict() and "
                         "load_state_dict() use the module's own keys)")
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys "
+            raise StateDictMismatch(f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys "
                                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected keys "
                                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}{hint}; nothing was loaded "
                                f"(strict=False loads the keys that match)")
@@ -154,7 +162,7 @@ class ChunkedModule(nn.Module):
             if shape != tuple(t.shape) and not (t.numel() == 1 and math.prod(shape) == 1):  # 0-d saved as [1]
                 wrong.append(f"{key}: {list(shape)} for {list(t.shape)}")
         if wrong:
-            raise RuntimeError(f"size mismatch in load_state_dict ({len(wrong)} key(s)): {'; '.join(wrong[:4])}")
+            raise StateDictMismatch(f"size mismatch in load_state_dict ({len(wrong)} key(s)): {'; '.join(wrong[:4])}")
         last_key = {}  # a tied parameter is loaded once, from the last of its keys given (as torch does)
         for key, t in own.items():
             if key not in state_dict:
@@ -214,14 +222,23 @@ def _check_meta_initialisable(module: nn.Module) -> None:
     by its reset_parameters(); one without that method would keep whatever memory it was given (NaN
     losses, or a rotary embedding's frequencies made of garbage), so it is refused before any work."""
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+
+    def resets(mod) -> bool:
+        return callable(getattr(mod, "reset_parameters", None))
+
+    # a weight shared by several modules (tied) is initialised if any of them resets it
+    reset_somewhere = {id(p) for mod in module.modules() if resets(mod)
+                       for p in mod._parameters.values() if p is not None}
     seen: set[int] = set()
     missing = []
     for mod in _post_order(module):
+        if resets(mod):
+            continue
         params = [(n, p) for n, p in mod._parameters.items() if p is not None and id(p) not in seen]
         seen.update(id(p) for _, p in params)
-        tensors = [n for n, p in params if p.device.type == "meta"]
+        tensors = [n for n, p in params if p.device.type == "meta" and id(p) not in reset_somewhere]
         tensors += [f"buffer {n}" for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"]
-        if tensors and not callable(getattr(mod, "reset_parameters", None)):
+        if tensors:
             missing.append(f"{names.get(id(mod)) or '(the module itself)'} ({type(mod).__name__}: {', '.join(tensors)})")
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""

@@ -146,14 +146,15 @@ def _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, los
                          low_host_grads=low_host_grads, replicate=replicate, progress=progress)[0]
 
 
-def time_run_kernels(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], hardware: HardwareProfile, dtype: torch.dtype,
-                     search_checkpointing: bool, max_bytes: Optional[int] = None) -> dict:
+def time_run_kernels(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], hardware: HardwareProfile,
+                     dtype: torch.dtype, search_checkpointing: bool, max_bytes: Optional[int] = None,
+                     loss_fn: Optional[Callable] = None) -> dict:
     """{call key: [seconds, replayed]} of every kernel the plan search will trace for `module`, timed on
     `hardware.device` (which must be this process's): what a Ray worker measures for the driver."""
     variants = checkpointing_variants(module) if search_checkpointing else [None]
     timed: dict = {}
     for v in variants:
-        time_ops(profile_model(module, sample_inputs, None, v, dtype).trace.ops, hardware,
+        time_ops(profile_model(module, sample_inputs, loss_fn, v, dtype).trace.ops, hardware,
                  max_bytes=max_bytes, cache=timed)
     return kernel_table(timed)
 
