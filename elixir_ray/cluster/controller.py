@@ -178,7 +178,7 @@ class TrainController:
                                f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
         self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
-        reached = max([self.step] + [m["step"] for m in self.outcome.metrics[-1:]])  # the last step trained
+        reached = self.outcome.metrics[-1]["step"] if self.outcome.metrics else self.step  # the last step trained
         self.on_note(f"step {reached}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
                      f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
                      f"{self.shape.num_workers} worker(s)")
@@ -675,9 +675,9 @@ class TrainController:
         limit = self.cfg.fault.detect_timeout_s
         while True:
             done, pending = ray.wait(refs, num_returns=len(refs), timeout=min(PING_INTERVAL_S, limit))
-            self._get(done, what)  # a worker that failed or died says so at once
             if not pending:
                 return self._get(refs, what)
+            self._get(done, what)  # a worker that failed or died says so at once
             pings = [w.alive.remote() for w in self.workers]
             answered, silent = ray.wait(pings, num_returns=len(pings), timeout=limit)
             if silent:
