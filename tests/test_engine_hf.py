@@ -129,11 +129,40 @@ def test_hf_save_pretrained_takes_the_wrapped_models_state_dict(tmp_path):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    hf.save_pretrained(tmp_path, state_dict=model.state_dict())  # it drops tied keys from the dict it is given
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path / "a", state_dict=model.state_dict())  # it drops tied keys from the dict it is given
+    model.save_pretrained(tmp_path / "b")  # the same, given the engine's weights by the wrapper
     state = model.state_dict()
-    for key, value in back.state_dict().items():
-        assert torch.equal(value, state[key]), key
+    for where in ("a", "b"):
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / where)
+        for key, value in back.state_dict().items():
+            assert torch.equal(value, state[key]), (where, key)
+
+
+def test_hf_attributes_are_read_through_the_wrapped_model():
+    """Code written for the model reads its config, device and dtype, and calls its helpers, on what
+    wrap returned; its weights stay guarded and its submodules still refuse a direct call."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"])
+    n_params = hf.num_parameters()
+    ids = torch.randint(0, 64, (2, 16))
+    sample = {"input_ids": ids, "labels": ids}
+    model, opt = wrap(hf, torch.optim.AdamW(hf.parameters(), lr=1e-2), sample_inputs=sample,
+                      plan=manual_plan(hf, sample, chunk_size=4096, n_blocks=3), device="cpu")
+    model(**sample).loss.backward()
+    opt.step()
+    assert model.config is hf.config and model.config.vocab_size == 64
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    assert model.num_parameters() == n_params
+    assert model.get_input_embeddings() is hf.transformer.wte
+    with pytest.raises(RuntimeError, match="was read"):  # evicted after the step: no data to read
+        model.transformer.wte.weight.sum()
+    with pytest.raises(RuntimeError, match="a part of the GPT2LMHeadModel given to elixir_ray.wrap ran outside the wrapped model .Embedding 'transformer.wte'"):
+        model.transformer(ids)  # a submodule's direct call would compute outside the engine's fetch and dtype
+    with pytest.raises(AttributeError, match="GPT2LMHeadModel has an attribute 'no_such_thing'"):
+        model.no_such_thing
+    with pytest.raises(AttributeError):  # private names stay the wrapper's own
+        model._no_such_private
+    assert model(**sample).loss.item() > 0  # and it trains on
 
 
 def test_hf_generate_through_the_wrapped_model_matches_plain_generate():

@@ -155,6 +155,9 @@ def test_calling_the_module_given_to_wrap_names_the_model_to_call(dtype):
     with pytest.raises(RuntimeError, match=r"the Toy given to elixir_ray.wrap was called directly: call the model "
                                            r"wrap returned"):
         module(data[0])
+    with pytest.raises(RuntimeError, match=r"a part of the Toy given to elixir_ray.wrap ran outside the wrapped "
+                                           r"model \(Linear 'l1'"):
+        model.l1(torch.randn(2, 32))  # a submodule, read through the wrapped model: refused as the module is
     model(data[1]).backward()
     opt.step()
     with torch.no_grad():

@@ -124,6 +124,7 @@ class EngineHooks:
         self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
         self._calling = False  # the wrapped model's forward is calling the module
         self.handles = [module.register_forward_pre_hook(self._refuse_direct_call)]
+        self._names = {id(mod): name for name, mod in module.named_modules()}  # for the refusal
         for mod in module.modules():
             chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
             if chunks:
@@ -141,14 +142,21 @@ class EngineHooks:
         checkpoint of the whole module recomputes it there)."""
         if self._calling or _in_backward():
             return
+        what = (f"the {type(mod).__name__} given to elixir_ray.wrap was called directly" if mod is self.module else
+                f"a part of the {type(self.module).__name__} given to elixir_ray.wrap ran outside the wrapped model "
+                f"({type(mod).__name__} {self._names.get(id(mod), '?')!r}, called directly or through a part that "
+                f"holds it)")
         raise RuntimeError(
-            f"the {type(mod).__name__} given to elixir_ray.wrap was called directly: call the model wrap returned "
+            f"{what}: call the model wrap returned "
             f"(model, optimizer = elixir_ray.wrap(module, ...); loss = model(batch)). Its parameters live in the "
-            f"engine's chunks now, and only the wrapped model fetches them; for the weights as plain tensors use "
-            f"model.state_dict()" + ("; its generate is model.generate(...)" if hasattr(mod, "generate") else ""))
+            f"engine's chunks now, and only the wrapped model fetches them (as its forward uses them); for the "
+            f"weights as plain tensors use model.state_dict()"
+            + ("; its generate is model.generate(...)" if hasattr(self.module, "generate") else ""))
 
     def _pre_forward(self, chunks):
         def hook(mod, args):
+            if not self._calling:  # a submodule called on its own (model.transformer(ids)): refused as the module is
+                self._refuse_direct_call(mod, args)
             if self.phase == "backward":  # recomputation of a checkpointed region
                 if not self._recompute_open:
                     self.pool.release_pins()

@@ -87,7 +87,7 @@ def _message(t: "ChunkParameter", func) -> str:
             f"device: elixir_ray frees a chunk's compute copy when it evicts it (after every optimizer.step(), all "
             f"of them), so outside the wrapped model's forward and backward a parameter has no data. Read the "
             f"weights with model.state_dict() (full fp32 tensors on the host; a Hugging Face model saves them with "
-            f"save_pretrained(path, state_dict=model.state_dict())), and compute with them (a regulariser, a norm "
+            f"model.save_pretrained(path)), and compute with them (a regulariser, a norm "
             f"to log) inside the model's forward")
 
 

@@ -75,6 +75,35 @@ class ChunkedModule(nn.Module):
         with self.store.on_device(), torch.no_grad():
             return self.hooks.call(generate, *args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """What the wrapper itself lacks is the module's: code written for the model reads
+        `model.config`, `model.device` or `model.generation_config`, and calls its helpers, on
+        what wrap returned. Its parameters stay guarded (an evicted one refuses a read) and its
+        submodules still refuse to be called outside the wrapped forward. Private names are not
+        passed on, so torch's own probes of the wrapper see the wrapper."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "module" not in self.__dict__.get("_modules", {}):
+                raise
+        try:
+            return getattr(self._modules["module"], name)
+        except AttributeError:
+            raise AttributeError(f"neither the wrapped model nor its {type(self._modules['module']).__name__} "
+                                 f"has an attribute {name!r}") from None
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """A Hugging Face model's `save_pretrained`, given the engine's full weights
+        (`state_dict=model.state_dict()`) unless the call names its own `state_dict`: the module's
+        own parameters have no data while their chunks are evicted."""
+        save = getattr(self.module, "save_pretrained", None)
+        if not callable(save):
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained method: save the weights "
+                                 f"with torch.save(model.state_dict(), path)")
+        if "state_dict" not in kwargs:
+            kwargs["state_dict"] = self.state_dict()
+        return save(save_directory, *args, **kwargs)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's gradients live in chunks, not in `.grad`: this clears them, as the optimizer's
         zero_grad does (nn.Module's own would find no `.grad` to clear and the next backward would add
