@@ -11,7 +11,7 @@ Ray is imported only when a run starts.
 
 from elixir_ray.api import Result, train
 from elixir_ray.config import RunConfig, config_from_dict, load_config
-from elixir_ray.engine import PlanError, wrap
+from elixir_ray.engine import PlanError, SampleInputs, wrap
 from elixir_ray.engine.plan import Plan
 from elixir_ray.errors import ClusterError, ConfigError
 from elixir_ray.planner.api import plan
@@ -19,5 +19,5 @@ from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.run_plan import RunPlan
 
 __all__ = ["ClusterError", "ConfigError", "HardwareProfile", "Plan", "PlanError", "Result", "RunConfig", "RunPlan",
-           "config_from_dict", "load_config", "plan", "profile_hardware", "train", "wrap"]
+           "SampleInputs", "config_from_dict", "load_config", "plan", "profile_hardware", "train", "wrap"]
 __version__ = "0.1.0"

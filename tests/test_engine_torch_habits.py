@@ -239,3 +239,44 @@ def test_a_zero_dimensional_parameter_takes_moments_saved_with_one_element_as_to
         m(x).backward()
         o.step()
     assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
+
+class _Masked(torch.nn.Module):
+    """forward(x, *, mask): called with a positional batch and a keyword mask (both required)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, x, *, mask):
+        h = self.emb(x[:, :-1]) * mask[:, :-1, None]
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
+
+
+def test_sample_inputs_given_both_positionally_and_by_keyword_train_like_torch():
+    """SampleInputs(args=, kwargs=) for a forward called as model(x, mask=m): traced, planned and
+    trained as plain torch trains it (the mask matters: it zeroes some positions)."""
+    from elixir_ray import SampleInputs
+    torch.manual_seed(0)
+    base = _Masked()
+    ref = copy.deepcopy(base)
+    data = [(torch.randint(0, 64, (4, 9)), (torch.rand(4, 9) > 0.3).float()) for _ in range(4)]
+    sample = SampleInputs(args=[data[0][0]], kwargs={"mask": data[0][1]})
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=sample,
+                      device_memory="64MiB", device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, mask in data:
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x, mask=mask).backward()
+            o.step()
+            o.zero_grad()
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(state[key], value, atol=1e-5), key
+    other = _Masked()
+    with pytest.raises(TypeError, match="SampleInputs takes args as a tuple"):
+        wrap(other, torch.optim.AdamW(other.parameters()), sample_inputs=SampleInputs(args=data[0][0]))
+    with pytest.raises(TypeError, match=r"or elixir_ray.SampleInputs\(args=..., kwargs=...\) for both, got set"):
+        wrap(other, torch.optim.AdamW(other.parameters()), sample_inputs={data[0][0]})

@@ -7,8 +7,9 @@ optimizer used like the originals. See docs/engine.md for how chunks, the pool a
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
+from elixir_ray.engine.sample import SampleInputs
 from elixir_ray.engine.state import EngineShard, JoinedState, assemble, engine_shard, engine_state, layout_of, load_engine_state
 from elixir_ray.engine.wrap import ChunkedModule, manual_plan, wrap
 
-__all__ = ["ChunkPool", "ChunkedModule", "EngineShard", "JoinedState", "Plan", "PlanError", "assemble", "engine_shard", "engine_state",
-           "layout_of", "load_engine_state", "manual_plan", "wrap"]
+__all__ = ["ChunkPool", "ChunkedModule", "EngineShard", "JoinedState", "Plan", "PlanError", "SampleInputs", "assemble",
+           "engine_shard", "engine_state", "layout_of", "load_engine_state", "manual_plan", "wrap"]

@@ -19,6 +19,10 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass(frozen=True)
 class SampleInputs:
+    """A step's inputs given both ways, as forward is called: `SampleInputs(args=(ids,),
+    kwargs={"attention_mask": mask})` for `model(ids, attention_mask=mask)` (a tuple gives only
+    positional inputs and a dict only keyword ones)."""
+
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
 
@@ -47,7 +51,10 @@ def as_sample_inputs(sample_inputs) -> SampleInputs:
     dict of its keyword inputs, or a SampleInputs. A bare tensor is refused: tuple() would split it
     along its first dimension into as many inputs."""
     if isinstance(sample_inputs, SampleInputs):
-        return sample_inputs
+        if not isinstance(sample_inputs.args, (tuple, list)) or not isinstance(sample_inputs.kwargs, Mapping):
+            raise TypeError("SampleInputs takes args as a tuple of forward's positional inputs and kwargs as a dict of "
+                            "its keyword inputs")
+        return SampleInputs(tuple(sample_inputs.args), dict(sample_inputs.kwargs))
     if isinstance(sample_inputs, torch.Tensor):
         raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs (or a dict of its keyword "
                         f"inputs), got a tensor of shape {tuple(sample_inputs.shape)}: pass sample_inputs=(batch,)")
@@ -59,8 +66,8 @@ def as_sample_inputs(sample_inputs) -> SampleInputs:
         return SampleInputs(kwargs=dict(sample_inputs))
     if isinstance(sample_inputs, (tuple, list)):
         return SampleInputs(args=tuple(sample_inputs))
-    raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs or a dict of its keyword "
-                    f"inputs, got {type(sample_inputs).__name__}")
+    raise TypeError(f"sample_inputs must be a tuple of forward's positional inputs, a dict of its keyword inputs, "
+                    f"or elixir_ray.SampleInputs(args=..., kwargs=...) for both, got {type(sample_inputs).__name__}")
 
 
 def loss_in(out) -> Optional[torch.Tensor]:
