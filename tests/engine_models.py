@@ -205,3 +205,17 @@ def train_pairs(model, opt, data: list[tuple]) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def count_updates_started_before_step(model, opt) -> list[int]:
+    """Record, at every `opt.step()`, how many chunks' updates had already started (during the
+    last backward): equality with torch alone holds as well when every update waits for step()."""
+    started: list[int] = []
+    step = opt.step
+
+    def counting_step(*args, **kwargs):
+        started.append(sum(1 for c in model.store.chunks if c.updated))
+        return step(*args, **kwargs)
+
+    opt.step = counting_step
+    return started

@@ -39,9 +39,9 @@ def test_safetensors_readable_by_reference_library():
 
 def test_safetensors_rejects_truncation():
     payload = safetensors_io.encode(_tensors())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="offsets outside the file"):
         safetensors_io.decode(payload[:-5])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="truncated safetensors file: no header length"):
         safetensors_io.decode(payload[:4])
 
 

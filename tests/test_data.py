@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from elixir_ray.cli import main
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, prepare_dataset
@@ -92,6 +93,10 @@ def test_epochs_wrap_around(tiny_dataset):
     n = sampler.n_windows
     batch = sampler.samples(n - 1, 3)  # crosses into the second epoch
     assert batch.shape == (3, 33)
+    assert torch.equal(batch[0], sampler.samples(0, n)[-1])  # the first epoch's last window
+    first, second = (sorted(map(tuple, sampler.samples(e * n, n).tolist())) for e in (0, 1))
+    assert first == second  # the second epoch takes every window again, as the first did
+    assert not torch.equal(sampler.samples(0, n), sampler.samples(n, n))  # in another order
 
 
 def test_a_dataset_smaller_than_one_global_batch_is_warned_of_with_its_sizes(tmp_path):

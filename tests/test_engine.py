@@ -56,8 +56,12 @@ def test_deep_optimizer_states_interleave_is_exact():
     data = batches(6 * ACCUM, 8)
     plain, popt = _engine(copy.deepcopy(base), 8)
     dos, dopt = _engine(copy.deepcopy(base), 8, dos_gap=2)
+    for m in (plain, dos):
+        m.store.timer.enabled = True  # counts the updates run on the compute device
     assert engine_run(plain, popt, data, 6, ACCUM) == engine_run(dos, dopt, data, 6, ACCUM)
     assert _max_diff(plain.state_dict(), dos.state_dict()) == 0.0
+    assert plain.store.timer.calls["device_adam"] == 0  # every chunk is on the host: all its updates on the CPU
+    assert dos.store.timer.calls["device_adam"] > 0  # every other host chunk's update ran on the compute device
 
 
 def test_device_placed_chunks_match_too():
@@ -505,7 +509,11 @@ def test_low_precision_compute_tracks_the_fp32_loss_curve(dtype):
     plan = manual_plan(m, sample, chunk_size=1024, n_blocks=3)
     model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-2), sample_inputs=sample, plan=plan,
                       max_grad_norm=MAX_NORM, device="cpu", dtype=dtype)
+    computed_in = set()
+    m.l1.register_forward_hook(lambda mod, args, out: computed_in.add(out.dtype))
     losses = engine_run(model, opt, data, STEPS, ACCUM)
+    assert computed_in == {dtype}  # the compute really ran in the low precision (fp32 would match exactly)
+    assert (opt.loss_scale is not None) == (dtype == torch.float16)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2
     assert all(v.dtype == torch.float32 for v in model.state_dict().values())
 
@@ -664,9 +672,11 @@ def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(
         host = [c for c in model.store.chunks if c.placement == "host"]
         assert {c.grad_buffer.dtype for c in host} == {torch.bfloat16 if low else torch.float32}
         assert model.store.arena.buffers[torch.float32].numel() == (3 if low else 4) * sum(c.shard_len for c in host)
+        model.store.timer.enabled = True
         runs[low] = (engine_run(model, opt, data, 6, 1), model.state_dict())
         if clip is not None:
             assert opt.last_grad_norm > clip  # the clip really scaled every step's gradients
+        assert (model.store.timer.calls["device_adam"] > 0) == (dos_gap > 0)  # the interleaved updates ran
     assert runs[True][0] == runs[False][0]
     assert _max_diff(runs[True][1], runs[False][1]) <= 1e-7  # fused Adam's vector tails round a tile's ends
 

@@ -10,7 +10,7 @@ import torch
 from elixir_ray.engine import manual_plan, wrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import CausalLMLoss, train_pairs  # noqa: E402
+from engine_models import CausalLMLoss, count_updates_started_before_step, train_pairs  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,7 +112,9 @@ def test_hf_gradient_checkpointing_with_updates_started_in_backward(reentrant):
     model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-3), sample_inputs=data[0], plan=plan,
                       device="cpu", accumulation_steps=1)
     assert opt.updates_in_backward
+    started = count_updates_started_before_step(model, opt)
     losses = train_pairs(model, opt, data)
+    assert len(started) == len(data) and min(started) > 0  # every step's updates began in its backward
     assert model.engine_stats()["evictions"] > 0
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
 

@@ -22,7 +22,8 @@ from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
+from engine_models import (Toy, batches, count_updates_started_before_step, engine_run, param_groups,  # noqa: E402
+                           reference_run, store_url)
 
 STEPS = 12
 
@@ -52,7 +53,9 @@ def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
     ref_losses, ref_state = reference_run(base, data, STEPS, accum, None)
     model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=accum, cycle=("host", "device"))
     assert opt.updates_in_backward
+    started = count_updates_started_before_step(model, opt)
     losses = engine_run(model, opt, data, STEPS, accum)
+    assert len(started) == STEPS and min(started) > 0  # every step's updates began in its last backward
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
     assert _max_diff(model.state_dict(), ref_state) <= 1e-5
     assert torch.equal(model.state_dict()["unused.weight"], base.state_dict()["unused.weight"])
@@ -159,7 +162,9 @@ def test_low_precision_host_copy_is_the_master_cast():
     plain, _ = _engine(Toy(), 8, dtype=torch.bfloat16)
     assert all(c.upload is None for c in plain.store.chunks)  # only when the plan asks for it
     model, opt = _engine(Toy(), 8, dtype=torch.bfloat16, dos_gap=2, upload_copies=True)
+    model.store.timer.enabled = True
     engine_run(model, opt, batches(3, 8), 3, 1)
+    assert model.store.timer.calls["device_adam"] > 0  # Deep Optimizer States updates ran
     model.store.settle_all()
     host = [c for c in model.store.chunks if c.placement == "host"]
     assert host and all(c.upload is not None and c.upload.dtype == torch.bfloat16 for c in host)

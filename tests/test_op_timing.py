@@ -236,6 +236,12 @@ def test_decisions_on_input_values_are_traced_with_the_real_values():
     assert torch.equal(mask, before)  # the caller's tensors are not written
     assert trace.flops > 0 and all(trace.got_grad)
 
+    def muls(t):
+        return sum(op.count for op in t.ops if op.op == "aten::mul.Tensor")
+
+    unpadded = trace_step(model, (ids, torch.ones(2, 8, dtype=torch.long)))
+    assert muls(unpadded) > muls(trace) > 0  # `h * 2` traced only where the real mask has no padding
+
 
 def test_decisions_on_weight_values_take_the_branch_the_real_weights_take():
     class ReadsAWeight(torch.nn.Module):

@@ -10,7 +10,7 @@ import torch
 from elixir_ray import ConfigError, train
 from elixir_ray.api import as_config, check_data
 from elixir_ray.checkpoint import load_checkpoint
-from elixir_ray.cluster.worker import worker_actor_name
+from elixir_ray.cluster.worker import RankWorker
 from elixir_ray.data.dataset import BatchSampler, TokenDataset
 from elixir_ray.config import resolve_model_shape
 from elixir_ray.model.factory import init_reference_model
@@ -97,14 +97,25 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert "loss: first" in result.summary()
 
 
-def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path):
+def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    from elixir_ray.cluster import controller
+
+    started = tmp_path / "started"
+
+    class Marked(RankWorker):  # leaves a file when any worker is created
+        def __init__(self, *args, **kwargs):
+            started.touch()
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray_cluster.remote(max_concurrency=4)(Marked))
     cfg = tiny_config(tiny_dataset, tmp_path, cluster={"num_workers": 64})
     with pytest.raises(ConfigError, match="cluster.num_workers=64"):
         train(cfg, progress=False)
     with pytest.raises(ConfigError, match="no GPUs"):
         train(tiny_config(tiny_dataset, tmp_path, cluster={"use_gpu": True}), progress=False)
-    with pytest.raises(ValueError):  # no worker actor was ever created
-        ray_cluster.get_actor(worker_actor_name("t", 0), namespace="elixir_ray")
+    assert not started.exists()  # no worker was ever created
+    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    assert started.exists()  # the marker does mark a worker that starts
 
 
 def test_missing_dataset_fails_before_ray(tmp_path, tiny_dataset):
