@@ -307,6 +307,46 @@ def test_a_backward_that_raised_is_dropped_and_training_goes_on(where):
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
 
 
+@pytest.mark.parametrize("fail_at", [1, 2])  # the first fill of the forward, or one after an eviction
+def test_a_fetch_that_raised_leaves_its_chunk_to_be_fetched_again(monkeypatch, fail_at):
+    """A fill of a compute copy that raised (a staging buffer out of memory, a failed all-gather)
+    left its chunk marked resident and never filled: a loop that caught the error and went on
+    computed with whatever the block held (a loss of 8e32). Now the chunk is fetched again and
+    training goes on exactly as torch's without that batch."""
+    torch.manual_seed(0)
+    base = Toy()
+    ref = copy.deepcopy(base)
+    data = batches(4, 4, seed=3)
+    plan = manual_plan(base, (data[0],), chunk_size=1200, n_blocks=3)
+    model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=(data[0],), plan=plan,
+                      device="cpu")
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+    fill, fills = model.store._fill, []
+
+    def fill_failing_once(c):
+        fills.append(c.index)
+        if len(fills) == fail_at:
+            raise torch.OutOfMemoryError("simulated: no memory for the staging buffer")
+        fill(c)
+
+    for i, batch in enumerate(data):
+        if i == 1:
+            monkeypatch.setattr(model.store, "_fill", fill_failing_once)
+            with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+                model(batch).backward()
+            monkeypatch.setattr(model.store, "_fill", fill)
+            assert not model.store.chunks[fills[-1]].resident
+            opt.zero_grad()
+            continue
+        model(batch).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+
+
 class TwoHeads(nn.Module):
     """Returns (main loss, auxiliary loss) from two heads: each output's hook may fire first."""
 

@@ -301,3 +301,46 @@ def test_an_evicted_parameter_read_on_cuda_is_an_error_and_the_optimizer_state_i
     assert optim["state"].keys() == ref_optim["state"].keys()
     for i, entry in ref_optim["state"].items():
         assert _max_diff(optim["state"][i], {k: v.cpu() for k, v in entry.items()}) <= 1e-5
+
+
+def test_parameters_read_between_forward_and_backward_hold_their_values(monkeypatch):
+    """Chunks prefetched for the backward are resident when forward returns, so their parameters
+    pass the guard: code between forward and backward (a regulariser, a logged norm) reads them on
+    the compute stream, which must wait for their copies. Side-stream copies are held back here."""
+    from elixir_ray.engine import chunks
+
+    def slowed_fill(self, *args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds of the copy stream's time
+        return fill(self, *args, **kwargs)
+
+    fill = chunks.ChunkStore._fill
+    torch.manual_seed(0)
+    data = batches(4, 8)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1, prefetch=2)
+    monkeypatch.setattr(chunks.ChunkStore, "_fill", slowed_fill)
+    checked = 0
+    for batch in data:
+        loss = model(batch.cuda())
+        for c in model.store.chunks:
+            if c.resident:  # what a parameter of this chunk reads now, against the weights it holds
+                assert torch.equal(c.compute, c.master.to("cuda")), c.index
+                checked += 1
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert checked > 0 and model.engine_stats()["prefetches"] > 0
+
+
+def test_a_failed_page_lock_leaves_no_cuda_error_for_the_next_kernel():
+    """cudaHostRegister's failure stays the CUDA runtime's last error: torch raised it at the next
+    kernel launch, an unrelated op of a program that caught the refusal and went on."""
+    from elixir_ray.engine.host_memory import HostArena
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arena = HostArena({torch.float32: 1 << 20}, device)
+    assert arena.pinned
+    again = object.__new__(HostArena)
+    again.buffers = arena.buffers  # the same pages, registered a second time: the driver refuses
+    with pytest.raises(RuntimeError, match="could not page-lock"):
+        again._register(device)
+    assert (torch.ones(4, device=device) * 2).sum().item() == 8.0

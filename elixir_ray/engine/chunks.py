@@ -244,7 +244,11 @@ class ChunkStore:
         self.settle(c)
         with self.timer.region("h2d"):
             self._set_resident(c, True)
-            self._fill(c)
+            try:
+                self._fill(c)
+            except BaseException:
+                self._unfill(c)
+                raise
         self.counts["fetches"] += 1
 
     def prefetch(self, c: Chunk) -> None:
@@ -262,12 +266,25 @@ class ChunkStore:
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                self._fill(c)
-                c.ready = torch.cuda.Event(blocking=True)  # a blocking wait sleeps instead of spinning a core
-                c.ready.record(self.copy_stream)
+            try:
+                with torch.cuda.stream(self.copy_stream):
+                    self._fill(c)
+                    c.ready = torch.cuda.Event(blocking=True)  # a blocking wait sleeps instead of spinning a core
+                    c.ready.record(self.copy_stream)
+            except BaseException:
+                self._unfill(c)
+                raise
         self.counts["fetches"] += 1
         self.counts["prefetches"] += 1
+
+    def _unfill(self, c: Chunk) -> None:
+        """After a fill that raised (out of memory for a staging buffer, a failed all-gather): the
+        chunk is not resident, so the next access fetches it again instead of computing with a
+        block that was never filled. What the fill queued finishes before the block is reused."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        c.ready = None
+        self._set_resident(c, False)
 
     def _fill(self, c: Chunk) -> None:
         source = c.upload if c.upload is not None else c.master  # the compute dtype when there is one

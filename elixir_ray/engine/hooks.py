@@ -153,6 +153,17 @@ class EngineHooks:
             f"weights as plain tensors use model.state_dict()"
             + ("; its generate is model.generate(...)" if hasattr(self.module, "generate") else ""))
 
+    def _order_pending_prefetches(self) -> None:
+        """Chunks prefetched for the backward may still be copying when forward returns, and their
+        parameters are plain (resident) ones: code between forward and backward that reads them (a
+        regulariser, a logged norm) would read a half-copied block. The compute stream waits for
+        those copies now; they are the backward's first chunks, so little overlap is lost. Nothing
+        is pending off CUDA."""
+        if self.store.copy_stream is not None:
+            for c in self.store.chunks:
+                if c.ready is not None:
+                    self.store.make_usable(c)
+
     def _pre_forward(self, chunks):
         def hook(mod, args):
             if not self._calling:  # a submodule called on its own (model.transformer(ids)): refused as the module is
@@ -201,6 +212,7 @@ class EngineHooks:
         finally:
             self._calling = False
             self.phase = "backward"
+            self._order_pending_prefetches()
             self._recompute_open = False
             recorded, self.recording = self.recording, None
         outputs = [t for t in _tensors_in(out) if t.requires_grad]

@@ -33,6 +33,24 @@ def _unregister(pointers: list[int], device: torch.device) -> None:
         pass
 
 
+def clear_cuda_error() -> bool:
+    """Reset the CUDA runtime's last error on this thread, which a failed cudaHostRegister leaves set:
+    torch checks it after its next kernel launch and would raise it there, at an unrelated op of a
+    program that caught the refusal and went on. torch's cudart binding has no cudaGetLastError,
+    so it is called in the runtime library torch loaded (a shared one in its wheels). False when
+    there is none to call."""
+    try:
+        import ctypes
+
+        with open("/proc/self/maps") as maps:
+            libraries = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+        for path in libraries:
+            ctypes.CDLL(path).cudaGetLastError()
+        return bool(libraries)
+    except (OSError, AttributeError):
+        return False
+
+
 class HostArena:
     """Hands out zero-filled slices of one buffer per dtype; `numels` says how many elements of each.
 
@@ -54,11 +72,13 @@ class HostArena:
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
             err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable: pinned for every context
             if int(err) != 0:
+                cleared = clear_cuda_error()
                 _unregister(done, device)
                 raise RuntimeError(
                     f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the optimizer state "
                     f"(cudaHostRegister error {int(err)}): free host memory, or give the device more memory so "
-                    f"that less state lives on the host")
+                    f"that less state lives on the host"
+                    + ("" if cleared else "; start a new process to retry (this one's CUDA runtime keeps the error)"))
             done.append(ptr)
         self.pinned = True
         weakref.finalize(self, _unregister, done, device)
