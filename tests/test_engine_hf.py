@@ -119,23 +119,29 @@ def test_hf_gradient_checkpointing_with_updates_started_in_backward(reentrant):
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
 
 
-def test_hf_save_pretrained_takes_the_wrapped_models_state_dict(tmp_path):
-    """The README's way to save a wrapped HF model: its own save_pretrained, given the engine's weights."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_save_pretrained_takes_the_wrapped_models_state_dict(tmp_path, dtype):
+    """The README's way to save a wrapped HF model: its own save_pretrained, given the engine's
+    weights. In bf16 the module's parameters are bf16 compute copies, which HF read the dtype
+    from: the saved config said bfloat16 and the fp32 weights loaded back in bf16."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"])
     ids = torch.randint(0, 64, (2, 16))
     batch = transformers.BatchEncoding({"input_ids": ids, "labels": ids})  # a tokenizer's output: a Mapping
     model, opt = wrap(hf, torch.optim.AdamW(hf.parameters(), lr=1e-2), sample_inputs=batch, device_memory="64MiB",
-                      device="cpu")
+                      device="cpu", dtype=dtype)
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
     hf.save_pretrained(tmp_path / "a", state_dict=model.state_dict())  # it drops tied keys from the dict it is given
+    hf.config.dtype = None
     model.save_pretrained(tmp_path / "b")  # the same, given the engine's weights by the wrapper
+    assert hf.config.dtype is None  # the in-memory config is left as it was
     state = model.state_dict()
-    for where in ("a", "b"):
+    for where in ("a", "b") if dtype == torch.float32 else ("b",):
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / where)
+        assert back.dtype == torch.float32
         for key, value in back.state_dict().items():
             assert torch.equal(value, state[key]), (where, key)
 
@@ -165,6 +171,14 @@ def test_hf_attributes_are_read_through_the_wrapped_model():
     with pytest.raises(AttributeError):  # private names stay the wrapper's own
         model._no_such_private
     assert model(**sample).loss.item() > 0  # and it trains on
+    model.eval()
+    config = copy.deepcopy(hf.generation_config)
+    config.max_new_tokens, config.do_sample = 3, False
+    model.generation_config = config  # set on the module, whose generate reads it
+    assert hf.generation_config is config and "generation_config" not in vars(model)
+    assert model.generate(ids[:, :4], attention_mask=torch.ones(2, 4, dtype=torch.long)).shape == (2, 7)
+    model.my_note = "the wrapper's own"  # a name the module does not have stays on the wrapper
+    assert vars(model)["my_note"] == "the wrapper's own" and not hasattr(hf, "my_note")
 
 
 def test_hf_generate_through_the_wrapped_model_matches_plain_generate():

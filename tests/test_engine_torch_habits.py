@@ -280,3 +280,34 @@ def test_sample_inputs_given_both_positionally_and_by_keyword_train_like_torch()
         wrap(other, torch.optim.AdamW(other.parameters()), sample_inputs=SampleInputs(args=data[0][0]))
     with pytest.raises(TypeError, match=r"or elixir_ray.SampleInputs\(args=..., kwargs=...\) for both, got set"):
         wrap(other, torch.optim.AdamW(other.parameters()), sample_inputs={data[0][0]})
+
+
+class _HasNamesOfTheWrapper(torch.nn.Module):
+    """Attributes named as the wrapper's own (plan, store), and a property that raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+        self.plan, self.store = "the module's plan", "the module's store"
+
+    @property
+    def broken(self):
+        raise AttributeError("the module's own reason")
+
+    def forward(self, x):
+        return self.l(x).pow(2).mean()
+
+
+def test_the_wrapper_keeps_its_own_attributes_and_passes_on_the_rest():
+    module = _HasNamesOfTheWrapper()
+    model, _ = wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(torch.randn(2, 4),),
+                    device="cpu")
+    assert model.plan is not module.plan and module.plan == "the module's plan"  # each keeps its own
+    assert model.store is not module.store and module.store == "the module's store"
+    with pytest.raises(AttributeError) as on_module:
+        module.broken
+    with pytest.raises(AttributeError) as on_wrapper:
+        model.broken
+    assert str(on_wrapper.value) == str(on_module.value)  # the error torch gives for the module itself
+    model.plan = model.plan  # the wrapper's own name is set on the wrapper
+    assert module.plan == "the module's plan"

@@ -142,10 +142,13 @@ class EngineHooks:
         checkpoint of the whole module recomputes it there)."""
         if self._calling or _in_backward():
             return
-        what = (f"the {type(mod).__name__} given to elixir_ray.wrap was called directly" if mod is self.module else
-                f"a part of the {type(self.module).__name__} given to elixir_ray.wrap ran outside the wrapped model "
-                f"({type(mod).__name__} {self._names.get(id(mod), '?')!r}, called directly or through a part that "
-                f"holds it)")
+        if mod is self.module:
+            what = f"the {type(mod).__name__} given to elixir_ray.wrap was called directly"
+        else:
+            what = (f"a part of the {type(self.module).__name__} given to elixir_ray.wrap ran outside the wrapped "
+                    f"model ({type(mod).__name__} {self._names.get(id(mod), '?')!r}, called directly or through a "
+                    f"part that holds it); to compute with parts of it before the model (inputs_embeds from "
+                    f"get_input_embeddings()), wrap a module whose forward does both")
         raise RuntimeError(
             f"{what}: call the model wrap returned "
             f"(model, optimizer = elixir_ray.wrap(module, ...); loss = model(batch)). Its parameters live in the "

@@ -72,13 +72,13 @@ class HostArena:
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
             err = cudart.cudaHostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable: pinned for every context
             if int(err) != 0:
-                cleared = clear_cuda_error()
                 _unregister(done, device)
+                cleared = clear_cuda_error()
                 raise RuntimeError(
                     f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the optimizer state "
                     f"(cudaHostRegister error {int(err)}): free host memory, or give the device more memory so "
                     f"that less state lives on the host"
-                    + ("" if cleared else "; start a new process to retry (this one's CUDA runtime keeps the error)"))
+                    + ("" if cleared else " (the next CUDA call may raise this error once more)"))
             done.append(ptr)
         self.pinned = True
         weakref.finalize(self, _unregister, done, device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
@@ -48,10 +49,12 @@ class ChunkedModule(nn.Module):
     def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, hooks: EngineHooks,
                  slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale]):
         super().__init__()
-        self.module = module
+        # the wrapper's own attributes first: once `module` is set, a new name the module also has
+        # is set on the module (__setattr__)
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
         self.loss_scale = loss_scale
         self.slot_by_param = {id(s.param): s for s in slots}
+        self.module = module
 
     def forward(self, *args, **kwargs):
         with self.store.on_device():
@@ -86,23 +89,51 @@ class ChunkedModule(nn.Module):
         except AttributeError:
             if name.startswith("_") or "module" not in self.__dict__.get("_modules", {}):
                 raise
+        module = self._modules["module"]
         try:
-            return getattr(self._modules["module"], name)
+            return getattr(module, name)
         except AttributeError:
-            raise AttributeError(f"neither the wrapped model nor its {type(self._modules['module']).__name__} "
+            if hasattr(type(module), name):  # a property of the module that raised: its own error says why
+                raise
+            raise AttributeError(f"neither the wrapped model nor its {type(module).__name__} "
                                  f"has an attribute {name!r}") from None
+
+    def __setattr__(self, name: str, value) -> None:
+        """An attribute the module has (and the wrapper does not) is set on the module, so that what
+        the reads above pass on can be changed too (`model.generation_config = ...`, which the
+        module's generate reads). Submodules, parameters and tensors are not passed on."""
+        modules = self.__dict__.get("_modules", {})
+        if (not name.startswith("_") and "module" in modules and name not in self.__dict__
+                and not hasattr(type(self), name) and not isinstance(value, (nn.Module, torch.Tensor))
+                and name in dir(modules["module"])):
+            setattr(modules["module"], name, value)
+            return
+        super().__setattr__(name, value)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """A Hugging Face model's `save_pretrained`, given the engine's full weights
         (`state_dict=model.state_dict()`) unless the call names its own `state_dict`: the module's
-        own parameters have no data while their chunks are evicted."""
+        own parameters have no data while their chunks are evicted. Those weights are fp32, while
+        the module's parameters are in the compute dtype, which the saved config would otherwise
+        name (a bf16 run's model would load back in bf16). With several ranks `state_dict()` is a
+        collective: call this on every rank, with `is_main_process=(rank == 0)`."""
         save = getattr(self.module, "save_pretrained", None)
         if not callable(save):
             raise AttributeError(f"{type(self.module).__name__} has no save_pretrained method: save the weights "
                                  f"with torch.save(model.state_dict(), path)")
-        if "state_dict" not in kwargs:
-            kwargs["state_dict"] = self.state_dict()
-        return save(save_directory, *args, **kwargs)
+        if "state_dict" in kwargs:
+            return save(save_directory, *args, **kwargs)
+        kwargs["state_dict"] = self.state_dict()
+        config = getattr(self.module, "config", None)
+        kept = {k: v for k, v in vars(config).items() if k in _DTYPE_KEYS} if config is not None else {}
+        try:
+            out = save(save_directory, *args, **kwargs)
+        finally:
+            if config is not None:  # save_pretrained writes the parameters' dtype into the config
+                vars(config).update(kept)
+        if kwargs.get("is_main_process", True):
+            _config_names_fp32(os.path.join(os.fspath(save_directory), "config.json"))
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's gradients live in chunks, not in `.grad`: this clears them, as the optimizer's
@@ -215,6 +246,28 @@ class ChunkedModule(nn.Module):
             self.store.refresh_upload(c)
         self.pool.reset()
         return _IncompatibleKeys(missing, unexpected)
+
+
+_DTYPE_KEYS = ("dtype", "torch_dtype")  # where Hugging Face configs (v5, v4) record the weights' dtype
+
+
+def _config_names_fp32(path: str) -> None:
+    """Make a saved Hugging Face config name float32, the dtype of the weights saved beside it
+    (written to a temporary name, then renamed)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    keys = [k for k in _DTYPE_KEYS if config.get(k) not in (None, "float32")]
+    if not keys:
+        return
+    for key in keys:
+        config[key] = "float32"
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
