@@ -46,6 +46,21 @@ class Result:
     final_step: int = 0  # the last step trained
     checkpoint_step: Optional[int] = None  # the step checkpoint_uri holds
     start_step: int = 0  # the --resume checkpoint's step (the metrics hold the steps before it too)
+    config: Optional[RunConfig] = None  # the config the run used, overrides applied (what a sweep compares)
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        """The training loss of the last step (None when no step ran)."""
+        losses = self.metrics.column("loss").to_pylist() if self.metrics.num_rows else []
+        return losses[-1] if losses else None
+
+    @property
+    def final_eval_loss(self) -> Optional[float]:
+        """The held-out loss of the last evaluation (None without `eval.path`)."""
+        if "eval_loss" not in self.metrics.column_names:
+            return None
+        values = [v for v in self.metrics.column("eval_loss").to_pylist() if v is not None]
+        return values[-1] if values else None
 
     @property
     def final_checkpoint_written(self) -> bool:
@@ -371,6 +386,9 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         seconds = time.monotonic() - start
         return _write_outputs(cfg, outcome, seconds)
     finally:
+        # the controller and the metrics callbacks refer to each other: without this the cycle (and
+        # what the controller holds in the object store) lives on until the next garbage collection
+        controller = None  # noqa: F841
         if started_here:
             ray.shutdown()
 
@@ -431,4 +449,4 @@ def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:
                   metrics_uri=metrics_uri, seconds=seconds, restarts=outcome.restarts,
                   persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
                   checkpoint_via=outcome.checkpoint_via, final_step=outcome.final_step,
-                  checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step)
+                  checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step, config=cfg)

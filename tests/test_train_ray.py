@@ -95,6 +95,31 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert "rng/rank1/torch_cpu" in tensors
     assert os.path.exists(os.path.join(result.run_dir, "plan.json"))
     assert "loss: first" in result.summary()
+    assert result.final_loss == table.column("loss").to_pylist()[-1] and result.final_eval_loss is None
+    assert result.config.train.steps == 3 and result.config.name == "t"  # what a sweep compares runs by
+
+
+def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(ray_cluster, tiny_dataset, tmp_path):
+    """The controller's snapshots were freed only when the garbage collector broke a reference
+    cycle between the controller and the metrics callbacks: a sweep of runs in one process kept
+    every run's last state in the object store."""
+    import gc
+
+    from ray._private.worker import global_worker
+
+    def owned() -> set:
+        return set(global_worker.core_worker.get_all_reference_counts())
+
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2}, checkpoint={"every_steps": 1})
+    gc.collect()
+    gc.disable()
+    try:
+        before = owned()
+        result = train(cfg, progress=False)
+        assert result.checkpoint_step == 2
+        assert owned() <= before
+    finally:
+        gc.enable()
 
 
 def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path, monkeypatch):

@@ -151,6 +151,7 @@ class TrainController:
         finally:
             self._teardown()
             self.persister.close()
+            self.snapshots = []  # the run is over: its states leave the object store now, not at the next gc
             self.outcome.checkpoint_uri = self.persister.newest
             self.outcome.checkpoint_step = self.persister.committed[-1][0] if self.persister.committed else None
             self.outcome.persist_errors = list(self.persister.errors)
