@@ -67,6 +67,23 @@ def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_p
     assert killer.killed_at is not None, "the worker was never killed"
 
 
+def test_a_cluster_busy_at_the_start_is_not_a_worker_failure(ray_cluster, tiny_dataset, tmp_path):
+    """Another run (here a placement group) holds the CPUs: the first placement timing out is said
+    as such, without a restart or "after a worker failure" (no worker had failed)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hold = placement_group([{"CPU": 3}])
+    ray_cluster.get(hold.ready(), timeout=30)
+    try:
+        cfg = tiny_config(tiny_dataset, tmp_path, cluster={"placement_timeout_s": 2}, fault={"max_restarts": 3})
+        with pytest.raises(ClusterError, match=r"could not reserve 2 x .* free now: 1 CPU\): other runs or tasks "
+                                               r"hold them; free them, or raise cluster.placement_timeout_s") as err:
+            train(cfg, progress=False)
+        assert "restart" not in str(err.value) and "worker failure" not in str(err.value)
+    finally:
+        remove_placement_group(hold)
+
+
 def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, tiny_dataset, tmp_path):
     """A run that gives up writes the metrics of the steps it trained and names its newest
     checkpoint; resumed in the same run directory, its metrics start at step 1 again."""

@@ -197,6 +197,8 @@ class TrainController:
         try:
             self.pg = create_placement_group(self.shape, self.cfg.cluster.placement_timeout_s)
         except ClusterError as exc:
+            if not self.outcome.restarts:  # nothing failed: the cluster is busy (another run holds them)
+                raise
             raise WorkerGroupFailure("placing workers", str(exc)) from exc
         order = bundle_rank_order(self.pg, ray.get_runtime_context().get_node_id())
         config = self.cfg.to_dict()

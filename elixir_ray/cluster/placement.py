@@ -58,6 +58,11 @@ def workers_that_fit(shape: WorkerShape, available: dict) -> int:
     return min(int(available.get(res, 0) // amount) for res, amount in shape.bundle.items())
 
 
+def _free(bundle: dict) -> str:
+    available = ray.available_resources()
+    return ", ".join(f"{available.get(res, 0):g} {res}" for res in bundle)
+
+
 def create_placement_group(shape: WorkerShape, timeout_s: float):
     pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -66,7 +71,9 @@ def create_placement_group(shape: WorkerShape, timeout_s: float):
         remove_placement_group(pg)
         raise ClusterError(
             f"could not reserve {shape.num_workers} x {shape.bundle} within cluster.placement_timeout_s="
-            f"{timeout_s:g}s (placement group state: {table.get('state')}); free resources or wait longer"
+            f"{timeout_s:g}s (placement group state: {table.get('state')}; free now: "
+            f"{_free(shape.bundle)}): other runs or tasks hold them; free them, or raise "
+            f"cluster.placement_timeout_s to wait longer"
         )
     return pg
 
