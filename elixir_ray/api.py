@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -306,6 +307,68 @@ def _check_reachable(address: str, hint: str) -> None:
                            f"({exc.strerror or type(exc).__name__}; {hint})") from None
 
 
+class RayStartedByTrain:
+    """The Ray connection `train()` started in this process, shared by every run in it: runs started
+    from threads (a sweep's) join it, and only the last to end shuts it down. Without the count the
+    first run to end shut Ray down under the others (their workers vanished mid-run), and two
+    starting at once raced in ray.init. Process-wide by nature, as Ray's own connection is."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.runs = 0  # runs using the connection train() started; 0 when it started none
+        self.keeper_done: Optional[threading.Event] = None  # ends the thread that started Ray
+
+    def join(self, cfg: RunConfig) -> bool:
+        """Connect (or join this process's connection); True if this run must `leave()` at its end."""
+        with self.lock:
+            if threading.current_thread() is threading.main_thread():
+                started = _ensure_ray(cfg)
+            else:
+                started = self._start_in_a_keeper_thread(cfg)
+            if started or self.runs:
+                self.runs += 1
+                return True
+            return False
+
+    def _start_in_a_keeper_thread(self, cfg: RunConfig) -> bool:
+        """A local cluster's processes are killed when the thread that started them ends (Ray sets
+        the parent-death signal, which follows the starting thread, not the process): started from
+        a sweep's thread, it died with the first run to finish. So a thread of its own starts it and
+        lives until the last run leaves."""
+        ready, done, outcome = threading.Event(), threading.Event(), {}
+
+        def keep() -> None:
+            try:
+                outcome["started"] = _ensure_ray(cfg)
+            except BaseException as exc:  # raised in the run's thread below
+                outcome["error"] = exc
+            ready.set()
+            if outcome.get("started"):
+                done.wait()
+
+        threading.Thread(target=keep, name="elixir-ray-keeper", daemon=True).start()
+        ready.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        if outcome["started"]:
+            self.keeper_done = done
+        return outcome["started"]
+
+    def leave(self) -> None:
+        import ray
+
+        with self.lock:
+            self.runs -= 1
+            if self.runs == 0:
+                ray.shutdown()
+                if self.keeper_done is not None:
+                    self.keeper_done.set()
+                    self.keeper_done = None
+
+
+RAY_STARTED_BY_TRAIN = RayStartedByTrain()
+
+
 def _ensure_ray(cfg: RunConfig) -> bool:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local cluster. True if started here.
 
@@ -345,7 +408,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         check_resume(cfg, resume)
     check_output_dir(cfg)
     check_checkpoint_space(cfg)
-    started_here = _ensure_ray(cfg)
+    started_here = RAY_STARTED_BY_TRAIN.join(cfg)
     try:
         shape = resolve_worker_shape(cfg, ray.cluster_resources())
         warn_if_data_under_one_batch(cfg, shape.num_workers)
@@ -390,7 +453,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         # what the controller holds in the object store) lives on until the next garbage collection
         controller = None  # noqa: F841
         if started_here:
-            ray.shutdown()
+            RAY_STARTED_BY_TRAIN.leave()
 
 
 METRICS_SAVE_EVERY_S = 10.0  # how often a run's metrics so far are written while it trains

@@ -45,3 +45,17 @@ def test_full_disk_during_persist_reports_and_keeps_training(tiny_dataset, tmp_p
     assert "File too large" in report["errors"][0] or "too large" in report["errors"][0].lower()
     assert report["committed"] == []  # nothing half-written is ever picked up
     assert report["leftovers"] == []  # and the temporary directories were cleaned away
+
+
+def test_runs_started_from_threads_share_the_ray_that_train_starts(tiny_dataset, tmp_path):
+    """A sweep's runs in threads of a process without Ray: the first to end shut Ray down under
+    the others (their workers vanished), and two starting at once raced in ray.init."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "scripts", "runs_in_threads.py"), tiny_dataset, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["errors"] == {}
+    assert report["results"] == {"short": 3, "same-time": 3, "long": 40}
+    assert not report["ray_left_running"]  # the last run to end shut it down
