@@ -25,6 +25,7 @@ from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, count_tokens, resolve_data_uri, windows_in
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
+from elixir_ray.run_claim import claim_outputs
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
 from elixir_ray.units import format_bytes
@@ -398,16 +399,24 @@ def _ensure_ray(cfg: RunConfig) -> bool:
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
           progress: bool = True, resume: Optional[str] = None) -> Result:
     """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from."""
-    import ray
-
-    from elixir_ray.cluster.controller import RestoreSource, TrainController
-    from elixir_ray.cluster.placement import resolve_worker_shape
-
     cfg = check_data(as_config(config, overrides))
     if resume is not None:
         check_resume(cfg, resume)
     check_output_dir(cfg)
     check_checkpoint_space(cfg)
+    claim = claim_outputs(cfg)
+    try:
+        return _train_claimed(cfg, progress, resume)
+    finally:
+        claim.release()
+
+
+def _train_claimed(cfg: RunConfig, progress: bool, resume: Optional[str]) -> Result:
+    import ray
+
+    from elixir_ray.cluster.controller import RestoreSource, TrainController
+    from elixir_ray.cluster.placement import resolve_worker_shape
+
     started_here = RAY_STARTED_BY_TRAIN.join(cfg)
     try:
         shape = resolve_worker_shape(cfg, ray.cluster_resources())

@@ -1,0 +1,99 @@
+"""One run at a time per run directory and checkpoint directory (RunClaim), with real files."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elixir_ray import ConfigError, train
+from elixir_ray.api import as_config
+from elixir_ray.run_claim import CLAIM_FILE, STALE_S, claim_outputs
+
+from conftest import tiny_config
+
+
+def _cfg(tiny_dataset, tmp_path, **sections):
+    return as_config(tiny_config(tiny_dataset, tmp_path, **sections))
+
+
+def test_a_run_directory_in_use_is_refused_naming_the_run_and_what_to_change(tiny_dataset, tmp_path):
+    first = _cfg(tiny_dataset, tmp_path, cluster={"namespace": "a"})
+    claim = claim_outputs(first)
+    try:
+        same_dir = _cfg(tiny_dataset, tmp_path, cluster={"namespace": "b"})  # the same name and output_dir
+        with pytest.raises(ConfigError, match=r"output_dir '.*/runs/t' is in use by the run 't' \(Ray namespace "
+                                              r"'a', pid \d+ on .*\): .* Give this run another name or output_dir"):
+            claim_outputs(same_dir)
+        # the refused run left the first one's claim as it was
+        held = json.loads((tmp_path / "runs" / "t" / CLAIM_FILE).read_text())
+        assert held["token"] == claim.info["token"]
+    finally:
+        claim.release()
+    assert not (tmp_path / "runs" / "t" / CLAIM_FILE).exists()
+    claim_outputs(first).release()  # free again once released
+
+
+def test_a_checkpoint_directory_shared_by_two_names_is_refused(tiny_dataset, tmp_path):
+    shared = {"uri": str(tmp_path / "shared-checkpoints")}
+    claim = claim_outputs(_cfg(tiny_dataset, tmp_path, checkpoint=shared))
+    try:
+        other = as_config({**tiny_config(tiny_dataset, tmp_path, checkpoint=shared), "name": "k2"})
+        with pytest.raises(ConfigError, match=r"checkpoint.uri '.*shared-checkpoints' is in use by the run 't'.*"
+                                              r"Give this run another checkpoint.uri"):
+            claim_outputs(other)
+        assert not (tmp_path / "runs" / "k2" / CLAIM_FILE).exists()  # its run directory's claim was undone
+    finally:
+        claim.release()
+
+
+def test_the_claim_of_a_run_that_is_gone_is_taken_over(tiny_dataset, tmp_path, caplog):
+    cfg = _cfg(tiny_dataset, tmp_path)
+    path = tmp_path / "runs" / "t" / CLAIM_FILE
+    path.parent.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    now = time.time()
+    gone = [
+        {"token": "x", "name": "old", "host": socket.gethostname(), "pid": int(dead.stdout), "heartbeat": now},
+        {"token": "y", "name": "old", "host": "another-host", "pid": 1, "heartbeat": now - STALE_S - 1},
+    ]
+    for held in gone:
+        path.write_text(json.dumps(held))
+        claim = claim_outputs(cfg)
+        assert json.loads(path.read_text())["token"] == claim.info["token"]
+        claim.release()
+    assert "which is gone: this run takes it over" in caplog.text
+    path.write_text(json.dumps({"token": "z", "name": "elsewhere", "host": "another-host", "pid": 1,
+                                "heartbeat": now}))  # a live run on another host: its heartbeat is fresh
+    with pytest.raises(ConfigError, match="in use by the run 'elsewhere'"):
+        claim_outputs(cfg)
+
+
+def test_the_heartbeat_refreshes_the_claim(tiny_dataset, tmp_path):
+    claim = claim_outputs(_cfg(tiny_dataset, tmp_path))
+    try:
+        path = tmp_path / "runs" / "t" / CLAIM_FILE
+        before = json.loads(path.read_text())["heartbeat"]
+        time.sleep(0.01)
+        claim.beat()
+        assert json.loads(path.read_text())["heartbeat"] > before
+    finally:
+        claim.release()
+
+
+def test_train_refuses_a_run_directory_in_use_before_ray_starts(tiny_dataset, tmp_path):
+    import ray
+
+    cfg = tiny_config(tiny_dataset, tmp_path)
+    claim = claim_outputs(as_config(cfg))
+    try:
+        was_up = ray.is_initialized()
+        with pytest.raises(ConfigError, match="is in use by the run 't'"):
+            train(cfg, progress=False)
+        assert ray.is_initialized() == was_up
+        assert not os.path.exists(tmp_path / "runs" / "t" / "metrics.parquet")
+    finally:
+        claim.release()
