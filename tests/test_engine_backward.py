@@ -282,12 +282,7 @@ def test_a_backward_that_raised_is_dropped_and_training_goes_on(where):
     torch.manual_seed(0)
     base = Toy()
     getattr(base, where).register_forward_hook(lambda mod, args, out: _FailOnce.apply(out))
-    ref = copy.deepcopy(base)
-    data = batches(4, 4, seed=3)
-    plan = manual_plan(base, (data[0],), chunk_size=1200, n_blocks=3)
-    model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=(data[0],), plan=plan,
-                      device="cpu")
-    ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+    model, opt, ref, ref_opt, data = _engine_beside_torch(base)
     for i, batch in enumerate(data):
         _FailOnce.armed = i == 1
         try:
@@ -299,28 +294,38 @@ def test_a_backward_that_raised_is_dropped_and_training_goes_on(where):
             continue
         finally:
             _FailOnce.armed = False
-        opt.step()
-        opt.zero_grad()
-        ref(batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt, batch, engine_backward_done=True)
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
 
 
-@pytest.mark.parametrize("fail_at", [1, 2])  # the first fill of the forward, or one after an eviction
-def test_a_fetch_that_raised_leaves_its_chunk_to_be_fetched_again(monkeypatch, fail_at):
-    """A fill of a compute copy that raised (a staging buffer out of memory, a failed all-gather)
-    left its chunk marked resident and never filled: a loop that caught the error and went on
-    computed with whatever the block held (a loss of 8e32). Now the chunk is fetched again and
-    training goes on exactly as torch's without that batch."""
-    torch.manual_seed(0)
-    base = Toy()
+def _engine_beside_torch(base: nn.Module):
+    """The engine (evicting every step) and plain torch AdamW on copies of `base`, and 4 batches."""
     ref = copy.deepcopy(base)
     data = batches(4, 4, seed=3)
     plan = manual_plan(base, (data[0],), chunk_size=1200, n_blocks=3)
     model, opt = wrap(base, torch.optim.AdamW(param_groups(base), lr=1e-2), sample_inputs=(data[0],), plan=plan,
                       device="cpu")
-    ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+    return model, opt, ref, torch.optim.AdamW(param_groups(ref), lr=1e-2), data
+
+
+def _step_both(model, opt, ref, ref_opt, batch, engine_backward_done: bool = False) -> None:
+    if not engine_backward_done:
+        model(batch).backward()
+    opt.step()
+    opt.zero_grad()
+    ref(batch).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])  # the first fill of the forward, or one after an eviction
+def test_a_fetch_that_raised_leaves_its_chunk_to_be_fetched_again(monkeypatch, fail_at):
+    """A fill of a compute copy that raised (a staging buffer out of memory) left its chunk marked
+    resident and never filled: a loop that caught the error and went on computed with whatever the
+    block held (a loss of 8e32). Now the chunk is fetched again and training goes on exactly as
+    torch's without that batch."""
+    torch.manual_seed(0)
+    model, opt, ref, ref_opt, data = _engine_beside_torch(Toy())
     fill, fills = model.store._fill, []
 
     def fill_failing_once(c):
@@ -338,12 +343,7 @@ def test_a_fetch_that_raised_leaves_its_chunk_to_be_fetched_again(monkeypatch, f
             assert not model.store.chunks[fills[-1]].resident
             opt.zero_grad()
             continue
-        model(batch).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt, batch)
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
 
 
