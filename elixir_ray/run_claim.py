@@ -3,14 +3,19 @@
 Two runs given the same outputs (one name and output_dir under two Ray namespaces, or one
 `checkpoint.uri` shared by two names) overwrote each other's metrics and checkpoints without a
 word, and each Result named the other's checkpoint. So a run claims each directory it writes with
-a small file naming it, and a run that finds a live claim is refused before it starts. A claimant
-is gone when, on this host, its process no longer exists, or, from another host, its heartbeat
-(rewritten every HEARTBEAT_S while it runs) is older than STALE_S: a driver killed outright
-leaves its claim behind, and the next run takes it over.
+a small file naming it, and a run that finds a live claim is refused before it starts. A claim is
+live while its heartbeat (rewritten every HEARTBEAT_S while the run goes on) is under STALE_S old
+and, when it was made in this process namespace of this host, its process still exists: a driver
+killed outright leaves its claim behind, and the next run takes it over (at once on the same host).
+
+On a local disk the check and the write happen under a lock on the directory, and the claim is
+written whole (a temporary file renamed), so of two runs starting at once exactly one wins. Object
+stores have neither: there a claim is read back after a pause, which catches all but a near tie.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,35 +35,46 @@ from elixir_ray.errors import ConfigError
 CLAIM_FILE = ".elixir_ray_run.json"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
+READ_BACK_S = 1.0  # on an object store: how long a claim waits before reading itself back
 
 log = logging.getLogger("elixir_ray")
 
 
 @dataclass
 class RunClaim:
-    info: dict  # token, name, namespace, host, pid, started, heartbeat
+    info: dict  # token, name, namespace, host, process namespace, pid, started, heartbeat
     paths: list[tuple[pafs.FileSystem, str]] = field(default_factory=list)  # claim files written
     stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a beat and the release, one at a time
 
     def beat(self) -> None:
-        """Rewrite the claims with a fresh heartbeat (one taken over by another run is left to it)."""
-        self.info["heartbeat"] = time.time()
-        for fs, path in self.paths:
-            try:
-                if (_read(fs, path) or {}).get("token") == self.info["token"]:
-                    storage.write_bytes_atomic(fs, path, _encode(self.info))
-            except OSError as exc:  # a heartbeat missed is not what stops a run
-                log.warning("could not refresh the run's claim %s: %s", path, exc)
+        """Rewrite the claims with a fresh heartbeat. One that another run holds now is left to it,
+        loudly: that run judged this one gone, and both may be writing the directory."""
+        with self.lock:
+            if self.stop.is_set():  # released: a beat must not write the claim back
+                return
+            self.info["heartbeat"] = time.time()
+            for fs, path in self.paths:
+                try:
+                    held = _read(fs, path) or {}
+                    if held.get("token") == self.info["token"]:
+                        storage.write_bytes_atomic(fs, path, _encode(self.info))
+                    else:
+                        log.error("this run's claim %s was taken by the run %r (pid %s on %s): both may be writing "
+                                  "there now", path, held.get("name"), held.get("pid"), held.get("host"))
+                except Exception as exc:  # a heartbeat missed is not what stops a run
+                    log.warning("could not refresh the run's claim %s: %s", path, exc)
 
     def release(self) -> None:
-        self.stop.set()
-        for fs, path in self.paths:
-            try:
-                if (_read(fs, path) or {}).get("token") == self.info["token"]:
-                    fs.delete_file(path)
-            except OSError as exc:
-                log.warning("could not remove the run's claim %s: %s", path, exc)
-        self.paths = []
+        with self.lock:
+            self.stop.set()
+            for fs, path in self.paths:
+                try:
+                    if (_read(fs, path) or {}).get("token") == self.info["token"]:
+                        fs.delete_file(path)
+                except OSError as exc:
+                    log.warning("could not remove the run's claim %s: %s", path, exc)
+            self.paths = []
 
 
 def claim_outputs(cfg: RunConfig) -> RunClaim:
@@ -66,10 +82,12 @@ def claim_outputs(cfg: RunConfig) -> RunClaim:
     ConfigError naming the live run that holds one and what to change."""
     now = time.time()
     claim = RunClaim(info={"token": uuid.uuid4().hex, "name": cfg.name, "namespace": cfg.cluster.namespace,
-                           "host": socket.gethostname(), "pid": os.getpid(), "started": now, "heartbeat": now})
+                           "host": socket.gethostname(), "pid_namespace": _pid_namespace(), "pid": os.getpid(),
+                           "started": now, "heartbeat": now})
     targets = [(cfg.run_dir, "output_dir")]
     run_root = storage.resolve(cfg.run_dir)[1].rstrip("/")
-    if not storage.resolve(cfg.checkpoint_uri)[1].startswith(run_root + "/"):
+    checkpoint_root = storage.resolve(cfg.checkpoint_uri)[1].rstrip("/")
+    if checkpoint_root != run_root and not checkpoint_root.startswith(run_root + "/"):
         targets.append((cfg.checkpoint_uri, "checkpoint.uri"))
     try:
         for uri, key in targets:
@@ -97,39 +115,62 @@ def _claim(uri: str, key: str, info: dict) -> tuple[pafs.FileSystem, str]:
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
     path = f"{root}/{CLAIM_FILE}"
-    held = _read(fs, path)
-    if held is not None and _alive(held):
-        raise ConfigError(_in_use(uri, key, path, held))
-    if held is not None:
-        log.warning("%s %s was claimed by run %r (pid %s on %s), which is gone: this run takes it over",
-                    key, uri, held.get("name"), held.get("pid"), held.get("host"))
     local = isinstance(fs, pafs.LocalFileSystem)
-    if local and held is None:
-        try:  # created only if absent: of two runs starting at once, one wins
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise ConfigError(_in_use(uri, key, path, _read(fs, path) or {})) from None
-        with os.fdopen(fd, "wb") as out:
-            out.write(_encode(info))
-    else:
-        storage.write_bytes_atomic(fs, path, _encode(info))
+    with _directory_lock(root) if local else contextlib.nullcontext():
+        held = _read(fs, path)
+        if held is not None and _alive(held):
+            raise ConfigError(_in_use(uri, key, path, held))
+        if held:
+            log.warning("%s %s was claimed by the run %r (pid %s on %s), which is gone: this run takes it over",
+                        key, uri, held.get("name"), held.get("pid"), held.get("host"))
+        elif held is not None:
+            log.warning("%s %s held an unreadable claim (left by a crash): this run takes it over", key, uri)
+        storage.write_bytes_atomic(fs, path, _encode(info))  # whole or not at all: never read half-written
+    if not local:  # no lock there: a run that wrote in between has overwritten this claim
+        time.sleep(READ_BACK_S)
         mine = _read(fs, path) or {}
-        if mine.get("token") != info["token"]:  # another run wrote its claim in between
+        if mine.get("token") != info["token"]:
             raise ConfigError(_in_use(uri, key, path, mine))
     return fs, path
 
 
+@contextlib.contextmanager
+def _directory_lock(root: str):
+    """An exclusive lock on the directory itself (flock on its descriptor): the check and the
+    write of a claim, one run at a time, with no lock file left behind."""
+    import fcntl
+
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pid_namespace() -> str:
+    """Which processes a pid here names: two containers may share a hostname but not their pids."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
 def _alive(held: dict) -> bool:
-    if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+    """A fresh heartbeat, and where the pid can be checked (this host and process namespace) a
+    process that still exists: a pid reused after a crash keeps a claim for STALE_S at most."""
+    heartbeat = held.get("heartbeat")
+    if not (isinstance(heartbeat, (int, float)) and time.time() - heartbeat < STALE_S):
+        return False
+    here = held.get("host") == socket.gethostname() and held.get("pid_namespace") == _pid_namespace()
+    if here and isinstance(held.get("pid"), int):
         try:
             os.kill(held["pid"], 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
-        return True
-    heartbeat = held.get("heartbeat")
-    return isinstance(heartbeat, (int, float)) and time.time() - heartbeat < STALE_S
+    return True
 
 
 def _in_use(uri: str, key: str, path: str, held: dict) -> str:
