@@ -354,3 +354,18 @@ def test_a_tied_weight_that_another_holder_resets_is_initialised():
                     device_memory="64MiB", device="cpu")
     weight = model.state_dict()["table.weight"]
     assert torch.isfinite(weight).all() and 0 < weight.abs().max() <= 8 ** -0.5  # Linear's kaiming bound
+
+
+def test_a_layer_replaced_after_wrap_is_refused_at_the_next_forward():
+    """Its new parameter is in no chunk: it was used without the engine and never updated (a
+    Hugging Face resize_token_embeddings or an adapter injected after wrap does this)."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(2, 4)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data)
+    model(data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    module.l2 = torch.nn.Linear(64, 32)
+    with pytest.raises(RuntimeError, match=r"parameter 'l2.weight' of shape \(32, 64\) was added to the module "
+                                           r"after wrap"):
+        model(data[1])

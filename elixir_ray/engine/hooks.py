@@ -156,6 +156,20 @@ class EngineHooks:
             f"weights as plain tensors use model.state_dict()"
             + ("; its generate is model.generate(...)" if hasattr(self.module, "generate") else ""))
 
+    def _refuse_new_parameters(self) -> None:
+        """A parameter that is not in the chunks (a layer replaced or added after wrap: the module's
+        resize_token_embeddings, an adapter injected) would be used without the engine, and the
+        optimizer would never update it: a silent no-training. One pass over the parameters."""
+        known = self.slot_by_param
+        for p in self.module.parameters():
+            if id(p) not in known:
+                name = next((n for n, q in self.module.named_parameters() if q is p), "?")
+                raise RuntimeError(
+                    f"parameter {name!r} of shape {tuple(p.shape)} was added to the module after wrap (a layer "
+                    f"replaced or added, resize_token_embeddings, an adapter): the engine packed the module's "
+                    f"parameters into chunks at wrap and would neither fetch nor train it. Change the module "
+                    f"before wrap, with an optimizer built over its parameters then")
+
     def _order_pending_prefetches(self) -> None:
         """Chunks prefetched for the backward may still be copying when forward returns, and their
         parameters are plain (resident) ones: code between forward and backward that reads them (a
@@ -197,6 +211,7 @@ class EngineHooks:
         """Run `fn` (the module, or one of its methods that calls it, such as a Hugging Face model's
         generate) as the wrapped model's forward: the module may be called inside, and its
         parameters are fetched as it uses them."""
+        self._refuse_new_parameters()
         if self.optimizer is not None:
             self.optimizer.refuse_mid_update(
                 "run the model", "Run it before that backward or after optimizer.step() (or wrap with "
