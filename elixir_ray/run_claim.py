@@ -57,7 +57,7 @@ class RunClaim:
             for fs, path in self.paths:
                 try:
                     held = _read(fs, path) or {}
-                    if held.get("token") == self.info["token"]:
+                    if self._holds(held):
                         storage.write_bytes_atomic(fs, path, _encode(self.info))
                     else:
                         log.error("this run's claim %s was taken by the run %r (pid %s on %s): both may be writing "
@@ -65,12 +65,16 @@ class RunClaim:
                 except Exception as exc:  # a heartbeat missed is not what stops a run
                     log.warning("could not refresh the run's claim %s: %s", path, exc)
 
+    def _holds(self, held: dict) -> bool:
+        """Whether a claim read back is still this run's (another run may have taken it over)."""
+        return held.get("token") == self.info["token"]
+
     def release(self) -> None:
         with self.lock:
             self.stop.set()
             for fs, path in self.paths:
                 try:
-                    if (_read(fs, path) or {}).get("token") == self.info["token"]:
+                    if self._holds(_read(fs, path) or {}):
                         fs.delete_file(path)
                 except OSError as exc:
                     log.warning("could not remove the run's claim %s: %s", path, exc)
