@@ -33,7 +33,8 @@ from elixir_ray.checkpoint import CheckpointError, load_first_valid, load_newest
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
-from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group, workers_that_fit
+from elixir_ray.cluster.placement import (WorkerShape, bundle_rank_order, cpu_thread_hint, create_placement_group,
+                                          workers_that_fit)
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
 from elixir_ray.config import RunConfig
@@ -127,6 +128,7 @@ class TrainController:
         self.persister: Optional[CheckpointPersister] = None
         self._rendezvous_files: list[str] = []  # FileStore files of one-node groups, removed at teardown
         self._on_driver_node = False  # every worker runs on the driver's node (set at rendezvous)
+        self._workers_per_node: dict[str, int] = {}  # node id -> workers there (set at rendezvous)
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -248,6 +250,7 @@ class TrainController:
         by_node: dict[str, list[int]] = {}
         for rank, info in enumerate(infos):
             by_node.setdefault(info["node_id"], []).append(rank)
+        self._workers_per_node = {node: len(ranks) for node, ranks in by_node.items()}
         calls = []
         for ranks in by_node.values():
             gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
@@ -284,6 +287,11 @@ class TrainController:
         micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)
         self.outcome.profiles = self._get_watched([w.profile.remote(micro) for w in self.workers],
                                                   "profiling the workers")
+        node_cpus = {info["NodeID"]: float(info.get("Resources", {}).get("CPU", 0)) for info in ray.nodes()
+                     if info.get("Alive")}
+        hint = cpu_thread_hint(self.shape, self._workers_per_node, node_cpus)
+        if hint:
+            log.warning(hint)
 
     def _plan(self) -> None:
         # Restarts reuse the first profiles: the same kind of machines, measured once.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -56,6 +57,22 @@ def resolve_worker_shape(cfg: RunConfig, resources: dict) -> WorkerShape:
 def workers_that_fit(shape: WorkerShape, available: dict) -> int:
     """How many of the shape's bundles the currently free resources could hold."""
     return min(int(available.get(res, 0) // amount) for res, amount in shape.bundle.items())
+
+
+def cpu_thread_hint(shape: WorkerShape, workers_per_node: dict[str, int], node_cpus: dict[str, float]) -> Optional[str]:
+    """A warning when GPU workers were given far fewer CPUs than their nodes have: each worker runs
+    its host-resident chunks' AdamW on `cluster.cpus_per_worker` threads, and on one GPU that update
+    is often what limits the step, so the default of 1 leaves a 16-core machine's cores idle. Only a
+    hint: the reservation is what the config asked for, and other runs may need the rest."""
+    if not shape.use_gpu or not workers_per_node:
+        return None
+    share = min(int(node_cpus.get(node, 0) // count) for node, count in workers_per_node.items())
+    if share < 2 * shape.cpus_per_worker:
+        return None
+    return (f"each GPU worker runs the CPU AdamW of its host-resident chunks on cluster.cpus_per_worker="
+            f"{shape.cpus_per_worker} thread(s), while its node has {share} CPUs per worker: set "
+            f"cluster.cpus_per_worker={share} (--set cluster.cpus_per_worker={share}) unless other work "
+            f"needs those CPUs")
 
 
 def _free(bundle: dict) -> str:
