@@ -476,16 +476,36 @@ class MetricsSaver:
     def __init__(self, uri: str, rows):
         self.uri, self.rows = uri, rows
         self.saved_at = time.monotonic()
+        # the rows already converted to Arrow: a save converts only the rows added since the last
+        # one (converting every row again made each save cost O(rows so far) in Python, and a long run
+        # with frequent checkpoints O(steps^2) on the driver, between segments)
+        self._source: Optional[list] = None  # the list the parts were made from (a restore replaces it)
+        self._converted = 0
+        self._last: Optional[dict] = None  # the last row converted: the same object while the list only grows
+        self._parts: list[pa.Table] = []
+
+    def _table(self, source: list) -> pa.Table:
+        rows = list(source)  # the rows as of now (the list's owner may append while this converts)
+        same = (source is self._source and len(rows) >= self._converted
+                and (self._converted == 0 or rows[self._converted - 1] is self._last))
+        if not same:  # another list (a restore keeps the rows up to its step), or this one cut back
+            self._source, self._converted, self._parts = source, 0, []
+        if len(rows) > self._converted:
+            self._parts.append(metrics_table(rows[self._converted:]))
+            self._converted, self._last = len(rows), rows[-1]
+            if len(self._parts) > 32:  # a handful of record batches, not one per save
+                self._parts = [pa.concat_tables(self._parts).combine_chunks()]
+        return pa.concat_tables(self._parts)
 
     def save(self, every_s: float = 0.0) -> None:
         if time.monotonic() - self.saved_at < every_s:
             return
         self.saved_at = time.monotonic()
-        rows = list(self.rows())
+        rows = self.rows()
         if not rows:
             return
         try:
-            write_metrics(metrics_table(rows), self.uri)  # the atomic write makes the run directory
+            write_metrics(self._table(rows), self.uri)  # the atomic write makes the run directory
         except Exception as exc:  # never what stops a run: the end of the run writes them again
             log.warning("could not write the metrics so far to %s: %s", self.uri, exc)
 
