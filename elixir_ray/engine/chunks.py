@@ -137,7 +137,8 @@ class ChunkStore:
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype,
                  upload_copies: bool = False, host_grads_low: bool = False):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
-        self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "blocks_over_plan": 0}
+        self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "blocks_over_plan": 0,
+                       "untraced_accesses": 0}
         self.timer = StepTimer(device)
         self.updates = HostUpdates(self.timer, device)
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host

@@ -34,8 +34,16 @@ def _slots_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[ParamS
             slot = slots.get(id(a))
             if slot is not None:
                 found.append(slot)
+            elif type(a) is torch.Tensor:  # a view of a parameter (w.chunk(2), w.t()) kept across other modules'
+                base = a._base             # calls: its chunk may have been evicted since (the view shares the
+                if base is not None and id(base) in slots:  # storage a fetch regrows)
+                    found.append(slots[id(base)])
             elif isinstance(a, (list, tuple)):  # builtin types: cheap, unlike nn.Parameter's isinstance
-                found.extend(slots[id(x)] for x in a if id(x) in slots)
+                for x in a:
+                    if id(x) in slots:
+                        found.append(slots[id(x)])
+                    elif type(x) is torch.Tensor and x._base is not None and id(x._base) in slots:
+                        found.append(slots[id(x._base)])
     return found
 
 

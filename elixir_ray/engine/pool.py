@@ -48,13 +48,17 @@ class ChunkPool:
     def resident(self) -> list[Chunk]:
         return [c for c in self.store.chunks if c.resident]
 
-    def _advance(self, chunk_ids: tuple[int, ...]) -> None:
-        """Move the cursor to the next traced access of these chunks (wrapping into the next step)."""
+    def _advance(self, chunk_ids: tuple[int, ...]) -> bool:
+        """Move the cursor to the next traced access of these chunks (wrapping into the next step).
+        False for chunks the traced step never used (a data-dependent path): the cursor stays, and
+        `engine_stats()["untraced_accesses"]` counts them."""
         occ = self.occurrences.get(chunk_ids[0])
         if not occ:
-            return
+            self.store.counts["untraced_accesses"] += 1
+            return False
         j = bisect.bisect_right(occ, self.cursor)
         self.cursor = occ[j] if j < len(occ) else occ[0]
+        return True
 
     def next_use(self, chunk: int) -> int:
         occ = self.occurrences.get(chunk)
@@ -79,7 +83,7 @@ class ChunkPool:
         chunk_ids = tuple(dict.fromkeys(chunk_ids))
         if not chunk_ids:
             return
-        self._advance(chunk_ids)
+        traced = self._advance(chunk_ids)
         # worked out on the first eviction (most accesses find their chunks resident), from the
         # recent chunks as they were before this access: `recent` is updated after the loop
         protected = None
@@ -106,7 +110,8 @@ class ChunkPool:
             self.recent[cid] = None
             if pin:
                 self.pinned.add(cid)
-        self._prefetch(chunk_ids)
+        if traced:  # off the trace the cursor is stale: what it would load is evicted by the next untraced
+            self._prefetch(chunk_ids)  # access, and loaded again after it (every access of such a path)
 
     def _overflow(self, chunk_ids, blocks: int) -> None:
         """More chunks must be resident at once than the pool has blocks: a recomputed region uses

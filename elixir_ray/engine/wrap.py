@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_flatten
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
 from elixir_ray.engine.comm import Comm
@@ -30,6 +32,7 @@ from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import as_sample_inputs, loss_in
 from elixir_ray.engine.trace import check_not_wrapped, trace_step, unique_parameters
+from elixir_ray.units import format_bytes
 
 
 def _post_order(module: nn.Module):
@@ -47,16 +50,20 @@ class ChunkedModule(nn.Module):
     """The wrapped module: call it like the original; `state_dict()` returns full fp32 tensors."""
 
     def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, hooks: EngineHooks,
-                 slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale]):
+                 slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale], sample_numel: int = 0):
         super().__init__()
         # the wrapper's own attributes first: once `module` is set, a new name the module also has
         # is set on the module (__setattr__)
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
         self.loss_scale = loss_scale
+        # the largest input tensor of sample_inputs: the plan's activation budget is for steps that size
+        self.sample_numel, self.input_over_sample, self._warned_input = sample_numel, 0.0, False
         self.slot_by_param = {id(s.param): s for s in slots}
         self.module = module
 
     def forward(self, *args, **kwargs):
+        if self.sample_numel and torch.is_grad_enabled():
+            self._check_input_size(args, kwargs)
         with self.store.on_device():
             out = self.hooks.forward(*args, **kwargs)
         if self.loss_scale is not None and torch.is_grad_enabled():
@@ -68,6 +75,29 @@ class ChunkedModule(nn.Module):
             scale = self.loss_scale.scale
             loss.register_hook(lambda g: g * scale)
         return out
+
+    def _check_input_size(self, args, kwargs) -> None:
+        """A training step on inputs larger than sample_inputs saves more activations than the plan
+        budgeted (the trace measured them at the sample's size): say so once, and keep the largest
+        ratio for engine_stats(). Nothing else would tell, until the device runs out of memory."""
+        largest = max((x.numel() for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), default=0)
+        ratio = largest / self.sample_numel
+        if ratio <= self.input_over_sample:
+            return
+        self.input_over_sample = ratio
+        if ratio > 1 and not self._warned_input:
+            self._warned_input = True
+            acts = self.plan.memory.get("activations")
+            budget = (f" (the plan's activations, {format_bytes(acts)}, of a predicted peak of "
+                      f"{format_bytes(self.plan.predicted_peak_bytes)} within device_memory "
+                      f"{format_bytes(self.plan.budget_bytes)})") if acts and self.plan.budget_bytes else ""
+            warnings.warn(
+                f"this training step's largest input has {largest:,} elements, {ratio:.2g}x the largest of "
+                f"sample_inputs ({self.sample_numel:,}): the plan budgeted activation memory for the sample{budget}, "
+                f"and a step's activations grow with its inputs, so this step may exceed device_memory. Give wrap "
+                f"sample_inputs shaped like the largest micro-batch you train on (the longest padded length); "
+                f"engine_stats()['input_over_sample'] keeps the largest ratio seen",
+                stacklevel=5)  # model(...)'s caller: past this, forward and nn.Module's two call frames
 
     def generate(self, *args, **kwargs):
         """The module's own `generate` (a Hugging Face model's), with its parameters fetched as the
@@ -143,7 +173,8 @@ class ChunkedModule(nn.Module):
             self.hooks.optimizer.zero_grad(set_to_none)
 
     def engine_stats(self) -> dict:
-        return dict(self.store.stats, n_blocks=self.pool.n_blocks, chunks=len(self.store.chunks))
+        return dict(self.store.stats, n_blocks=self.pool.n_blocks, chunks=len(self.store.chunks),
+                    input_over_sample=round(self.input_over_sample, 3))
 
     @torch.no_grad()
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -452,7 +483,8 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                      keep_recent=max(1, min_blocks - 1), prefetch_depth=prefetch)
     hooks = EngineHooks(module, store, pool, slots)
     loss_scale = DynamicLossScale() if dtype == torch.float16 else None
-    model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale)
+    model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale,
+                          max((t.numel() for t in sample_inputs.tensors()), default=0))
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer

@@ -1,0 +1,125 @@
+"""Steps that do not look like the traced sample: larger inputs, paths the trace did not take, views
+of parameters kept across other modules' calls."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from elixir_ray.engine import manual_plan, wrap
+
+V, D = 50, 32
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(), nn.Linear(2 * D, D))
+
+
+class HeldView(nn.Module):
+    """Views of one weight taken first, used after a data-dependent number of other modules ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = nn.Linear(D, 2 * D)
+        self.mid = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        wa, wb = self.gate.weight.chunk(2)
+        for m in self.mid[: 1 + int(x[0, 0]) % 3]:
+            h = h + torch.tanh(m(h))
+        h = h * torch.sigmoid(F.linear(h, wa)) + F.linear(h, torch.cat([wb[:, :1], wb[:, 1:]], 1))
+        return F.cross_entropy(self.head(h).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+class EarlyExit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(_mlp() for _ in range(6))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for layer in self.layers[: 6 if int(x[0, 0]) % 2 == 0 else 2]:
+            h = h + checkpoint(layer, h, use_reentrant=False)
+        return F.cross_entropy(self.head(h).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def _data(firsts, rows=4, length=9):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for f in firsts:
+        b = torch.randint(0, V, (rows, length), generator=g)
+        b[0, 0] = f
+        out.append(b)
+    return out
+
+
+def _side_by_side(base, sample, data, **plan_kw):
+    ref, eng = copy.deepcopy(base), copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model, opt = wrap(eng, torch.optim.AdamW(eng.parameters(), lr=1e-2), sample_inputs=sample, device="cpu",
+                      plan=manual_plan(eng, sample, **plan_kw))
+    for b in data:
+        a = model(b)
+        a.backward()
+        opt.step()
+        opt.zero_grad()
+        r = ref(b)
+        r.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert abs(a.item() - r.item()) <= 1e-5
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(state[key], value, atol=1e-5), key
+    return model
+
+
+def test_a_view_of_a_parameter_kept_across_other_modules_is_fetched_again():
+    torch.manual_seed(0)
+    data = _data([0, 0, 1, 2])  # traced with one module between the views' making and use; then 2 and 3
+    model = _side_by_side(HeldView(), (data[0],), data, chunk_size=1100, n_blocks=2)
+    assert model.engine_stats()["evictions"] > 0
+
+
+def test_an_untraced_path_is_counted_and_not_prefetched_from_a_stale_place():
+    torch.manual_seed(0)
+    short, long = _data([1, 2])
+    base = EarlyExit()
+    traced_long = _side_by_side(base, (long,), [long], chunk_size=2200, n_blocks=3)
+    traced_short = _side_by_side(base, (short,), [long], chunk_size=2200, n_blocks=3)
+    assert traced_long.engine_stats()["untraced_accesses"] == 0
+    assert traced_short.engine_stats()["untraced_accesses"] > 0
+    # off the trace the pool loads little more than on it (it was 42 loads against 24)
+    assert traced_short.engine_stats()["fetches"] <= traced_long.engine_stats()["fetches"] + 4
+
+
+def test_a_training_step_larger_than_the_sample_warns_once_and_is_counted():
+    torch.manual_seed(0)
+    base = EarlyExit()
+    small, = _data([2], rows=2, length=9)
+    big, = _data([2], rows=4, length=17)
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters()), sample_inputs=(small,), device="cpu",
+                      plan=manual_plan(base, (small,), chunk_size=2200, n_blocks=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(small).backward()  # the sample's size, then smaller, then evaluation: nothing said
+        model(small[:1]).backward()
+        with torch.no_grad():
+            model(big)
+    assert model.engine_stats()["input_over_sample"] == 1.0
+    with pytest.warns(UserWarning, match=r"largest input has 68 elements, 3.8x .* may exceed device_memory"):
+        model(big).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(big).backward()  # once
+    opt.step()
+    assert model.engine_stats()["input_over_sample"] == pytest.approx(68 / 18, abs=1e-3)
