@@ -287,9 +287,10 @@ class TrainController:
         micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)
         self.outcome.profiles = self._get_watched([w.profile.remote(micro) for w in self.workers],
                                                   "profiling the workers")
-        node_cpus = {info["NodeID"]: float(info.get("Resources", {}).get("CPU", 0)) for info in ray.nodes()
-                     if info.get("Alive")}
-        hint = cpu_thread_hint(self.shape, self._workers_per_node, node_cpus)
+        nodes = [info for info in ray.nodes() if info.get("Alive")]
+        hint = cpu_thread_hint(self.shape, self._workers_per_node,
+                               {info["NodeID"]: float(info.get("Resources", {}).get("CPU", 0)) for info in nodes},
+                               {info["NodeID"]: float(info.get("Resources", {}).get("GPU", 0)) for info in nodes})
         if hint:
             log.warning(hint)
 

@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from elixir_ray.config import RunConfig
+from elixir_ray.engine.host_updates import update_threads
 from elixir_ray.errors import ClusterError, ConfigError
 
 
@@ -59,20 +60,25 @@ def workers_that_fit(shape: WorkerShape, available: dict) -> int:
     return min(int(available.get(res, 0) // amount) for res, amount in shape.bundle.items())
 
 
-def cpu_thread_hint(shape: WorkerShape, workers_per_node: dict[str, int], node_cpus: dict[str, float]) -> Optional[str]:
-    """A warning when GPU workers were given far fewer CPUs than their nodes have: each worker runs
-    its host-resident chunks' AdamW on `cluster.cpus_per_worker` threads, and on one GPU that update
-    is often what limits the step, so the default of 1 leaves a 16-core machine's cores idle. Only a
-    hint: the reservation is what the config asked for, and other runs may need the rest."""
+def cpu_thread_hint(shape: WorkerShape, workers_per_node: dict[str, int], node_cpus: dict[str, float],
+                    node_gpus: dict[str, float]) -> Optional[str]:
+    """A warning when GPU workers were given far fewer CPUs than their share of their nodes: each
+    worker runs its host-resident chunks' AdamW on all but one of its `cluster.cpus_per_worker`
+    threads (at least one), and on one GPU that update is often what limits the step, so the
+    default of 1 leaves a 16-core machine's cores idle. The share is per GPU of the node, not per
+    worker of this run, so that the node's other GPUs keep theirs (another run, a sweep's trial).
+    Only a hint: the reservation is what the config asked for."""
     if not shape.use_gpu or not workers_per_node:
         return None
-    share = min(int(node_cpus.get(node, 0) // count) for node, count in workers_per_node.items())
-    if share < 2 * shape.cpus_per_worker:
+    share = min(int(node_cpus.get(node, 0) // max(count, node_gpus.get(node, 0)))
+                for node, count in workers_per_node.items())
+    have, could = update_threads(shape.cpus_per_worker), update_threads(share)
+    if could < 2 * have:
         return None
-    return (f"each GPU worker runs the CPU AdamW of its host-resident chunks on cluster.cpus_per_worker="
-            f"{shape.cpus_per_worker} thread(s), while its node has {share} CPUs per worker: set "
-            f"cluster.cpus_per_worker={share} (--set cluster.cpus_per_worker={share}) unless other work "
-            f"needs those CPUs")
+    return (f"each GPU worker runs the CPU AdamW of its host-resident chunks on {have} thread(s) (all but one of "
+            f"cluster.cpus_per_worker={shape.cpus_per_worker}), while its node has {share} CPUs per GPU"
+            f"{' (the smallest node)' if len(workers_per_node) > 1 else ''}: set cluster.cpus_per_worker={share} "
+            f"(--set cluster.cpus_per_worker={share}) for {could} update threads, unless other work needs those CPUs")
 
 
 def _free(bundle: dict) -> str:

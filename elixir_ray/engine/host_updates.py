@@ -42,9 +42,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def update_threads() -> int:
-    """Intra-op threads for the CPU updates: all but one of this process's, at least one."""
-    return max(1, torch.get_num_threads() - 1)
+def update_threads(threads: Optional[int] = None) -> int:
+    """Intra-op threads for the CPU updates: all but one of this process's (or of `threads`), at least one."""
+    return max(1, (torch.get_num_threads() if threads is None else threads) - 1)
 
 
 class HostUpdates:
