@@ -479,23 +479,25 @@ class MetricsSaver:
         # the rows already converted to Arrow: a save converts only the rows added since the last
         # one (converting every row again made each save cost O(rows so far) in Python, and a long run
         # with frequent checkpoints O(steps^2) on the driver, between segments)
-        self._source: Optional[list] = None  # the list the parts were made from (a restore replaces it)
-        self._converted = 0
-        self._last: Optional[dict] = None  # the last row converted: the same object while the list only grows
-        self._parts: list[pa.Table] = []
+        # (the list the parts were made from: a restore replaces it, rows converted, the last of them:
+        # the same object while the list only grows, the Arrow parts), replaced whole by each save
+        self._state: tuple = (None, 0, None, [])
 
     def _table(self, source: list) -> pa.Table:
         rows = list(source)  # the rows as of now (the list's owner may append while this converts)
-        same = (source is self._source and len(rows) >= self._converted
-                and (self._converted == 0 or rows[self._converted - 1] is self._last))
-        if not same:  # another list (a restore keeps the rows up to its step), or this one cut back
-            self._source, self._converted, self._parts = source, 0, []
-        if len(rows) > self._converted:
-            self._parts.append(metrics_table(rows[self._converted:]))
-            self._converted, self._last = len(rows), rows[-1]
-            if len(self._parts) > 32:  # a handful of record batches, not one per save
-                self._parts = [pa.concat_tables(self._parts).combine_chunks()]
-        return pa.concat_tables(self._parts)
+        held, converted, last, parts = self._state
+        same = (source is held and len(rows) >= converted
+                and (converted == 0 or rows[converted - 1] is last))
+        # another list (a restore keeps the rows up to its step), or this one cut back: start over
+        converted, parts = (converted, list(parts)) if same else (0, [])
+        if len(rows) > converted:
+            parts.append(metrics_table(rows[converted:]))
+            if len(parts) > 32:  # a handful of record batches, not one per save
+                parts = [pa.concat_tables(parts).combine_chunks()]
+        # committed in one store: an interrupt (Ctrl-C, SIGTERM) before it leaves the old state whole,
+        # and the save the interrupt makes converts the same rows again, once
+        self._state = (source, len(rows), rows[-1] if rows else None, parts)
+        return pa.concat_tables(parts)
 
     def save(self, every_s: float = 0.0) -> None:
         if time.monotonic() - self.saved_at < every_s:
