@@ -116,10 +116,34 @@ def test_a_training_step_larger_than_the_sample_warns_once_and_is_counted():
         with torch.no_grad():
             model(big)
     assert model.engine_stats()["input_over_sample"] == 1.0
-    with pytest.warns(UserWarning, match=r"largest input has 68 elements, 3.8x .* may exceed device_memory"):
+    with pytest.warns(UserWarning, match=r"step's input 0 has 68 elements, 3.8x as many as in sample_inputs.* may exceed device_memory"):
         model(big).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(big).backward()  # once
     opt.step()
+    assert model.engine_stats()["input_over_sample"] == pytest.approx(68 / 18, abs=1e-3)
+
+
+class WithTable(nn.Module):
+    """Tokens beside a fixed-size input larger than them (a bias table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = EarlyExit()
+
+    def forward(self, x, table=None):
+        return self.inner(x) + 0 * table.sum()
+
+
+def test_a_larger_input_is_compared_with_the_same_input_of_the_sample():
+    torch.manual_seed(0)
+    base = WithTable()
+    small, = _data([2], rows=2, length=9)
+    big, = _data([2], rows=4, length=17)
+    table = torch.zeros(1000)  # larger than either: comparing the largest inputs would see no growth
+    model, _ = wrap(base, torch.optim.AdamW(base.parameters()), sample_inputs={"x": small, "table": table},
+                    device="cpu", plan=manual_plan(base, {"x": small, "table": table}, chunk_size=2200, n_blocks=3))
+    with pytest.warns(UserWarning, match=r"step's input 'x' has 68 elements, 3.8x"):
+        model(x=big, table=table).backward()
     assert model.engine_stats()["input_over_sample"] == pytest.approx(68 / 18, abs=1e-3)

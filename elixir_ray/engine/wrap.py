@@ -46,23 +46,46 @@ class StateDictMismatch(RuntimeError):
     a failure a restore could retry."""
 
 
+def _input_sizes(args: tuple, kwargs: dict) -> dict:
+    """Elements of each tensor input, by position or keyword, and of the largest one anywhere in
+    them (a tensor inside a list or dict): what a step's size is compared by."""
+    sizes = {f"input {i}": a.numel() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    sizes.update({f"input {k!r}": v.numel() for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+    sizes["largest input"] = max((x.numel() for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)),
+                                 default=0)
+    return sizes
+
+
+def _largest_growth(step: dict, sample: dict) -> tuple[str, int, float]:
+    """The input that grew most against the same input of the sample (a fixed-size table beside the
+    tokens hides nothing), or the largest against the largest when the step names none the sample
+    had (called positionally, traced by keyword)."""
+    common = [k for k in step if k != "largest input" and sample.get(k)]
+    keys = common or (["largest input"] if sample.get("largest input") else [])
+    if not keys:
+        return "", 0, 0.0
+    key = max(keys, key=lambda k: step[k] / sample[k])
+    return key, step[key], step[key] / sample[key]
+
+
 class ChunkedModule(nn.Module):
     """The wrapped module: call it like the original; `state_dict()` returns full fp32 tensors."""
 
     def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, hooks: EngineHooks,
-                 slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale], sample_numel: int = 0):
+                 slots: list[ParamSlot], plan: Plan, loss_scale: Optional[DynamicLossScale],
+                 sample_sizes: Optional[dict] = None):
         super().__init__()
         # the wrapper's own attributes first: once `module` is set, a new name the module also has
         # is set on the module (__setattr__)
         self.store, self.pool, self.hooks, self.slots, self.plan = store, pool, hooks, slots, plan
         self.loss_scale = loss_scale
-        # the largest input tensor of sample_inputs: the plan's activation budget is for steps that size
-        self.sample_numel, self.input_over_sample, self._warned_input = sample_numel, 0.0, False
+        # the sizes of sample_inputs' tensors (_input_sizes): the plan's activation budget is for steps that size
+        self.sample_sizes, self.input_over_sample, self._warned_input = sample_sizes or {}, 0.0, False
         self.slot_by_param = {id(s.param): s for s in slots}
         self.module = module
 
     def forward(self, *args, **kwargs):
-        if self.sample_numel and torch.is_grad_enabled():
+        if self.sample_sizes and torch.is_grad_enabled():
             self._check_input_size(args, kwargs)
         with self.store.on_device():
             out = self.hooks.forward(*args, **kwargs)
@@ -80,8 +103,7 @@ class ChunkedModule(nn.Module):
         """A training step on inputs larger than sample_inputs saves more activations than the plan
         budgeted (the trace measured them at the sample's size): say so once, and keep the largest
         ratio for engine_stats(). Nothing else would tell, until the device runs out of memory."""
-        largest = max((x.numel() for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), default=0)
-        ratio = largest / self.sample_numel
+        name, numel, ratio = _largest_growth(_input_sizes(args, kwargs), self.sample_sizes)
         if ratio <= self.input_over_sample:
             return
         self.input_over_sample = ratio
@@ -92,10 +114,10 @@ class ChunkedModule(nn.Module):
                       f"{format_bytes(self.plan.predicted_peak_bytes)} within device_memory "
                       f"{format_bytes(self.plan.budget_bytes)})") if acts and self.plan.budget_bytes else ""
             warnings.warn(
-                f"this training step's largest input has {largest:,} elements, {ratio:.2g}x the largest of "
-                f"sample_inputs ({self.sample_numel:,}): the plan budgeted activation memory for the sample{budget}, "
-                f"and a step's activations grow with its inputs, so this step may exceed device_memory. Give wrap "
-                f"sample_inputs shaped like the largest micro-batch you train on (the longest padded length); "
+                f"this training step's {name} has {numel:,} elements, {ratio:.2g}x as many as in sample_inputs: "
+                f"the plan budgeted activation memory for the sample{budget}, and a step's activations grow with "
+                f"its inputs, so this step may exceed device_memory. Give wrap sample_inputs shaped like the "
+                f"largest micro-batch you train on (the longest padded length); "
                 f"engine_stats()['input_over_sample'] keeps the largest ratio seen",
                 stacklevel=5)  # model(...)'s caller: past this, forward and nn.Module's two call frames
 
@@ -484,7 +506,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     hooks = EngineHooks(module, store, pool, slots)
     loss_scale = DynamicLossScale() if dtype == torch.float16 else None
     model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale,
-                          max((t.numel() for t in sample_inputs.tensors()), default=0))
+                          _input_sizes(sample_inputs.args, sample_inputs.kwargs))
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
