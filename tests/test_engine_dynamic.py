@@ -143,3 +143,40 @@ def test_a_larger_input_is_compared_with_the_same_input_of_the_sample():
     with pytest.warns(UserWarning, match=r"step's input 'x' has 68 elements, 3.8x"):
         model(x=big, table=table).backward()
     assert model.engine_stats()["input_over_sample"] == pytest.approx(68 / 18, abs=1e-3)
+
+
+def _ranks_trace_their_own_samples(rank: int, world: int, store: str, out: str, same: bool) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = EarlyExit()
+    short, long = _data([1, 2])
+    sample = long if same or rank == 0 else short  # rank 1's sample exits early: fewer layers traced
+    try:
+        model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(sample,), device="cpu",
+                          plan=manual_plan(base, (long,), chunk_size=2200, n_blocks=3, world_size=world))
+        model(long).backward()
+        opt.step()
+        result = "trained"
+    except ValueError as exc:
+        result = str(exc)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_ranks_that_traced_other_paths_are_refused_on_every_rank_before_a_hang(tmp_path, same):
+    import torch.multiprocessing as mp
+
+    from engine_models import store_url
+
+    out = str(tmp_path / "result")
+    mp.spawn(_ranks_trace_their_own_samples, args=(2, store_url(str(tmp_path)), out, same), nprocs=2, join=True)
+    results = [open(f"{out}.{rank}").read() for rank in range(2)]
+    if same:
+        assert results == ["trained", "trained"]
+    else:
+        for text in results:  # both ranks raise, so neither waits in a collective for the other
+            assert text.startswith("rank(s) [1] traced another order of chunk accesses than rank 0"), text

@@ -8,6 +8,7 @@ the returned module and optimizer are used like the originals.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -348,6 +349,27 @@ def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
     return Plan.from_json(message["plan"])
 
 
+def _check_same_accesses_on_every_rank(comm: Comm, events: list, prefetch: int) -> None:
+    """Refuse, on every rank, ranks whose traced steps access the chunks in different orders.
+
+    Each rank traces its own sample_inputs, and its pool fetches, evicts and prefetches by that
+    trace; a sharded chunk's fetch is an all-gather every rank must join at the same point, so
+    traces that differ (inputs routing to other layers, another `prefetch`) hang the first step
+    instead of failing. Checked before anything is converted: one broadcast and one reduction."""
+    if comm.world == 1:
+        return
+    digest = hashlib.sha256(json.dumps([[list(e) for e in events], prefetch]).encode()).hexdigest()
+    differs = torch.zeros(comm.world, dtype=torch.float32)
+    differs[comm.rank] = float(comm.broadcast_text(digest if comm.rank == 0 else None) != digest)
+    ranks = [r for r, d in enumerate(comm.all_reduce_sum(differs).tolist()) if d]
+    if ranks:
+        raise ValueError(
+            f"rank(s) {ranks} traced another order of chunk accesses than rank 0 from their sample_inputs (or were "
+            f"given another prefetch): with sharded chunks every rank fetches (all-gathers) them at the same "
+            f"points, so the first step would hang. Give every rank the same sample_inputs, or ones that take "
+            f"the same path through the model, and the same prefetch")
+
+
 def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
     write_slot(c, c.master, slot, flat)
 
@@ -493,12 +515,14 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
         chunks[pos.chunk].slots.append(slot)
         slots.append(slot)
-    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
-    _materialise(module, slots, originals, store, init_fn)
     chunk_of_param = [0] * len(names)
     for s in slots:
         chunk_of_param[index[s.name]] = s.chunk
     events, min_blocks = chunk_events(trace.events, trace.phases, chunk_of_param, trace.grad_epochs)
+    if any(plan.sharded):
+        _check_same_accesses_on_every_rank(comm, events, prefetch)
+    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
+    _materialise(module, slots, originals, store, init_fn)
     for c in chunks:
         store.refresh_upload(c)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
