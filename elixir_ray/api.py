@@ -476,11 +476,10 @@ class MetricsSaver:
     def __init__(self, uri: str, rows):
         self.uri, self.rows = uri, rows
         self.saved_at = time.monotonic()
-        # the rows already converted to Arrow: a save converts only the rows added since the last
-        # one (converting every row again made each save cost O(rows so far) in Python, and a long run
-        # with frequent checkpoints O(steps^2) on the driver, between segments)
-        # (the list the parts were made from: a restore replaces it, rows converted, the last of them:
-        # the same object while the list only grows, the Arrow parts), replaced whole by each save
+        # A save converts only the rows added since the last one (converting every row again cost
+        # O(rows so far) per save, O(steps^2) over a long run with frequent checkpoints). The state,
+        # replaced whole by each save: the list converted from (a restore replaces it), how many of
+        # its rows, the last of them (the same object while the list only grows), the Arrow parts.
         self._state: tuple = (None, 0, None, [])
 
     def _table(self, source: list) -> pa.Table:

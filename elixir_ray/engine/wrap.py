@@ -16,12 +16,14 @@ import warnings
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten
 
+from elixir_ray import storage
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.device import random_state_kept, resolve_device
@@ -317,11 +319,8 @@ def _config_names_fp32(path: str) -> None:
         return
     for key in keys:
         config[key] = "float32"
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    payload = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    storage.write_bytes_atomic(pafs.LocalFileSystem(), os.path.abspath(path), payload)
 
 
 def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
