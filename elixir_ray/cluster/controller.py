@@ -129,6 +129,7 @@ class TrainController:
         self._rendezvous_files: list[str] = []  # FileStore files of one-node groups, removed at teardown
         self._on_driver_node = False  # every worker runs on the driver's node (set at rendezvous)
         self._workers_per_node: dict[str, int] = {}  # node id -> workers there (set at rendezvous)
+        self._thread_hint: Optional[str] = None  # the CPU-thread warning of the profiling round, if any
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -293,6 +294,7 @@ class TrainController:
                                {info["NodeID"]: float(info.get("Resources", {}).get("GPU", 0)) for info in nodes})
         if hint:
             log.warning(hint)
+        self._thread_hint = hint
 
     def _plan(self) -> None:
         # Restarts reuse the first profiles: the same kind of machines, measured once.
@@ -303,6 +305,8 @@ class TrainController:
             plan = make_run_plan(self.cfg, profiles, global_batch=self.global_batch)
         except ValueError as exc:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
+        if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
+            plan.notes.append(self._thread_hint)
         self.outcome.plan = plan
         self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
