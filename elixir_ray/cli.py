@@ -61,6 +61,10 @@ def _cmd_plan(args) -> int:
             except ValueError as exc:
                 raise ConfigError(f"{flag}: {exc}") from None
     if args.hardware:
+        from elixir_ray.config import shipped_file, shipped_names
+
+        if not os.path.isfile(args.hardware):  # --hardware h100_anchors: the rates the package ships
+            args.hardware = shipped_file("hardware", args.hardware, ".json") or args.hardware
         try:
             with open(args.hardware) as f:
                 hardware = HardwareProfile.from_json(f.read())
@@ -68,7 +72,8 @@ def _cmd_plan(args) -> int:
             what = "cannot read it" if isinstance(exc, OSError) else "not a hardware profile"
             raise ConfigError(f"--hardware {args.hardware}: {what} ({type(exc).__name__}: {exc}); "
                               f"write one with `elixir-ray plan CONFIG --save-hardware FILE` on the machine to "
-                              f"plan for") from None
+                              f"plan for, or name one the package ships: "
+                              f"{', '.join(shipped_names('hardware', '.json'))}") from None
         source = f"rates from {args.hardware}"
     else:
         _stage("measuring this machine's copy, AdamW and matmul rates")
@@ -176,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a YAML config",
                        description="Train from a YAML config. Connects to RAY_ADDRESS when set, "
                                    "otherwise starts an embedded local Ray cluster.")
-    p.add_argument("config", help="path to a YAML config (see jobs/configs/)")
+    p.add_argument("config", help="path to a YAML config, or the name of one the package ships (tiny, demo)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", metavar="CKPT_URI",
@@ -207,15 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Profile the config's model on the meta device (no weights), search the "
                                    "fastest placement within the budget, print the explanation beside the "
                                    "hand-made alternatives, and write a PNG of the predicted memory timeline.")
-    p.add_argument("config", help="path to a YAML config")
+    p.add_argument("config", help="path to a YAML config, or the name of one the package ships (tiny, demo)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--device-memory", metavar="BYTES", help="budget, e.g. 24GiB (default: engine.device_memory, "
                                                              "else what the device has free)")
     p.add_argument("--world-size", type=at_least(1), default=1, metavar="N", help="ranks to plan for (default 1)")
     p.add_argument("--host-memory", metavar="BYTES", help="host RAM per rank for optimizer state "
                                                           "(default: 80%% of free RAM over the ranks)")
-    p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware) instead of "
-                                                      "measuring this machine; give the budget too")
+    p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware), or h100_anchors "
+                                                      "(shipped), instead of measuring this machine; give the budget too")
     p.add_argument("--save-hardware", metavar="JSON", help="also write the rates used, to plan elsewhere later")
     p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside the config)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from importlib import resources
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -247,9 +248,28 @@ def config_from_dict(data: Optional[dict], overrides: Optional[list[str]] = None
     return cfg
 
 
+def shipped_file(folder: str, name: str, suffix: str) -> Optional[str]:
+    """A file the package ships (configs/*.yaml, hardware/*.json), given by its bare name: an
+    installed package has no jobs/ folder to point at. A name with a suffix or a folder is a path
+    the user meant, and is never swapped for a shipped file."""
+    if not name or "." in name or os.sep in name or (os.altsep and os.altsep in name):
+        return None
+    path = resources.files("elixir_ray") / folder / (name + suffix)
+    return str(path) if path.is_file() else None
+
+
+def shipped_names(folder: str, suffix: str) -> list[str]:
+    return sorted(p.name[: -len(suffix)] for p in (resources.files("elixir_ray") / folder).iterdir()
+                  if p.name.endswith(suffix))
+
+
 def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        shipped = shipped_file("configs", path, ".yaml")
+        if shipped is None:
+            raise ConfigError(f"config file {path!r} does not exist (give a YAML file, or a config the package "
+                              f"ships by name: {', '.join(shipped_names('configs', '.yaml'))})")
+        path = shipped
     with open(path) as f:
         try:
             data = yaml.safe_load(f)

@@ -65,6 +65,14 @@ def test_shipped_configs_load():
         load_config(path)
 
 
+def test_shipped_configs_load_by_name_outside_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an installed package has no jobs/ folder beside the user
+    assert load_config("tiny").name == "tiny" and load_config("demo").name == "demo"
+    for path in ("jobs/configs/tiny.yaml", "tiny.yaml"):  # a path is what the user meant: never swapped
+        with pytest.raises(ConfigError, match="ships by name: demo, tiny"):
+            load_config(path)
+
+
 @pytest.mark.parametrize("steps, warmup", [(20, 10), (50, 0), (11, 10)])
 def test_the_learning_rate_warms_up_to_lr_and_decays_to_min_lr_ratio_at_the_last_step(steps, warmup):
     from elixir_ray.trainer import lr_at
