@@ -249,10 +249,23 @@ def _writable_local_dir(uri: str, key: str) -> Optional[str]:
     return path
 
 
+# Where Ray unpacks a job's `--working-dir` upload: a `ray job submit` entrypoint runs in that copy.
+RAY_WORKING_DIR_COPY = f"{os.sep}runtime_resources{os.sep}working_dir_files{os.sep}"
+
+
 def check_output_dir(cfg: RunConfig) -> None:
     """The run directory gets the metrics and the plan (and the checkpoints, unless checkpoint.uri
-    sends them elsewhere): a run that could not write it would train to the end and then fail."""
+    sends them elsewhere): a run that could not write it would train to the end and then fail. A
+    relative path under `ray job submit` lands in Ray's copy of the working directory, which goes
+    with the cluster: the job succeeds and its outputs are lost, so that is warned about."""
     _writable_local_dir(cfg.run_dir, "output_dir")
+    in_copy = [f"{key} ({os.path.abspath(uri)})" for key, uri in (("output_dir", cfg.run_dir),
+                                                                    ("checkpoint.uri", cfg.checkpoint_uri))
+               if "://" not in uri and RAY_WORKING_DIR_COPY in os.path.abspath(uri) + os.sep]
+    if in_copy:
+        warnings.warn(f"{' and '.join(in_copy)}: inside Ray's copy of the job's working directory, which is deleted "
+                      f"with the cluster, so the run's outputs would be lost: give an absolute path on lasting "
+                      f"storage or a URI (--set output_dir=/data/runs, s3://...)", stacklevel=3)
 
 
 def check_checkpoint_space(cfg: RunConfig) -> None:

@@ -206,3 +206,25 @@ def test_a_checkpoint_larger_than_the_free_disk_is_refused_before_ray(tmp_path):
         warnings.simplefilter("error")
         check_checkpoint_space(cfg(d_model, checkpoint={"every_steps": 5, "keep": 1}))  # two at once: fits
         check_checkpoint_space(config_from_dict({"output_dir": str(tmp_path / "runs"), "model": {"size": "tiny"}}))
+
+
+def test_outputs_inside_rays_copy_of_a_jobs_working_directory_are_warned_about(tmp_path, monkeypatch):
+    """Under `ray job submit --working-dir .` the entrypoint runs in Ray's unpacked copy of the
+    upload, so the default relative `output_dir` puts the metrics, plan and checkpoints where the
+    cluster deletes them, and the job still succeeds: warned about, naming what is in the copy."""
+    from elixir_ray.api import check_output_dir
+    from elixir_ray.config import config_from_dict
+
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123abcd"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    with pytest.warns(UserWarning, match=r"^output_dir \(.*_ray_pkg_0123abcd/runs/t\) and checkpoint.uri .*inside "
+                                         r"Ray's copy of the job's working directory"):
+        check_output_dir(config_from_dict({"name": "t"}))
+    lasting = str(tmp_path / "lasting")
+    with pytest.warns(UserWarning, match=r"^checkpoint.uri \(.*_ray_pkg_0123abcd/ckpt\): inside Ray's copy"):
+        check_output_dir(config_from_dict({"name": "t", "output_dir": lasting, "checkpoint": {"uri": "ckpt"}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_output_dir(config_from_dict({"name": "t", "output_dir": lasting}))
+        check_output_dir(config_from_dict({"name": "t", "output_dir": lasting, "checkpoint": {"uri": "s3://b/ckpt"}}))
