@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray.engine import engine_state, load_engine_state, manual_plan, wrap
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
@@ -132,6 +132,23 @@ def test_a_learning_rate_changed_after_backward_is_refused():
     opt.param_groups[0]["lr"] = 1e-3
     with pytest.raises(RuntimeError, match="set hyper-parameters before the forward pass"):
         opt.step()
+
+
+def test_restoring_an_engine_state_after_a_backward_that_started_updates_is_refused():
+    """As model.load_state_dict is: the step would take the chunks already started as updated and
+    skip them, so the loaded state would never get this step's update (silently)."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1)
+    data = batches(2, 8)
+    model(data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    saved = engine_state(model, opt)
+    model(data[1]).backward()
+    with pytest.raises(RuntimeError, match="between backward"):
+        load_engine_state(model, opt, saved)
+    opt.step()
+    load_engine_state(model, opt, saved)  # after the step it restores
 
 
 def test_bad_accumulation_steps_and_prefetch_are_refused_before_anything_changes():

@@ -224,7 +224,7 @@ class EngineHooks:
             self.optimizer.refuse_mid_update(
                 "run the model", "Run it before that backward or after optimizer.step() (or wrap with "
                 "accumulation_steps=None, which starts the updates at step()); after a backward that raised, "
-                "call optimizer.step() to end the step it began, or restore a checkpoint")
+                "call optimizer.step() to end the step it began, or restore a checkpoint into a newly wrapped model")
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
         self.phase = "forward"

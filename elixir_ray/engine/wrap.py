@@ -248,7 +248,12 @@ class ChunkedModule(nn.Module):
         """`load_state_dict` for a restore: each parameter's part this rank keeps is read with
         `read_part(key, lo, hi)` (elements [lo, hi) of its flat order), so a sharded checkpoint is
         never read whole on each rank; `shape_of(key)` is the shape of the value there (checked
-        against the parameter's before anything is written); buffers come from `state_dict`."""
+        against the parameter's before anything is written); buffers come from `state_dict`.
+        Refused between a backward that started updates and `optimizer.step()`, as
+        `load_state_dict` is: the step would treat those chunks as updated and skip them."""
+        if self.hooks.optimizer is not None:
+            self.hooks.optimizer.refuse_mid_update("restore an engine state (load_engine_state)",
+                                                   "Restore into a newly wrapped model, or after optimizer.step()")
         with self.store.on_device():
             try:
                 self._load_state_dict(state_dict, True, read_part, shape_of)
