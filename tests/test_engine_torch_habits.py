@@ -210,6 +210,30 @@ def test_loading_state_between_a_backward_that_started_updates_and_the_step_is_r
     assert _optim_diff(opt.state_dict(), saved) == 0.0
 
 
+
+def test_a_backward_through_a_forward_made_before_a_load_is_refused_as_torch_refuses_it():
+    """torch's in-place check refuses it (a saved weight changed); the engine fetched the loaded
+    weights in backward and paired them with the old activations, silently. Refused before any
+    gradient arrives, a new forward then trains as torch does after the same load."""
+    model, opt, base, reference, ref_opt = _pair()
+    batch, other = batches(1, 4, seed=5)[0], Toy().state_dict()
+    loss = reference(batch)
+    reference.load_state_dict(other)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    loss = model(batch)
+    model.load_state_dict(other)
+    with pytest.raises(RuntimeError, match=r"weights were loaded \(load_state_dict or load_engine_state\) after "
+                                           r"the forward this backward goes through"):
+        loss.backward()
+    ref_opt.zero_grad()
+    for m, o in ((model, opt), (reference, ref_opt)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing of the refused backward is left to drop
+            m(batch).backward()
+        o.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
 def test_a_zero_dimensional_parameter_takes_moments_saved_with_one_element_as_torch_does():
     class Scaled(torch.nn.Module):
         def __init__(self):
