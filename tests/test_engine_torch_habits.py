@@ -211,23 +211,30 @@ def test_loading_state_between_a_backward_that_started_updates_and_the_step_is_r
 
 
 
-def test_a_backward_through_a_forward_made_before_a_load_is_refused_as_torch_refuses_it():
-    """torch's in-place check refuses it (a saved weight changed); the engine fetched the loaded
-    weights in backward and paired them with the old activations, silently. Refused before any
-    gradient arrives, a new forward then trains as torch does after the same load."""
+@pytest.mark.parametrize("change", ["load", "step"])
+def test_a_backward_through_a_forward_made_before_the_weights_changed_is_refused_as_torch_refuses_it(change):
+    """A load, or a step on another micro-batch's gradients (as in GAN loops), between a forward and
+    its backward: torch's in-place check refuses the backward (a saved weight changed); the engine
+    fetched the new weights in backward and paired them with the old activations, silently. Refused
+    before any gradient arrives, a new forward then trains as torch does after the same change."""
     model, opt, base, reference, ref_opt = _pair()
-    batch, other = batches(1, 4, seed=5)[0], Toy().state_dict()
-    loss = reference(batch)
-    reference.load_state_dict(other)
+    batch, other, weights = batches(1, 4, seed=5)[0], batches(1, 4, seed=6)[0], Toy().state_dict()
+    losses = []
+    for m, o in ((reference, ref_opt), (model, opt)):
+        loss = m(batch)
+        if change == "load":
+            m.load_state_dict(weights)
+        else:
+            m(other).backward()
+            o.step()
+        losses.append(loss)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
-    loss = model(batch)
-    model.load_state_dict(other)
-    with pytest.raises(RuntimeError, match=r"weights were loaded \(load_state_dict or load_engine_state\) after "
-                                           r"the forward this backward goes through"):
-        loss.backward()
-    ref_opt.zero_grad()
+        losses[0].backward()
+    with pytest.raises(RuntimeError, match=r"weights changed \(load_state_dict, load_engine_state or "
+                                           r"optimizer.step\(\)\) after the forward this backward goes through"):
+        losses[1].backward()
     for m, o in ((model, opt), (reference, ref_opt)):
+        o.zero_grad()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing of the refused backward is left to drop
             m(batch).backward()

@@ -125,7 +125,6 @@ class EngineHooks:
         self.reduce_order = list(range(len(store.chunks) - 1, -1, -1))
         self.recording: Optional[set] = None  # ids of slots a forward under way used with gradients off
         self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
-        self.weights_loaded = 0  # counts loads into the masters: a backward through an older forward is refused
         self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
         self._late: set[int] = set()  # chunks that got a gradient after their reduction in this backward
         self._late_refused: list[str] = []  # parameters whose late gradient came after their update started
@@ -248,8 +247,8 @@ class EngineHooks:
             expected = set(recorded) | _parameters_reached([t.grad_fn for t in outputs], self.slot_by_param)
             expected |= {id(self.slot_by_param[id(t)]) for t in outputs if id(t) in self.slot_by_param}  # returned as is
         for t in outputs:
-            t.register_hook(lambda grad, expected=expected, loaded=self.weights_loaded:
-                            self._on_output_grad(expected, loaded))
+            t.register_hook(lambda grad, expected=expected, version=self.store.weights_version:
+                            self._on_output_grad(expected, version))
         return out
 
     def _drop_unfinished_backward(self) -> None:
@@ -264,7 +263,7 @@ class EngineHooks:
         self._late, self._late_refused = set(), []
         self.pool.release_pins()
 
-    def _on_output_grad(self, expected: Optional[set], loaded: int) -> None:
+    def _on_output_grad(self, expected: Optional[set], version: int) -> None:
         """A backward through this forward's output begins (or an autograd.grad through it): queue
         the callback that closes it here, in the outermost graph task.
 
@@ -274,14 +273,14 @@ class EngineHooks:
         accumulation_steps) at its first parameter gradient, so autograd.grad is not one. With
         several ranks, `expected` is what the forward read off the graph of all its outputs.
 
-        A load into the masters since that forward (`loaded` is the count then) is refused here, as
-        torch's in-place check refuses it: backward would fetch the loaded weights and pair them with
-        activations of the old ones, a gradient of neither."""
-        if loaded != self.weights_loaded:
-            raise RuntimeError("the model's weights were loaded (load_state_dict or load_engine_state) after the "
-                               "forward this backward goes through: its activations were computed with the old "
-                               "weights, so its gradients would mix the two (torch refuses this too). Run the forward "
-                               "again after loading")
+        Weights changed since that forward (a load, or a step that updated; `version` is the
+        store's count then) are refused here, as torch's in-place check refuses them: backward would
+        fetch the new weights and pair them with activations of the old ones, a gradient of neither."""
+        if version != self.store.weights_version:
+            raise RuntimeError("the model's weights changed (load_state_dict, load_engine_state or optimizer.step()) "
+                               "after the forward this backward goes through: its activations were computed with "
+                               "the old weights, so its gradients would mix the two (torch refuses this too). Run the "
+                               "forward again after the change")
         expected = None if expected is None else set(expected)
         if self._backward_open or self._armed:
             self._expect_more(expected)

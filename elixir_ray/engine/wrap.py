@@ -306,7 +306,7 @@ class ChunkedModule(nn.Module):
         for c in self.store.chunks:
             self.store.refresh_upload(c)
         self.pool.reset()
-        self.hooks.weights_loaded += 1
+        self.store.weights_version += 1
         return _IncompatibleKeys(missing, unexpected)
 
 
