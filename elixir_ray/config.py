@@ -255,7 +255,13 @@ def shipped_file(folder: str, name: str, suffix: str) -> Optional[str]:
     if not name or "." in name or os.sep in name or (os.altsep and os.altsep in name):
         return None
     path = resources.files("elixir_ray") / folder / (name + suffix)
-    return str(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    # the user's own copy (edited, say) in the working directory is never silently swapped for the package's
+    if os.path.exists(name + suffix) and not os.path.samefile(name + suffix, path):
+        raise ConfigError(f"{name!r} names the {name + suffix} the package ships, and there is a {name + suffix} "
+                          f"here too: give its path (./{name + suffix}) for yours")
+    return str(path)
 
 
 def shipped_names(folder: str, suffix: str) -> list[str]:

@@ -71,6 +71,10 @@ def test_shipped_configs_load_by_name_outside_the_checkout(tmp_path, monkeypatch
     for path in ("jobs/configs/tiny.yaml", "tiny.yaml"):  # a path is what the user meant: never swapped
         with pytest.raises(ConfigError, match="ships by name: demo, tiny"):
             load_config(path)
+    (tmp_path / "tiny.yaml").write_text("name: mine\n")  # the user's own copy beside them is never shadowed
+    with pytest.raises(ConfigError, match=r"there is a tiny.yaml here too: give its path \(./tiny.yaml\) for yours"):
+        load_config("tiny")
+    assert load_config("./tiny.yaml").name == "mine"
 
 
 @pytest.mark.parametrize("steps, warmup", [(20, 10), (50, 0), (11, 10)])

@@ -146,7 +146,7 @@ class ChunkStore:
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)
-        self.weights_version = 0  # counts changes to the masters (a load, a step that updated): see EngineHooks
+        self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0

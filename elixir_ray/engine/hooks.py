@@ -247,8 +247,10 @@ class EngineHooks:
             expected = set(recorded) | _parameters_reached([t.grad_fn for t in outputs], self.slot_by_param)
             expected |= {id(self.slot_by_param[id(t)]) for t in outputs if id(t) in self.slot_by_param}  # returned as is
         for t in outputs:
-            t.register_hook(lambda grad, expected=expected, version=self.store.weights_version:
-                            self._on_output_grad(expected, version))
+            # a leaf returned as is (a parameter) keeps its hook for good, and holds no activations to be stale:
+            # only a computed output carries the weights' version
+            version = self.store.weights_version if t.grad_fn is not None else None
+            t.register_hook(lambda grad, expected=expected, version=version: self._on_output_grad(expected, version))
         return out
 
     def _drop_unfinished_backward(self) -> None:
@@ -263,7 +265,7 @@ class EngineHooks:
         self._late, self._late_refused = set(), []
         self.pool.release_pins()
 
-    def _on_output_grad(self, expected: Optional[set], version: int) -> None:
+    def _on_output_grad(self, expected: Optional[set], version: Optional[int]) -> None:
         """A backward through this forward's output begins (or an autograd.grad through it): queue
         the callback that closes it here, in the outermost graph task.
 
@@ -273,14 +275,16 @@ class EngineHooks:
         accumulation_steps) at its first parameter gradient, so autograd.grad is not one. With
         several ranks, `expected` is what the forward read off the graph of all its outputs.
 
-        Weights changed since that forward (a load, or a step that updated; `version` is the
-        store's count then) are refused here, as torch's in-place check refuses them: backward would
-        fetch the new weights and pair them with activations of the old ones, a gradient of neither."""
-        if version != self.store.weights_version:
-            raise RuntimeError("the model's weights changed (load_state_dict, load_engine_state or optimizer.step()) "
-                               "after the forward this backward goes through: its activations were computed with "
-                               "the old weights, so its gradients would mix the two (torch refuses this too). Run the "
-                               "forward again after the change")
+        Weights loaded since that forward (`version` is the store's count of loads then) are refused
+        here, as torch's in-place check refuses them: backward would fetch the loaded weights and pair
+        them with activations of the old ones, a gradient of neither. (A step between a forward and its
+        backward is not checked: torch refuses it only for the weights that step changed, which the
+        engine's chunks, each holding many parameters, do not tell apart.)"""
+        if version is not None and version != self.store.weights_version:
+            raise RuntimeError("the model's weights were loaded (load_state_dict or load_engine_state) after the "
+                               "forward this backward goes through: its activations were computed with the old "
+                               "weights, so its gradients would mix the two (torch refuses this too). Run the forward "
+                               "again after loading")
         expected = None if expected is None else set(expected)
         if self._backward_open or self._armed:
             self._expect_more(expected)

@@ -381,8 +381,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         # host chunks first, in chunk order, so that the background thread starts at once; then the
         # device and DOS chunks on this thread, beside it
         pending = [c for c in self.store.chunks if c.grad is not None and not c.updated]
-        if pending or any(c.updated for c in self.store.chunks):
-            self.store.weights_version += 1  # a forward before this step is not backward's to pair with these
         on_host = [c for c in pending if self._runs_on_host(c)]
         for c in on_host + [c for c in pending if not self._runs_on_host(c)]:
             self._start(c)
