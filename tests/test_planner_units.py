@@ -106,13 +106,13 @@ def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks()
         return [v.count(mode) for v in variants]
 
     variants = checkpointing_variants(gpt(48))
-    # nothing recomputed; then 0, 1/4, 1/3, 1/2, 2/3 and all of the blocks whole, the others selectively
-    assert counts(variants, "full") == [0, 0, 12, 16, 24, 32, 48]
-    assert counts(variants, "selective") == [0, 48, 36, 32, 24, 16, 0]
-    assert counts(variants, "none") == [48, 0, 0, 0, 0, 0, 0]
-    quarter = variants[2]
+    # nothing recomputed; then 0, 1/8, 1/4 and so on in eighths to all of the blocks whole, the others selectively
+    assert counts(variants, "full") == [0, 0, 6, 12, 18, 24, 30, 36, 42, 48]
+    assert counts(variants, "selective") == [0, 48, 42, 36, 30, 24, 18, 12, 6, 0]
+    assert counts(variants, "none") == [48] + [0] * 9
+    quarter = variants[3]
     assert [i for i, m in enumerate(quarter) if m == "full"] == list(range(0, 48, 4))  # evenly spaced, from block 0
-    assert not any(v[-1] == "full" for v in variants[2:5])  # up to half: not the last block, recomputed at the peak
+    assert not any(v[-1] == "full" for v in variants[2:6])  # up to half: not the last block, recomputed at the peak
     assert counts(checkpointing_variants(gpt(2)), "full") == [0, 0, 1, 2]  # fractions that coincide count once
     own = gpt(6)
     own.set_checkpointing([True, True, False, False, False, False])
@@ -135,4 +135,4 @@ def test_a_module_with_only_an_on_off_switch_gets_whole_block_fractions():
 
     variants = checkpointing_variants(Switch())
     assert all(isinstance(m, bool) for v in variants for m in v)
-    assert [sum(v) for v in variants] == [0, 2, 3, 4, 6]  # 1/4 and 1/3 of 6 blocks coincide at 2
+    assert [sum(v) for v in variants] == [0, 1, 2, 3, 4, 5, 6]  # eighths of 6 blocks coincide in places
