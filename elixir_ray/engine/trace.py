@@ -10,6 +10,8 @@ inputs are swapped for meta tensors, then restored), recording:
   matmul-class FLOPs of the step (torch's FLOP formulas, as its FlopCounterMode uses them; the
   mode itself is not used, since its module tracking keeps tensors alive), and every distinct kernel
   call with its shapes and count (`op_record`), for the planner to time on the device.
+Repeated meta kernel calls are answered from a record of the first (`meta_kernels`): a model's
+blocks repeat them, and computing meta outputs was most of a trace's time.
 Parameters are identified by their storage, so views (a transposed weight) count as the weight,
 and a saved activation counts once however many ops save it or views of it.
 
@@ -21,7 +23,7 @@ implementation (`_FusedAttentionOnMeta`), or it would count several times the re
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
+from elixir_ray.engine.meta_kernels import MetaKernelCache
 from elixir_ray.engine.op_record import OpCall, OpRecorder
 from elixir_ray.engine.sample import SampleInputs, as_sample_inputs, loss_in
 from elixir_ray.engine.shadow_values import MAX_SHADOW_ELEMENTS, ShadowValues
@@ -265,7 +268,8 @@ def trace_step(module: nn.Module, sample_inputs, loss_fn=None, dtype: Optional[t
 
 
 def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: Optional[torch.dtype],
-                with_weights: bool) -> AccessTrace:
+                with_weights: bool, cache_kernels: bool = True) -> AccessTrace:
+    """`cache_kernels=False` runs every meta kernel (the tests compare the two)."""
     named = unique_parameters(module)
     params = [p for _, p in named]
     events: list[tuple[int, ...]] = []
@@ -347,7 +351,7 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         given = (sample_inputs.args, sample_inputs.kwargs)
         real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(given)[0]]
         try:
-            with recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
+            with MetaKernelCache() if cache_kernels else nullcontext(), recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
                 inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):

@@ -93,7 +93,7 @@ def checkpointing_variants(module: nn.Module) -> list[Optional[list]]:
     Recomputation trades compute for activation memory, and the memory freed holds optimizer state
     on the device instead of the host. Which trade wins depends on the model and the budget (GPT 1.5B
     at 24 GiB: every block recomputed whole costs a third more compute, none does not fit), so the
-    search gets the steps in between; each setting is one more trace, about 3 s for a 10B GPT.
+    search gets the steps in between; each setting is one more trace, about 2 s for a 10B GPT.
 
     A module whose `checkpointing_modes` include "selective" takes mode names per block; there the
     blocks not recomputed whole are checkpointed selectively, never kept whole: selective

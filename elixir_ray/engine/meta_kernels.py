@@ -1,0 +1,120 @@
+"""Meta kernels answered from memory: a traced model repeats the same calls block after block.
+
+On the meta device a kernel computes only its outputs' shapes, strides and dtypes, and many of
+torch's meta kernels do that in Python (elementwise type promotion, broadcasting, stride order),
+at about half a millisecond a call: most of a trace's time. Those outputs depend on nothing but
+the operator, its arguments' metadata and its non-tensor arguments, and a GPT's 48 blocks make the
+same calls 48 times, so `MetaKernelCache` answers a repeated call with fresh meta tensors of the
+recorded layout instead of running the kernel again.
+
+Only calls whose answer cannot depend on anything else are answered from memory: every tensor
+argument on the meta device (a CPU tensor's values can decide a shape), nothing written in place
+or through `out=`, no output that aliases an argument or another output (a view must stay a view,
+for the activation count that follows storages), no random kernel, and outputs whose fresh copy
+has the storage size the kernel gave. Anything else runs as it would without the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+_NOT_CACHEABLE = object()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own may compute other layouts
+
+
+def _returns_fresh(func) -> bool:
+    """Whether the schema promises new tensors: no argument written, no return aliasing one."""
+    schema = func._schema
+    if any(a.alias_info is not None for a in schema.arguments):
+        return False
+    if any(r.alias_info is not None for r in schema.returns):
+        return False
+    return torch.Tag.nondeterministic_seeded not in func.tags and not func.is_view
+
+
+def _arg_key(x):
+    """A hashable stand-in for one argument, or _NOT_CACHEABLE."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "meta" or x.layout != torch.strided or type(x) not in _PLAIN:
+            return _NOT_CACHEABLE
+        return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.is_conj(), x.is_neg())
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return (type(x), x)
+    return _NOT_CACHEABLE
+
+
+class MetaKernelCache(TorchDispatchMode):
+    """Below every other mode of a trace: answers repeated meta kernel calls from a record."""
+
+    def __init__(self):
+        super().__init__()
+        self._fresh: dict = {}  # operator -> whether its schema allows an answer from memory
+        self._answers: dict = {}  # call key -> (output tree spec, layouts), or None: run it every time
+        self.hits = 0
+        self.misses = 0
+
+    def _key(self, func, args: tuple, kwargs: dict):
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            fresh = self._fresh[func] = _returns_fresh(func)
+        if not fresh:
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        keys = []
+        for leaf in leaves:
+            k = _arg_key(leaf)
+            if k is _NOT_CACHEABLE:
+                return None
+            keys.append(k)
+        return (func, spec, tuple(keys))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        answer = self._answers.get(key, _NOT_CACHEABLE)
+        if answer is None:
+            return func(*args, **kwargs)
+        if answer is not _NOT_CACHEABLE:
+            self.hits += 1
+            spec, layouts = answer
+            return tree_unflatten([_fresh_like(layout) if isinstance(layout, tuple) and layout and layout[0] == "T"
+                                   else layout for layout in layouts], spec)
+        self.misses += 1
+        out = func(*args, **kwargs)
+        self._answers[key] = _record(out, args, kwargs)
+        return out
+
+
+def _fresh_like(layout: tuple) -> torch.Tensor:
+    _, shape, stride, dtype = layout
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+def _record(out, args: tuple, kwargs: dict):
+    """The outputs' layouts, or None where a fresh copy would not be the same thing."""
+    leaves, spec = tree_flatten(out)
+    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    seen: set[int] = set()
+    layouts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if type(leaf) not in _PLAIN or leaf.device.type != "meta" or leaf.layout != torch.strided:
+                return None
+            storage = leaf.untyped_storage()._cdata
+            if storage in inputs or storage in seen or leaf.storage_offset() != 0:
+                return None
+            seen.add(storage)
+            layout = ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype)
+            if _fresh_like(layout).untyped_storage().nbytes() != leaf.untyped_storage().nbytes():
+                return None
+            layouts.append(layout)
+        elif leaf is None or isinstance(leaf, (bool, int, float, torch.dtype)):
+            layouts.append(leaf)
+        else:
+            return None
+    return spec, layouts
