@@ -95,6 +95,13 @@ def test_the_optimizer_state_dict_is_torchs_and_a_run_resumes_from_either_side()
     assert _optim_diff(resumed_opt.state_dict(), ref_opt.state_dict()) <= 1e-5
 
 
+def test_reading_the_optimizers_per_parameter_state_says_where_to_find_it():
+    model, opt, _, _, _ = _pair()
+    assert not hasattr(opt, "state")
+    with pytest.raises(AttributeError, match=r"state_dict\(\)\['state'\]"):
+        opt.state[next(model.parameters())]
+
+
 def test_an_optimizer_state_dict_that_does_not_fit_is_refused_before_anything_changes():
     model, opt, base, reference, ref_opt = _pair()
     batch = batches(1, 4, seed=3)[0]

@@ -203,6 +203,14 @@ class ChunkedAdam(torch.optim.Optimizer):
         return self.base.defaults
 
     @property
+    def state(self):
+        # torch's per-parameter dict would have to hold every moment as a whole tensor; an
+        # AttributeError keeps hasattr(optimizer, "state") False for code that probes for it
+        raise AttributeError("the optimizer wrap returns has no per-parameter `state`: its AdamW moments live in "
+                             "the chunks, on the device or the host. Read them in torch's format with "
+                             "optimizer.state_dict()['state'] (whole tensors on the host)")
+
+    @property
     def updates_in_backward(self) -> bool:
         """Whether the last backward of a step starts the updates (see the module docstring)."""
         return updates_start_in_backward(self.accumulation_steps, self.max_grad_norm, self.loss_scale is not None)
