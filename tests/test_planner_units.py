@@ -106,13 +106,14 @@ def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks()
         return [v.count(mode) for v in variants]
 
     variants = checkpointing_variants(gpt(48))
-    # nothing recomputed; then 0, 1/8, 1/4 and so on in eighths to all of the blocks whole, the others selectively
-    assert counts(variants, "full") == [0, 0, 6, 12, 18, 24, 30, 36, 42, 48]
-    assert counts(variants, "selective") == [0, 48, 42, 36, 30, 24, 18, 12, 6, 0]
-    assert counts(variants, "none") == [48] + [0] * 9
+    # nothing recomputed; then 0, 1/8, 1/4 and so on in eighths and thirds to all of the blocks whole,
+    # the others selectively
+    assert counts(variants, "full") == [0, 0, 6, 12, 16, 18, 24, 30, 32, 36, 42, 48]
+    assert counts(variants, "selective") == [0, 48, 42, 36, 32, 30, 24, 18, 16, 12, 6, 0]
+    assert counts(variants, "none") == [48] + [0] * 11
     quarter = variants[3]
     assert [i for i, m in enumerate(quarter) if m == "full"] == list(range(0, 48, 4))  # evenly spaced, from block 0
-    assert not any(v[-1] == "full" for v in variants[2:6])  # up to half: not the last block, recomputed at the peak
+    assert not any(v[-1] == "full" for v in variants[2:7])  # up to half: not the last block, recomputed at the peak
     assert counts(checkpointing_variants(gpt(2)), "full") == [0, 0, 1, 2]  # fractions that coincide count once
     own = gpt(6)
     own.set_checkpointing([True, True, False, False, False, False])
