@@ -48,6 +48,26 @@ def test_a_kernel_that_returns_a_view_of_its_input_is_never_answered_from_memory
     assert all(o.untyped_storage()._cdata == x.untyped_storage()._cdata for o in outs)
 
 
+def test_what_the_arguments_layouts_do_not_decide_is_never_answered_from_memory():
+    ints = torch.empty(3, dtype=torch.int64, device="meta")
+    longer = torch.empty(8, device="meta")[:4]
+    previous = torch.get_default_dtype()
+    try:
+        with MetaKernelCache():
+            halves = [ints / 2]
+            torch.set_default_dtype(torch.float64)  # integer division and factories take the default dtype
+            halves += [ints / 2, torch.empty(2, device="meta")]
+            torch.set_default_dtype(previous)
+            zeros = [torch._efficientzerotensor(3, device="meta") for _ in range(2)]
+            same = [torch.ops.aten._has_same_storage_numel(x, torch.empty(4, device="meta"))
+                    for x in (torch.empty(4, device="meta"), longer)]  # storage sizes are not in the key
+    finally:
+        torch.set_default_dtype(previous)
+    assert [h.dtype for h in halves] == [torch.float32, torch.float64, torch.float64]
+    assert [z._is_zerotensor() for z in zeros] == [True, True]
+    assert same == [True, False]
+
+
 @pytest.mark.parametrize("modes", [["none"] * 4, ["selective", "full", "none", "full"], ["full"] * 4])
 def test_a_gpt_traces_the_same_with_and_without_the_cache(modes):
     model = GPT(GPTConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=97, seq_len=32))

@@ -10,8 +10,9 @@ recorded layout instead of running the kernel again.
 Only calls whose answer cannot depend on anything else are answered from memory: every tensor
 argument on the meta device (a CPU tensor's values can decide a shape), nothing written in place
 or through `out=`, no output that aliases an argument or another output (a view must stay a view,
-for the activation count that follows storages), no random kernel, and outputs whose fresh copy
-has the storage size the kernel gave. Anything else runs as it would without the cache.
+for the activation count that follows storages), no random kernel, and outputs that are plain
+tensors (not zero tensors, no numbers or flags) whose fresh copy has the storage size the kernel
+gave. The default dtype is part of the key. Anything else runs as it would without the cache.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class MetaKernelCache(TorchDispatchMode):
             if k is _NOT_CACHEABLE:
                 return None
             keys.append(k)
-        return (func, spec, tuple(keys))
+        # a factory without a dtype, or an integer division, takes the default dtype (which a model may set)
+        return (func, spec, tuple(keys), torch.get_default_dtype())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,15 +108,15 @@ def _record(out, args: tuple, kwargs: dict):
             if type(leaf) not in _PLAIN or leaf.device.type != "meta" or leaf.layout != torch.strided:
                 return None
             storage = leaf.untyped_storage()._cdata
-            if storage in inputs or storage in seen or leaf.storage_offset() != 0:
+            if storage in inputs or storage in seen or leaf.storage_offset() != 0 or leaf._is_zerotensor():
                 return None
             seen.add(storage)
             layout = ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype)
             if _fresh_like(layout).untyped_storage().nbytes() != leaf.untyped_storage().nbytes():
                 return None
             layouts.append(layout)
-        elif leaf is None or isinstance(leaf, (bool, int, float, torch.dtype)):
+        elif leaf is None:
             layouts.append(leaf)
-        else:
+        else:  # a number or flag may depend on what the key leaves out (the arguments' storage sizes)
             return None
     return spec, layouts
