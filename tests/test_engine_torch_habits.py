@@ -100,6 +100,8 @@ def test_reading_the_optimizers_per_parameter_state_says_where_to_find_it():
     assert not hasattr(opt, "state")
     with pytest.raises(AttributeError, match=r"state_dict\(\)\['state'\]"):
         opt.state[next(model.parameters())]
+    with pytest.raises(AttributeError, match="load_state_dict"):
+        opt.state = {}
 
 
 def test_an_optimizer_state_dict_that_does_not_fit_is_refused_before_anything_changes():

@@ -35,8 +35,9 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         shutil.copy2(os.path.join(ROOT, name), src / name)
     shutil.copytree(PACKAGE, src / "elixir_ray", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(src)], check=True, capture_output=True, text=True)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "--disable-pip-version-check", "-q", "-w", str(out), str(src)], capture_output=True, text=True)
+    assert built.returncode == 0, f"pip wheel failed:\n{built.stdout}\n{built.stderr}"
     [name] = os.listdir(out)
     with zipfile.ZipFile(out / name) as zf:
         yield zf

@@ -202,13 +202,19 @@ class ChunkedAdam(torch.optim.Optimizer):
     def defaults(self):
         return self.base.defaults
 
+    _NO_STATE = ("the optimizer wrap returns has no per-parameter `state`: its AdamW moments live in the chunks, "
+                 "on the device or the host. Read them in torch's format with optimizer.state_dict()['state'] (whole "
+                 "tensors on the host), and set them with optimizer.load_state_dict()")
+
     @property
     def state(self):
         # torch's per-parameter dict would have to hold every moment as a whole tensor; an
         # AttributeError keeps hasattr(optimizer, "state") False for code that probes for it
-        raise AttributeError("the optimizer wrap returns has no per-parameter `state`: its AdamW moments live in "
-                             "the chunks, on the device or the host. Read them in torch's format with "
-                             "optimizer.state_dict()['state'] (whole tensors on the host)")
+        raise AttributeError(self._NO_STATE)
+
+    @state.setter
+    def state(self, value):
+        raise AttributeError(self._NO_STATE)
 
     @property
     def updates_in_backward(self) -> bool:
