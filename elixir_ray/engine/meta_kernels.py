@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from elixir_ray.engine.live_memory import storage_key
+
 _NOT_CACHEABLE = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own may compute other layouts
 
@@ -78,14 +80,13 @@ class MetaKernelCache(TorchDispatchMode):
         key = self._key(func, args, kwargs)
         if key is None:
             return func(*args, **kwargs)
-        answer = self._answers.get(key, _NOT_CACHEABLE)
-        if answer is None:
-            return func(*args, **kwargs)
-        if answer is not _NOT_CACHEABLE:
+        if key in self._answers:
+            answer = self._answers[key]
+            if answer is None:
+                return func(*args, **kwargs)
             self.hits += 1
             spec, layouts = answer
-            return tree_unflatten([_fresh_like(layout) if isinstance(layout, tuple) and layout and layout[0] == "T"
-                                   else layout for layout in layouts], spec)
+            return tree_unflatten([None if layout is None else _fresh_like(layout) for layout in layouts], spec)
         self.misses += 1
         out = func(*args, **kwargs)
         self._answers[key] = _record(out, args, kwargs)
@@ -93,25 +94,25 @@ class MetaKernelCache(TorchDispatchMode):
 
 
 def _fresh_like(layout: tuple) -> torch.Tensor:
-    _, shape, stride, dtype = layout
+    shape, stride, dtype = layout
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def _record(out, args: tuple, kwargs: dict):
     """The outputs' layouts, or None where a fresh copy would not be the same thing."""
     leaves, spec = tree_flatten(out)
-    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     seen: set[int] = set()
-    layouts = []
+    layouts = []  # per output leaf: (shape, stride, dtype) of a tensor, or None
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if type(leaf) not in _PLAIN or leaf.device.type != "meta" or leaf.layout != torch.strided:
                 return None
-            storage = leaf.untyped_storage()._cdata
+            storage = storage_key(leaf)
             if storage in inputs or storage in seen or leaf.storage_offset() != 0 or leaf._is_zerotensor():
                 return None
             seen.add(storage)
-            layout = ("T", tuple(leaf.shape), leaf.stride(), leaf.dtype)
+            layout = (tuple(leaf.shape), leaf.stride(), leaf.dtype)
             if _fresh_like(layout).untyped_storage().nbytes() != leaf.untyped_storage().nbytes():
                 return None
             layouts.append(layout)

@@ -351,7 +351,8 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         given = (sample_inputs.args, sample_inputs.kwargs)
         real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(given)[0]]
         try:
-            with MetaKernelCache() if cache_kernels else nullcontext(), recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
+            kernels = MetaKernelCache() if cache_kernels else nullcontext()  # first in: called last, by the kernel
+            with kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
                 inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):
