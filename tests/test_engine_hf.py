@@ -98,11 +98,13 @@ def test_hf_sdpa_attention_with_a_padding_mask_trains_like_torch():
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_hf_gradient_checkpointing_with_updates_started_in_backward(reentrant):
-    """`gradient_checkpointing_enable()`, reentrant (a nested backward per layer) or not, with the
+    """`activation_checkpointing_enable()`, reentrant (a nested backward per layer) or not, with the
     CPU updates started during backward (`accumulation_steps=1`): still one backward per step."""
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(_configs()["llama"], attn_implementation="eager")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    switch = ("activation_checkpointing_enable" if hasattr(base, "activation_checkpointing_enable")
+              else "gradient_checkpointing_enable")  # renamed in transformers 5
+    getattr(base, switch)({"use_reentrant": reentrant})  # the kwargs, by position: their name changed too
     base.train()
     data = [(torch.randint(0, 64, (4, 16)), torch.ones(4, 16, dtype=torch.long)) for _ in range(4)]
     ref = CausalLMLoss(copy.deepcopy(base))

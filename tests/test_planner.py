@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 import elixir_ray
 from elixir_ray.config import config_from_dict
 from elixir_ray.engine.layout import pack
+from elixir_ray.model.factory import build_model
 from elixir_ray.planner.for_config import plan_config
+from elixir_ray.planner.model_profile import checkpointing_variants
 from elixir_ray.units import parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -132,6 +134,39 @@ def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
     # where even one row does not fit, no micro-batch is named
     with pytest.raises(elixir_ray.PlanError, match=r"even micro-batch 1 does not fit \(a plan at 1 was tried\)"):
         plan_config(cfg, GPU, device_memory="3MiB")
+
+
+PROBE = re.compile(r"checking whether micro-batch (\d+) fits with (\d+) of \d+ blocks recomputed whole"
+                   r"(?:, (\d+) selectively)?")
+
+
+def test_micro_batch_probes_try_the_most_recomputation_first_and_stop_at_the_first_fit():
+    """The hint's probes trace one checkpointing setting at a time, the most recomputation first: a
+    micro-batch that fits costs one trace, and one is refused only after every setting. A refusal
+    is the full search's: no setting has a plan there."""
+    def cfg(micro_batch):
+        return config_from_dict({"model": {"size": "tiny"}, "engine": {"search_checkpointing": True},
+                                 "train": {"micro_batch": micro_batch}})
+
+    budget = "4608KiB"  # micro-batch 16 does not fit; the estimate, 3, does not either; 2 does
+    lines: list = []
+    with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d) \(a plan at \d fits") as err:
+        plan_config(cfg(16), GPU, device_memory=budget, progress=lines.append)
+    named = int(re.search(r"use micro-batch (\d)", str(err.value)).group(1))
+    probes = [PROBE.fullmatch(line) for line in lines if line.startswith("checking whether")]
+    assert all(probes), lines
+    by_batch: dict = {}
+    for p in probes:
+        by_batch.setdefault(int(p[1]), []).append((int(p[2]), int(p[3] or 0)))
+    most = max(setting for tried in by_batch.values() for setting in tried)
+    assert min(by_batch) == named and by_batch[named] == [most], by_batch
+    refused = [m for m in by_batch if m != named]
+    assert refused, f"every probe at {budget} fit at once: pick a budget where the estimate is refused"
+    settings = len(checkpointing_variants(build_model(cfg(1), device="meta")))
+    for m in refused:
+        assert by_batch[m] == sorted(by_batch[m], reverse=True) and len(by_batch[m]) == settings, by_batch
+        with pytest.raises(elixir_ray.PlanError):
+            plan_config(cfg(m), GPU, device_memory=budget)
 
 
 def test_a_host_limit_that_keeps_state_on_the_device_is_named_when_nothing_fits():

@@ -63,16 +63,19 @@ def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInp
                   host_budget: Optional[int], search_checkpointing: bool, updates_in_backward: bool = False,
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
                   low_host_grads: bool = True, replicate: str = "auto",
-                  progress: Optional[Callable[[str], None]] = None) -> tuple[Plan, ModelProfile]:
+                  progress: Optional[Callable[[str], None]] = None,
+                  variants: Optional[list] = None) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
     a kernel whose tensors take more than half the budget is estimated instead of run.
     `kernel_seconds` ({call key: [seconds, replayed]}, measured where the device is, e.g. by the workers of a
     Ray run) costs compute instead, when it covers every kernel of every setting traced.
-    `progress` gets a line as each stage starts (tracing a 10B GPT's settings takes tens of seconds)."""
+    `progress` gets a line as each stage starts (tracing a 10B GPT's settings takes tens of seconds).
+    `variants`: the checkpointing settings to trace, instead of those `search_checkpointing` picks."""
     say = progress or (lambda line: None)
-    variants = checkpointing_variants(module) if search_checkpointing else [None]
+    if variants is None:
+        variants = checkpointing_variants(module) if search_checkpointing else [None]
     profiles = []
     for i, v in enumerate(variants):
         say(f"tracing one step of {type(module).__name__} on the meta device"

@@ -15,7 +15,7 @@ from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
-from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants
 from elixir_ray.planner.op_timing import device_is_here
 from elixir_ray.planner.search import plan_layout
 from elixir_ray.units import parse_bytes
@@ -68,6 +68,22 @@ def _batch_advice(estimate: int, fits: Optional[Callable[[int], bool]]) -> str:
             f"--set train.micro_batch=N, {keep})")
 
 
+def recomputation(setting: Optional[list]) -> tuple[int, int]:
+    """(blocks recomputed whole, blocks checkpointed selectively) in a checkpointing setting (None:
+    the module's own, counted as none): more of either usually means less activation memory."""
+    if setting is None:
+        return (0, 0)
+    return (sum(mode is True or mode == "full" for mode in setting), sum(mode == "selective" for mode in setting))
+
+
+def _with_setting(setting: Optional[list]) -> str:
+    if setting is None:
+        return ""
+    whole, selective = recomputation(setting)
+    return (f" with {whole} of {len(setting)} blocks recomputed whole"
+            + (f", {selective} selectively" if selective else ""))
+
+
 @dataclass
 class ConfigPlan:
     plan: Plan
@@ -92,17 +108,27 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     budget = planning_budget(memory, hardware)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
 
-    def search(micro_batch: int, timed: bool, say=None):
+    def search(micro_batch: int, timed: bool, say=None, variants=None):
         return search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), budget, world_size,
                              hardware, dtype, None, cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
-                             in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say)
+                             in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say,
+                             variants=variants)
 
-    def fits(micro_batch: int) -> bool:  # memory alone decides: no kernel timing
-        try:
-            search(micro_batch, timed=False)
-            return True
-        except PlanError:
-            return False
+    def fits(micro_batch: int) -> bool:
+        """Whether some checkpointing setting has a plan at `micro_batch`: memory alone decides (no
+        kernel timing), and the settings are tried one at a time, the most recomputation first, so
+        that a micro-batch that fits usually costs one trace instead of one per setting."""
+        settings = checkpointing_variants(build_model(cfg, device="meta")) if cfg.engine.search_checkpointing \
+            else [None]
+        say = progress or (lambda line: None)
+        for setting in sorted(settings, key=recomputation, reverse=True):
+            say(f"checking whether micro-batch {micro_batch} fits" + _with_setting(setting))
+            try:
+                search(micro_batch, timed=False, variants=[setting])
+                return True
+            except PlanError:
+                continue
+        return False
 
     with config_hints(cfg, fits):
         plan, chosen = search(cfg.train.micro_batch, device_is_here(hardware), progress)
