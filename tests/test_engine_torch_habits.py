@@ -243,6 +243,55 @@ def test_a_backward_through_a_forward_made_before_a_load_is_refused_as_torch_ref
         o.step()
     assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
 
+def test_a_backward_through_a_forward_made_before_a_step_is_refused_as_torch_refuses_it():
+    """A step between a forward and its backward (gradients left from an earlier backward) changes
+    weights that forward saved: torch's in-place check refuses the backward; the engine fetched the
+    stepped weights in backward and paired them with the old activations, silently. Refused before
+    any gradient arrives, the loop then trains as torch does after the same step."""
+    model, opt, base, reference, ref_opt = _pair()
+    first, second = batches(2, 4, seed=6)
+    losses = []
+    for m, o in ((reference, ref_opt), (model, opt)):
+        m(first).backward()
+        losses.append(m(second))
+        o.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        losses[0].backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) updated parameters that the forward this backward "
+                                           r"goes through saved for it \('ln.bias', 'ln.weight', 'l1.weight' and "
+                                           r"\d more\)"):
+        losses[1].backward()
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing of the refused backward is left to drop
+            m(second).backward()
+        o.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
+
+def test_a_step_without_gradients_or_a_load_of_the_optimizer_between_a_forward_and_its_backward_is_allowed():
+    """Neither changes a weight, so torch lets the backward through; so does the engine, and the
+    training matches."""
+    model, opt, base, reference, ref_opt = _pair()
+    batch = batches(1, 4, seed=7)[0]
+    for m, o in ((reference, ref_opt), (model, opt)):
+        m(batch).backward()
+        o.step()
+        o.zero_grad()
+        saved = copy.deepcopy(o.state_dict())
+        m(batch).backward()
+        o.step()
+        o.zero_grad()
+        loss = m(batch)
+        o.step()  # no gradients: changes nothing
+        o.load_state_dict(saved)  # the step counts go back from 2 to 1, the weights stay
+        loss.backward()
+        o.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+    assert _optim_diff(opt.state_dict(), ref_opt.state_dict()) <= 1e-6
+
+
 def test_a_zero_dimensional_parameter_takes_moments_saved_with_one_element_as_torch_does():
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -375,10 +424,12 @@ def test_a_forward_that_returns_a_parameter_as_is_trains_over_several_steps():
 
 
 @pytest.mark.filterwarnings("ignore:this training step's input 0")  # D takes the fakes, wider than the G sample
-def test_a_step_on_other_weights_between_a_forward_and_its_backward_trains_like_torch():
+@pytest.mark.parametrize("chunk_size", [1024, 4096])  # G and D in chunks of their own, or in one chunk
+def test_a_step_on_other_weights_between_a_forward_and_its_backward_trains_like_torch(chunk_size):
     """A GAN in one wrapped module: the D step updates only D, then the G loss goes back through a
     new D forward and the G forward made before that step, whose weights did not change (torch
-    allows it, and so does the engine: only a load refuses such a backward)."""
+    allows it, and so does the engine: a step refuses such a backward only where it changed a weight
+    the forward saved, a load always)."""
     class GAN(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -392,7 +443,9 @@ def test_a_step_on_other_weights_between_a_forward_and_its_backward_trains_like_
     module = GAN()
     reference, sample, loss_fn = copy.deepcopy(module), (torch.randn(8, 8), "G"), (lambda out: out.sum())
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=sample, device="cpu",
-                      loss_fn=loss_fn, plan=manual_plan(module, sample, 1024, 2, loss_fn=loss_fn))
+                      loss_fn=loss_fn, plan=manual_plan(module, sample, chunk_size, 2, loss_fn=loss_fn))
+    both = 1393  # G's 816 parameters and D's 577
+    assert model.store.chunks[0].size >= both if chunk_size == 4096 else model.store.chunks[0].size < both
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for _ in range(3):
         z = torch.randn(8, 8)

@@ -73,7 +73,8 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     group: int = 0  # optimizer param group
-    step: int = 0  # AdamW updates applied to this parameter
+    step: int = 0  # AdamW updates applied to this parameter (loaded with the optimizer's state)
+    changes: int = 0  # updates of its weight in this process, never loaded: see EngineHooks._on_output_grad
     has_grad: bool = False  # received a gradient since the last zero_grad (on any rank)
     had_grad: bool = False  # updated since the last zero_grad(set_to_none=True): torch would keep a zero .grad
 

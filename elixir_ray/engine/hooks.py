@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from typing import Optional
 
@@ -124,6 +125,11 @@ class EngineHooks:
         self.ordered = store.comm.world > 1
         self.reduce_order = list(range(len(store.chunks) - 1, -1, -1))
         self.recording: Optional[set] = None  # ids of slots a forward under way used with gradients off
+        # the parameters autograd saved in the forward under way, each with its update count then (a step
+        # that changes one before its backward is refused, as torch's in-place check refuses it)
+        self._saved: Optional[dict] = None
+        self._slot_offsets = {c.index: [sl.offset for sl in c.slots] for c in store.chunks}
+        self._changes_at_start: dict = {}  # id(slot) -> its weight's update count when the backward under way began
         self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
         self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
         self._late: set[int] = set()  # chunks that got a gradient after their reduction in this backward
@@ -203,7 +209,22 @@ class EngineHooks:
         return hook
 
     def pack(self, t: torch.Tensor):
+        saved = self._saved
+        if saved is not None:
+            chunk = self.store.chunk_of(t)
+            if chunk is not None:  # a parameter, or a view of one (w.t())
+                slot = self._slot_at(chunk, t.storage_offset())
+                if slot is not None and id(slot) not in saved:
+                    saved[id(slot)] = (slot, slot.changes)
         return t
+
+    def _slot_at(self, chunk, offset: int) -> Optional[ParamSlot]:
+        i = bisect.bisect_right(self._slot_offsets[chunk.index], offset) - 1
+        if i >= 0:
+            slot = chunk.slots[i]
+            if offset < slot.offset + slot.numel:
+                return slot
+        return None
 
     def unpack(self, t: torch.Tensor):
         chunk = self.store.chunk_of(t)
@@ -231,6 +252,7 @@ class EngineHooks:
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
         self.recording = set() if self.ordered and torch.is_grad_enabled() else None
+        self._saved = {} if torch.is_grad_enabled() else None
         try:
             self._calling = True
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
@@ -241,6 +263,7 @@ class EngineHooks:
             self._order_pending_prefetches()
             self._recompute_open = False
             recorded, self.recording = self.recording, None
+            saved, self._saved = list((self._saved or {}).values()), None
         outputs = [t for t in _tensors_in(out) if t.requires_grad]
         expected = None
         if recorded is not None:  # what a backward from any of the outputs gives gradients, read once here
@@ -249,7 +272,7 @@ class EngineHooks:
         for t in outputs:
             # a leaf returned as is (a parameter) keeps its hook for good, and holds no activations to be stale:
             # only a computed output carries the weights' version
-            version = self.store.weights_version if t.grad_fn is not None else None
+            version = (self.store.weights_version, saved) if t.grad_fn is not None else None
             t.register_hook(lambda grad, expected=expected, version=version: self._on_output_grad(expected, version))
         return out
 
@@ -275,20 +298,38 @@ class EngineHooks:
         accumulation_steps) at its first parameter gradient, so autograd.grad is not one. With
         several ranks, `expected` is what the forward read off the graph of all its outputs.
 
-        Weights loaded since that forward (`version` is the store's count of loads then) are refused
-        here, as torch's in-place check refuses them: backward would fetch the loaded weights and pair
-        them with activations of the old ones, a gradient of neither. (A step between a forward and its
-        backward is not checked: torch refuses it only for the weights that step changed, which the
-        engine's chunks, each holding many parameters, do not tell apart.)"""
-        if version is not None and version != self.store.weights_version:
-            raise RuntimeError("the model's weights were loaded (load_state_dict or load_engine_state) after the "
-                               "forward this backward goes through: its activations were computed with the old "
-                               "weights, so its gradients would mix the two (torch refuses this too). Run the forward "
-                               "again after loading")
+        Weights changed since that forward are refused here, as torch's in-place check refuses them:
+        backward would fetch the new weights and pair them with activations of the old ones, a
+        gradient of neither. `version` is the store's count of loads then, and the parameters autograd
+        saved with their update counts: as in torch, a step that updated only parameters this forward
+        did not save (a GAN's D step after its G forward) leaves the backward allowed. Updates that
+        started during this backward (accumulation_steps) are not stale for it: an output whose
+        gradient comes after they started compares with the counts at the backward's start.
+        With several ranks, every rank must refuse alike (a parameter used on one rank only, an expert
+        routed there, would leave the others waiting in this backward's collectives)."""
+        if version is not None:
+            loads, saved = version
+            if loads != self.store.weights_version:
+                raise RuntimeError("the model's weights were loaded (load_state_dict or load_engine_state) after "
+                                   "the forward this backward goes through: its activations were computed with the "
+                                   "old weights, so its gradients would mix the two (torch refuses this too). Run "
+                                   "the forward again after loading")
+            mid = self._backward_open or self._armed
+            changed = [slot.name for slot, n in saved
+                       if (self._changes_at_start.get(id(slot), slot.changes) if mid else slot.changes) != n]
+            if changed:
+                raise RuntimeError(
+                    f"optimizer.step() updated parameters that the forward this backward goes through saved for it "
+                    f"({', '.join(repr(n) for n in changed[:3])}"
+                    + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                    + "): the backward would pair the new weights with activations of the old (torch refuses this "
+                      "too, as an in-place change of a saved tensor). Call optimizer.step() after backward(), and "
+                      "run the forward again after a step")
         expected = None if expected is None else set(expected)
         if self._backward_open or self._armed:
             self._expect_more(expected)
             return
+        self._changes_at_start = {id(slot): slot.changes for slot in self.slots}
         self._armed = True
         self._expected = expected
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -302,6 +343,7 @@ class EngineHooks:
         self._backward_open = True
         if not self._armed:  # no hook on an output saw it start: close it with this graph task
             self._expected = None
+            self._changes_at_start = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._armed = False
         expected = self._expected

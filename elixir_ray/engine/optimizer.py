@@ -419,6 +419,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         for slot in c.slots:  # every rank counts every parameter's steps, whichever ranks hold its slices
             if slot.group >= 0 and slot.has_grad and slot.param.requires_grad:
                 slot.step += 1
+                slot.changes += 1
                 slot.had_grad = True
         return calls
 
