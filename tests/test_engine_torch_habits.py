@@ -7,6 +7,7 @@ and a scheduler on the optimizer passed in warned of a step before any.
 """
 
 import copy
+import dataclasses
 import os
 import sys
 import warnings
@@ -290,6 +291,61 @@ def test_a_step_without_gradients_or_a_load_of_the_optimizer_between_a_forward_a
         o.step()
     assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
     assert _optim_diff(opt.state_dict(), ref_opt.state_dict()) <= 1e-6
+
+
+def test_a_loss_term_kept_aside_by_the_forward_trains_like_torch_with_updates_started_in_backward():
+    """A regulariser the forward keeps on the module instead of returning opens the backward before
+    the output's gradient arrives; with accumulation_steps=1 its parameter's chunk is updated by
+    then, which is this backward's own update, not a step between forward and backward."""
+    class KeepsAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.router = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):  # the aside term made last: its backward runs first
+            main = self.lin(x).pow(2).mean()
+            self.aux = 1e-2 * self.router.pow(2).sum()
+            return main
+
+    torch.manual_seed(0)
+    module = KeepsAux()
+    reference, xs = copy.deepcopy(module), [torch.randn(4, 16) for _ in range(3)]
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=(xs[0],),
+                      plan=manual_plan(module, (xs[0],), 300, 2), device="cpu", accumulation_steps=1)
+    assert [[s.name for s in c.slots] for c in model.store.chunks] == [["router"], ["lin.weight", "lin.bias"]]
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x in xs:
+        for m, inner, o in ((reference, reference, ref_opt), (model, module, opt)):
+            (m(x) + inner.aux).backward()
+            o.step()
+            o.zero_grad()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
+
+def test_a_step_before_the_backward_is_refused_through_a_dataclass_output_too():
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+
+    class ReturnsDataclass(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Toy()
+
+        def forward(self, x):
+            return Out(self.inner(x))
+
+    torch.manual_seed(0)
+    module = ReturnsDataclass()
+    sample, loss_fn = (batches(1, 4)[0],), (lambda out: out.loss)
+    model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=sample, device="cpu",
+                      loss_fn=loss_fn, plan=manual_plan(module, sample, 1024, 2, loss_fn=loss_fn))
+    first, second = batches(2, 4, seed=6)
+    model(first).loss.backward()
+    out = model(second)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) updated parameters that the forward"):
+        out.loss.backward()
 
 
 def test_a_zero_dimensional_parameter_takes_moments_saved_with_one_element_as_torch_does():

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import warnings
 from typing import Optional
 
@@ -49,12 +50,14 @@ def _slots_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[ParamS
 
 
 def _tensors_in(out) -> list[torch.Tensor]:
-    """The tensors of a forward's result: a tensor, or inside tuples, lists and dicts (a Hugging Face
-    ModelOutput is a dict)."""
+    """The tensors of a forward's result: a tensor, or inside tuples, lists, dicts (a Hugging Face
+    ModelOutput is a dict) and dataclass instances."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, dict):
         out = list(out.values())
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
     if isinstance(out, (list, tuple)):
         return [t for item in out for t in _tensors_in(item)]
     return []
@@ -252,7 +255,7 @@ class EngineHooks:
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
         self.recording = set() if self.ordered and torch.is_grad_enabled() else None
-        self._saved = {} if torch.is_grad_enabled() else None
+        self._saved = {}  # also under no_grad: a forward may turn gradients on inside
         try:
             self._calling = True
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
@@ -305,8 +308,9 @@ class EngineHooks:
         did not save (a GAN's D step after its G forward) leaves the backward allowed. Updates that
         started during this backward (accumulation_steps) are not stale for it: an output whose
         gradient comes after they started compares with the counts at the backward's start.
-        With several ranks, every rank must refuse alike (a parameter used on one rank only, an expert
-        routed there, would leave the others waiting in this backward's collectives)."""
+        Each rank decides from what its own forward saved: with several ranks, a rank whose forward
+        saved none of the changed weights (an expert routed only to another rank) goes on into this
+        backward's collectives and waits there for the rank that refused, as under DDP."""
         if version is not None:
             loads, saved = version
             if loads != self.store.weights_version:
@@ -343,7 +347,9 @@ class EngineHooks:
         self._backward_open = True
         if not self._armed:  # no hook on an output saw it start: close it with this graph task
             self._expected = None
-            self._changes_at_start = {}
+            # an output's gradient may still come after this backward's first updates (a loss term
+            # the forward kept aside, not returned, opened it): it compares with the counts now
+            self._changes_at_start = {id(slot): slot.changes for slot in self.slots}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._armed = False
         expected = self._expected
