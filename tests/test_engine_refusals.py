@@ -32,6 +32,7 @@ def test_an_optimizer_that_has_stepped_is_refused_at_wrap():
         _wrapped(module, opt, data)
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")  # torch's own
 def test_a_parameter_listed_twice_is_refused_at_wrap():
     torch.manual_seed(0)
     module, data = Toy(), batches(2, 4)

@@ -32,7 +32,7 @@ import torch.nn as nn
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
-from elixir_ray.engine.param_guard import guardable, mark_evicted
+from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
@@ -148,6 +148,7 @@ class ChunkStore:
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)
         self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad
+        self.grad_reads = GradReads()  # gradients held where a loop may look for them in .grad (param_guard.py)
         for c in chunks:
             c.shard_len = c.size // comm.world if c.sharded else c.size
             c.shard_start = comm.rank * c.shard_len if c.sharded else 0
@@ -172,7 +173,7 @@ class ChunkStore:
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
             for s in c.slots:  # views first: a view cannot be made of an empty storage
                 _point_at(s.param, c.compute[s.offset: s.offset + s.numel].view(s.shape))
-            c.guarded = guardable([(s.param, s.name) for s in c.slots])
+            c.guarded = guardable([(s.param, s.name) for s in c.slots], self.grad_reads)
             self._set_resident(c, False)
         self.by_storage = {c.compute.untyped_storage()._cdata: c for c in chunks}
 
@@ -312,13 +313,20 @@ class ChunkStore:
                 self.make_usable(c)
                 self._set_resident(c, False)
 
-    @staticmethod
-    def _set_resident(c: Chunk, resident: bool) -> None:
+    def _set_resident(self, c: Chunk, resident: bool) -> None:
         """Grow (refill next) or free the compute copy's storage; the chunk's parameters refuse reads
         while it is freed (param_guard.py)."""
         c.compute.untyped_storage().resize_(c.size * c.compute.element_size() if resident else 0)
         c.resident = resident
-        mark_evicted(c.guarded, not resident)
+        mark_evicted(c.guarded, not resident or self.grad_reads.held)
+
+    def hold_gradients(self, held: bool) -> None:
+        """Whether a loop reading `.grad` now looks for gradients the engine holds (GradReads): while
+        so, every guarded parameter takes the guard's class, resident ones too."""
+        self.grad_reads.held = held
+        for c in self.chunks:
+            if c.resident:
+                mark_evicted(c.guarded, held)
 
     # -- gradients ------------------------------------------------------------------------------
 

@@ -251,6 +251,8 @@ class EngineHooks:
                 "call optimizer.step() to end the step it began, or restore a checkpoint into a newly wrapped model")
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
+        if self.store.grad_reads.held:  # resident parameters back to the plain class: no handler per op
+            self.store.hold_gradients(False)
         self.phase = "forward"
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
@@ -344,6 +346,8 @@ class EngineHooks:
         """Expected gradients per chunk for this backward, and the callback that closes it."""
         if self.optimizer is not None:
             self.optimizer.backward_started()  # may refuse a backward the step did not expect
+        if self.store.grad_reads.held:  # the hooks read .grad as each gradient arrives
+            self.store.hold_gradients(False)
         self._backward_open = True
         if not self._armed:  # no hook on an output saw it start: close it with this graph task
             self._expected = None
@@ -457,6 +461,7 @@ class EngineHooks:
             self._backward_open = self._armed = False
             self.phase = "idle"
             self.pool.release_pins()
+        self.store.hold_gradients(any(s.has_grad for s in self.slots))  # a loop may look in .grad now
 
     def _finish_backward(self) -> None:
         comm = self.store.comm

@@ -222,6 +222,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         return updates_start_in_backward(self.accumulation_steps, self.max_grad_norm, self.loss_scale is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.store.hold_gradients(False)
         for c in self.store.chunks:
             c.grad = None  # a running update holds its own reference to the gradient it reads
         for s in self.slots:

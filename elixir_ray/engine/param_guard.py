@@ -16,10 +16,15 @@ per fetch and eviction instead of a Python call per op.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+
+_GRAD = torch.Tensor.grad
 
 # attribute reads that hand out the parameter's memory under another name: refused like an op
 _ALIASING_GETTERS = frozenset(getattr(torch.Tensor, name) for name in ("data", "T", "mT", "H", "mH", "real", "imag"))
@@ -91,25 +96,55 @@ def _message(t: "ChunkParameter", func) -> str:
             f"to log) inside the model's forward")
 
 
+@dataclass
+class GradReads:
+    """Whether the engine holds gradients that a training loop may look for in `.grad` (from the end
+    of a backward until zero_grad), and whether reading one has been warned of.
+
+    `.grad` stays None: gradients go into the chunks as they arrive. A loop that clips with
+    `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, or logs a norm from `.grad`, would
+    otherwise clip nothing and log zeros, silently. While gradients are held, every parameter is a
+    ChunkParameter (resident ones too), so that its `.grad` read is seen; the wrapped model's next
+    forward switches resident ones back."""
+    held: bool = False
+    warned: bool = False
+
+
+def _warn_grad_read(t) -> None:
+    reads = getattr(t, "_engine_grad_reads", None)
+    if reads is None or not reads.held or reads.warned:
+        return
+    reads.warned = True
+    warnings.warn(f"the .grad of parameter {getattr(t, '_engine_name', '?')} was read after backward(), but elixir_ray "
+                  f"keeps gradients in its chunks, so .grad is None: torch.nn.utils.clip_grad_norm_ clips nothing "
+                  f"and a norm computed from .grad is 0. Clip with elixir_ray.wrap(..., max_grad_norm=...) (the "
+                  f"norm is then optimizer.last_grad_norm)", stacklevel=4)
+
+
 class ChunkParameter(nn.Parameter):
-    """An nn.Parameter whose chunk is evicted (see the module docstring)."""
+    """An nn.Parameter whose chunk is evicted, or whose gradient the engine holds (see the module
+    docstring and GradReads)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _GRAD and args:
+            _warn_grad_read(args[0])
         with _NO_SUBCLASS():  # results are plain tensors, as nn.Parameter's are; the checks call no handler
             if not _reads_no_data(func) and not (func in _CONVERSIONS and _converts_to_itself(func, args, kwargs)):
                 _refuse_evicted(func, args, kwargs)
             return func(*args, **kwargs)
 
 
-def guardable(named: list[tuple[nn.Parameter, str]]) -> list[nn.Parameter]:
+def guardable(named: list[tuple[nn.Parameter, str]], grad_reads: GradReads) -> list[nn.Parameter]:
     """Those of a chunk's parameters the guard may switch (plain nn.Parameters: another subclass
-    keeps its class), each told its name for the error."""
+    keeps its class), each told its name for the error and where the engine says whether it holds
+    gradients."""
     out = []
     for param, name in named:
         if type(param) is nn.Parameter:
             param._engine_name = name
+            param._engine_grad_reads = grad_reads
             out.append(param)
     return out
 

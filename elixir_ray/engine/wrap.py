@@ -543,6 +543,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     # the optimizer passed in holds no gradients or state of its own now: these act on the engine's,
     # so a loop that zeroes, saves or loads through it does what it did before wrap
     optimizer.zero_grad = chunked_optimizer.zero_grad
+    module.zero_grad = chunked_optimizer.zero_grad  # nn.Module's would look in .grad, find None, and clear nothing
     optimizer.state_dict = chunked_optimizer.state_dict
     optimizer.load_state_dict = chunked_optimizer.load_state_dict
     return model, chunked_optimizer
