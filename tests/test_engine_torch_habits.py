@@ -252,6 +252,21 @@ def test_loading_state_between_a_backward_that_started_updates_and_the_step_is_r
 
 
 
+def _refused_as_torch_refuses_then_trains_alike(losses, refusal, batch, model, opt, reference, ref_opt):
+    """`losses`: torch's, then the engine's, each through a forward made before its weights changed."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        losses[0].backward()
+    with pytest.raises(RuntimeError, match=refusal):
+        losses[1].backward()
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing of the refused backward is left to drop
+            m(batch).backward()
+        o.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
+
 def test_a_backward_through_a_forward_made_before_a_load_is_refused_as_torch_refuses_it():
     """torch's in-place check refuses it (a saved weight changed); the engine fetched the loaded
     weights in backward and paired them with the old activations, silently. Refused before any
@@ -262,18 +277,10 @@ def test_a_backward_through_a_forward_made_before_a_load_is_refused_as_torch_ref
     for m in (reference, model):
         losses.append(m(batch))
         m.load_state_dict(weights)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        losses[0].backward()
-    with pytest.raises(RuntimeError, match=r"weights were loaded \(load_state_dict or load_engine_state\) after "
-                                           r"the forward this backward goes through"):
-        losses[1].backward()
-    for m, o in ((model, opt), (reference, ref_opt)):
-        o.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # nothing of the refused backward is left to drop
-            m(batch).backward()
-        o.step()
-    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+    _refused_as_torch_refuses_then_trains_alike(
+        losses, r"weights were loaded \(load_state_dict or load_engine_state\) after the forward this backward goes "
+                r"through", batch, model, opt, reference, ref_opt)
+
 
 def test_a_backward_through_a_forward_made_before_a_step_is_refused_as_torch_refuses_it():
     """A step between a forward and its backward (gradients left from an earlier backward) changes
@@ -287,19 +294,9 @@ def test_a_backward_through_a_forward_made_before_a_step_is_refused_as_torch_ref
         m(first).backward()
         losses.append(m(second))
         o.step()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        losses[0].backward()
-    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) updated parameters that the forward this backward "
-                                           r"goes through saved for it \('ln.bias', 'ln.weight', 'l1.weight' and "
-                                           r"\d more\)"):
-        losses[1].backward()
-    for m, o in ((model, opt), (reference, ref_opt)):
-        o.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # nothing of the refused backward is left to drop
-            m(second).backward()
-        o.step()
-    assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+    _refused_as_torch_refuses_then_trains_alike(
+        losses, r"optimizer.step\(\) updated parameters that the forward this backward goes through saved for it "
+                r"\('ln.bias', 'ln.weight', 'l1.weight' and \d more\)", second, model, opt, reference, ref_opt)
 
 
 def test_a_step_without_gradients_or_a_load_of_the_optimizer_between_a_forward_and_its_backward_is_allowed():
