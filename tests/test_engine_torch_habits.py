@@ -61,8 +61,8 @@ def test_zeroing_gradients_through_the_model_or_the_optimizer_passed_in_trains_l
 def test_reading_grad_after_backward_warns_once_that_clip_grad_norm_clips_nothing():
     """nanoGPT's loop clips with torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0): the engine
     keeps gradients in chunks, so it saw no .grad and clipped nothing, silently. Any parameter's
-    .grad read while the engine holds gradients (resident or not) warns, once; a loop that reads
-    none, or reads before a backward or after zero_grad, is not warned."""
+    .grad read while the engine holds gradients (resident or not) warns, once, and so does setting
+    one; a loop that reads none, or reads before a backward or after zero_grad, is not warned."""
     model, opt, base, reference, ref_opt = _pair()
     first, second, third = batches(3, 4, seed=8)
     with warnings.catch_warnings():
@@ -76,16 +76,22 @@ def test_reading_grad_after_backward_warns_once_that_clip_grad_norm_clips_nothin
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())  # after zero_grad
         model(third).backward()
+        model.module.to("cpu").float()  # nn.Module._apply reads .grad to convert it, not to find gradients
     resident = [p for p in model.parameters() if p.untyped_storage().nbytes() > 0]
     assert resident, "the pool holds no chunk after backward: nothing shows the resident parameters are seen"
     with pytest.warns(UserWarning, match=r"^the .grad of parameter \S+ was read after backward\(\), but elixir_ray "
                                          r"keeps gradients in its chunks, so .grad is None: torch.nn.utils."
-                                         r"clip_grad_norm_ clips nothing .* max_grad_norm=") as seen:
+                                         r"clip_grad_norm_ clips nothing, .* max_grad_norm=") as seen:
         resident[0].grad
-    assert len(seen) == 1
+    assert len(seen) == 1 and seen[0].filename == __file__  # at the line that read it
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once for the wrapped model
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.warns(UserWarning, match=r"^the .grad of parameter \S+ was set after backward\(\), but elixir_ray "
+                                         r"keeps gradients in its chunks: setting .grad \(p.grad = None\) neither "
+                                         r"clears nor changes them"):
+        for p in model.parameters():
+            p.grad = None
 
 
 def test_the_optimizer_state_dict_is_torchs_and_a_run_resumes_from_either_side():

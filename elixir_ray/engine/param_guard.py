@@ -16,8 +16,9 @@ per fetch and eviction instead of a Python call per op.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -99,26 +100,50 @@ def _message(t: "ChunkParameter", func) -> str:
 @dataclass
 class GradReads:
     """Whether the engine holds gradients that a training loop may look for in `.grad` (from the end
-    of a backward until zero_grad), and whether reading one has been warned of.
+    of a backward until zero_grad), and which accesses have been warned of.
 
     `.grad` stays None: gradients go into the chunks as they arrive. A loop that clips with
     `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, or logs a norm from `.grad`, would
-    otherwise clip nothing and log zeros, silently. While gradients are held, every parameter is a
-    ChunkParameter (resident ones too), so that its `.grad` read is seen; the wrapped model's next
-    forward switches resident ones back."""
+    otherwise clip nothing and log zeros, and one that clears `.grad` itself would clear nothing,
+    silently. While gradients are held, every parameter is a ChunkParameter (resident ones too),
+    so that its `.grad` access is seen; the wrapped model's next forward switches resident ones back."""
     held: bool = False
-    warned: bool = False
+    warned: set = field(default_factory=set)  # "__get__", "__set__"
 
 
-def _warn_grad_read(t) -> None:
+# reads .grad only to convert it with the weights (module.to(...), .float()): not a loop looking for gradients
+_CONVERTS_GRADS = nn.Module._apply.__code__
+
+
+def _called_from_apply() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code is _CONVERTS_GRADS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _warn_grad_access(t, func) -> None:
     reads = getattr(t, "_engine_grad_reads", None)
-    if reads is None or not reads.held or reads.warned:
+    kind = func.__name__
+    if reads is None or not reads.held or kind in reads.warned or (kind == "__get__" and _called_from_apply()):
         return
-    reads.warned = True
-    warnings.warn(f"the .grad of parameter {getattr(t, '_engine_name', '?')} was read after backward(), but elixir_ray "
-                  f"keeps gradients in its chunks, so .grad is None: torch.nn.utils.clip_grad_norm_ clips nothing "
-                  f"and a norm computed from .grad is 0. Clip with elixir_ray.wrap(..., max_grad_norm=...) (the "
-                  f"norm is then optimizer.last_grad_norm)", stacklevel=4)
+    reads.warned.add(kind)
+    name = getattr(t, "_engine_name", "?")
+    if kind == "__get__":
+        text = (f"the .grad of parameter {name} was read after backward(), but elixir_ray keeps gradients in its "
+                f"chunks, so .grad is None: torch.nn.utils.clip_grad_norm_ clips nothing, a norm computed from .grad "
+                f"is 0, and a submodule's zero_grad() clears nothing. Clip with elixir_ray.wrap(..., "
+                f"max_grad_norm=...) (the norm is then optimizer.last_grad_norm), and clear gradients with "
+                f"model.zero_grad() or optimizer.zero_grad()")
+    else:
+        text = (f"the .grad of parameter {name} was set after backward(), but elixir_ray keeps gradients in its "
+                f"chunks: setting .grad (p.grad = None) neither clears nor changes them. Clear them with "
+                f"model.zero_grad() or optimizer.zero_grad(), and clip with elixir_ray.wrap(..., max_grad_norm=...)")
+    warnings.warn(text, stacklevel=3)
 
 
 class ChunkParameter(nn.Parameter):
@@ -129,7 +154,7 @@ class ChunkParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is _GRAD and args:
-            _warn_grad_read(args[0])
+            _warn_grad_access(args[0], func)
         with _NO_SUBCLASS():  # results are plain tensors, as nn.Parameter's are; the checks call no handler
             if not _reads_no_data(func) and not (func in _CONVERSIONS and _converts_to_itself(func, args, kwargs)):
                 _refuse_evicted(func, args, kwargs)
