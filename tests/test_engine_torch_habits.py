@@ -87,6 +87,11 @@ def test_reading_grad_after_backward_warns_once_that_clip_grad_norm_clips_nothin
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once for the wrapped model
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    model, opt, base, reference, ref_opt = _pair()
+    model(first).backward()
+    with pytest.warns(UserWarning, match="clip_grad_norm_ clips nothing") as seen:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert seen[0].filename == __file__  # the call's line, not torch's that read
     with pytest.warns(UserWarning, match=r"^the .grad of parameter \S+ was set after backward\(\), but elixir_ray "
                                          r"keeps gradients in its chunks: setting .grad \(p.grad = None\) neither "
                                          r"clears nor changes them"):
