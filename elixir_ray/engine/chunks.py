@@ -323,6 +323,8 @@ class ChunkStore:
     def hold_gradients(self, held: bool) -> None:
         """Whether a loop reading `.grad` now looks for gradients the engine holds (GradReads): while
         so, every guarded parameter takes the guard's class, resident ones too."""
+        if held == self.grad_reads.held:
+            return
         self.grad_reads.held = held
         for c in self.chunks:
             if c.resident:

@@ -221,6 +221,9 @@ class EngineHooks:
                     saved[id(slot)] = (slot, slot.changes)
         return t
 
+    def _changes_now(self) -> dict:
+        return {id(slot): slot.changes for slot in self.slots}
+
     def _slot_at(self, chunk, offset: int) -> Optional[ParamSlot]:
         i = bisect.bisect_right(self._slot_offsets[chunk.index], offset) - 1
         if i >= 0:
@@ -251,8 +254,7 @@ class EngineHooks:
                 "call optimizer.step() to end the step it began, or restore a checkpoint into a newly wrapped model")
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
-        if self.store.grad_reads.held:  # resident parameters back to the plain class: no handler per op
-            self.store.hold_gradients(False)
+        self.store.hold_gradients(False)  # resident parameters back to the plain class: no handler per op
         self.phase = "forward"
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
@@ -335,7 +337,7 @@ class EngineHooks:
         if self._backward_open or self._armed:
             self._expect_more(expected)
             return
-        self._changes_at_start = {id(slot): slot.changes for slot in self.slots}
+        self._changes_at_start = self._changes_now()
         self._armed = True
         self._expected = expected
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -346,14 +348,13 @@ class EngineHooks:
         """Expected gradients per chunk for this backward, and the callback that closes it."""
         if self.optimizer is not None:
             self.optimizer.backward_started()  # may refuse a backward the step did not expect
-        if self.store.grad_reads.held:  # the hooks read .grad as each gradient arrives
-            self.store.hold_gradients(False)
+        self.store.hold_gradients(False)  # the hooks read .grad as each gradient arrives
         self._backward_open = True
         if not self._armed:  # no hook on an output saw it start: close it with this graph task
             self._expected = None
             # an output's gradient may still come after this backward's first updates (a loss term
             # the forward kept aside, not returned, opened it): it compares with the counts now
-            self._changes_at_start = {id(slot): slot.changes for slot in self.slots}
+            self._changes_at_start = self._changes_now()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._armed = False
         expected = self._expected

@@ -97,8 +97,7 @@ class Plan:
             lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
         if self.activation_checkpointing is not None:
             modes = self.activation_checkpointing
-            whole = sum(m in (True, "full") for m in modes)
-            selective = sum(m == "selective" for m in modes)
+            whole, selective = recomputation(modes)
             lines.append(f"  activation checkpointing: {whole} of {len(modes)} blocks recomputed whole"
                          + (f", {selective} selectively (layer norms and GELU)" if selective else ""))
         if n:
@@ -116,6 +115,14 @@ class Plan:
                     lines.append(f"    {part:<24} {value * 1e3:>10,.1f} ms")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def recomputation(modes: Optional[list]) -> tuple[int, int]:
+    """(blocks recomputed whole, blocks checkpointed selectively) in a checkpointing setting (None:
+    the module's own, counted as none): more of either usually means less activation memory."""
+    if modes is None:
+        return (0, 0)
+    return (sum(m in (True, "full") for m in modes), sum(m == "selective" for m in modes))
 
 
 def _placement_strip(placements: list, sharded: list, world: int) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from elixir_ray.config import RunConfig
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import Plan
+from elixir_ray.engine.plan import Plan, recomputation
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
@@ -66,14 +66,6 @@ def _batch_advice(estimate: int, fits: Optional[Callable[[int], bool]]) -> str:
                 "model.seq_len=...) or a smaller model, or give the device more memory")
     return (f"use a micro-batch below {tried[-1]} (plans at {estimate} down to {tried[-1]} do not fit: "
             f"--set train.micro_batch=N, {keep})")
-
-
-def recomputation(setting: Optional[list]) -> tuple[int, int]:
-    """(blocks recomputed whole, blocks checkpointed selectively) in a checkpointing setting (None:
-    the module's own, counted as none): more of either usually means less activation memory."""
-    if setting is None:
-        return (0, 0)
-    return (sum(mode is True or mode == "full" for mode in setting), sum(mode == "selective" for mode in setting))
 
 
 def _with_setting(setting: Optional[list]) -> str:
