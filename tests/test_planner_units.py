@@ -137,3 +137,15 @@ def test_a_module_with_only_an_on_off_switch_gets_whole_block_fractions():
     variants = checkpointing_variants(Switch())
     assert all(isinstance(m, bool) for v in variants for m in v)
     assert [sum(v) for v in variants] == [0, 1, 2, 3, 4, 5, 6]  # eighths of 6 blocks coincide in places
+
+
+@pytest.mark.parametrize("gap, said", [(2, "every 2nd"), (3, "every 3rd"), (4, "every 4th"), (11, "every 11th"),
+                                       (12, "every 12th"), (13, "every 13th"), (16, "every 16th")])
+def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(gap, said):
+    from elixir_ray.engine.plan import Plan
+
+    plan = Plan(chunk_size=8, n_blocks=2, param_order=["w"], placements=["host"] * 4, sharded=[False] * 4,
+                dos_gap=gap, chunk_numels=[8] * 4)
+    assert f"Deep Optimizer States updates {said} host chunk on the device" in plan.explain()
+    assert "Deep Optimizer States" not in Plan(chunk_size=8, n_blocks=2, param_order=["w"], placements=["host"] * 4,
+                                               sharded=[False] * 4, chunk_numels=[8] * 4).explain()

@@ -89,7 +89,7 @@ class Plan:
         lines.append(f"  pool: {self.n_blocks} of {n} chunks resident at once"
                      + (" (the whole model)" if self.n_blocks >= n else ""))
         lines.append(f"  optimizer state: {on_device} chunk(s) on the device, {n - on_device} on the host"
-                     + (f"; Deep Optimizer States updates every {self.dos_gap}th host chunk on the device"
+                     + (f"; Deep Optimizer States updates every {ordinal(self.dos_gap)} host chunk on the device"
                         if self.dos_gap else "")
                      + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else "")
                      + ("; host gradients in the compute dtype" if self.host_grads_low else ""))
@@ -115,6 +115,12 @@ class Plan:
                     lines.append(f"    {part:<24} {value * 1e3:>10,.1f} ms")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st, 22nd."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def recomputation(modes: Optional[list]) -> tuple[int, int]:
