@@ -248,3 +248,31 @@ def test_hf_plan_error_names_the_models_own_activation_checkpointing():
     getattr(model, switch)()
     plan = elixir_ray.plan(model, {"input_ids": ids, "labels": ids}, device_memory="24MiB")
     assert plan.predicted_peak_bytes <= 24 * 2**20
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_meta_built_model_materialised_with_its_init_weights_starts_where_apply_starts(name):
+    """init_fn=model._init_weights on a meta-built model: GPT-2's init of an attention or MLP block
+    rescales its child c_proj's weight, and its head shares the embedding; Llama's rotary buffers
+    are computed by the init. The engine must end with the weights model.apply(model._init_weights)
+    gives, drawing the same random numbers, though it makes one module's weights at a time."""
+    config = _configs()[name]
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    ref = copy.deepcopy(meta).to_empty(device="cpu")
+    ref.tie_weights()
+    torch.manual_seed(0)
+    ref.apply(ref._init_weights)
+    next_ref = torch.randn(3)  # what a seeded loop draws after the init
+    ids = torch.randint(0, 64, (2, 16))
+    sample = {"input_ids": ids, "labels": ids}
+    torch.manual_seed(0)
+    model, opt = wrap(meta, torch.optim.AdamW(meta.parameters(), lr=1e-3), sample_inputs=sample,
+                      plan=manual_plan(meta, sample, chunk_size=2048, n_blocks=2), device="cpu",
+                      init_fn=meta._init_weights)
+    assert torch.equal(torch.randn(3), next_ref)
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(state[key], value), key
+    loss = model(**sample).loss
+    assert loss.item() == pytest.approx(ref(**sample).loss.item(), abs=1e-5)

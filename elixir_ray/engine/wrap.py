@@ -24,24 +24,19 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten
 
 from elixir_ray import storage
-from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part, write_slot
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
+from elixir_ray.engine.materialise import materialise, post_order
 from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import as_sample_inputs, loss_in
 from elixir_ray.engine.trace import check_not_wrapped, trace_step, unique_parameters
 from elixir_ray.units import format_bytes
-
-
-def _post_order(module: nn.Module):
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
 
 
 class StateDictMismatch(RuntimeError):
@@ -375,10 +370,6 @@ def _check_same_accesses_on_every_rank(comm: Comm, events: list, prefetch: int) 
             f"the same path through the model, and the same prefetch")
 
 
-def _write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
-    write_slot(c, c.master, slot, flat)
-
-
 def _check_meta_initialisable(module: nn.Module) -> None:
     """Without init_fn, a submodule whose own weights or buffers are on the meta device is initialised
     by its reset_parameters(); one without that method would keep whatever memory it was given (NaN
@@ -393,7 +384,7 @@ def _check_meta_initialisable(module: nn.Module) -> None:
                        for p in mod._parameters.values() if p is not None}
     seen: set[int] = set()
     missing = []
-    for mod in _post_order(module):
+    for mod in post_order(module):
         if resets(mod):
             continue
         params = [(n, p) for n, p in mod._parameters.items() if p is not None and id(p) not in seen]
@@ -527,7 +518,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     if any(plan.sharded):
         _check_same_accesses_on_every_rank(comm, events, prefetch)
     store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
-    _materialise(module, slots, originals, store, init_fn)
+    materialise(module, slots, originals, store, init_fn)
     for c in chunks:
         store.refresh_upload(c)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
@@ -554,55 +545,6 @@ def _refuse_original_step(optimizer, args, kwargs):
     raise RuntimeError(f"this {type(optimizer).__name__} was given to elixir_ray.wrap: step the optimizer wrap "
                        f"returned (model, optimizer = elixir_ray.wrap(...)); this one only holds the param groups "
                        f"it reads (learning-rate schedulers may keep using it)")
-
-
-@torch.no_grad()
-def _materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch.Tensor], store: ChunkStore,
-                 init_fn: Optional[Callable[[nn.Module], None]]) -> None:
-    """Fill the chunks' masters from the module's weights, one module at a time.
-
-    Real weights are copied. Meta weights are created on the host for one module (as stand-in
-    parameters in its table), initialised by `init_fn(module)` or the module's `reset_parameters`
-    in the order `module.apply` would use, copied into the chunks and dropped; only weights shared
-    by several modules are kept until the end.
-    """
-    slot_of = {id(s.param): (s, data) for s, data in zip(slots, originals)}
-    counts: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
-    shared: dict[int, torch.Tensor] = {}
-    for mod in _post_order(module):
-        entries = [(name, p) for name, p in mod._parameters.items() if p is not None and id(p) in slot_of]
-        meta_buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"}
-        needs_init = meta_buffers or any(slot_of[id(p)][1].device.type == "meta" for _, p in entries)
-        if not needs_init:
-            for _, p in entries:
-                slot, data = slot_of[id(p)]
-                _write_master(store.chunks[slot.chunk], slot, data.detach().float().reshape(-1).cpu())
-            continue
-        for name, p in entries:
-            slot, data = slot_of[id(p)]
-            value = shared.get(id(p))
-            if value is None:
-                value = torch.empty(slot.shape, dtype=data.dtype) if data.device.type == "meta" else data.cpu()
-            mod._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
-        for name, b in meta_buffers.items():
-            mod._buffers[name] = torch.empty_like(b, device="cpu")
-        if init_fn is not None:
-            init_fn(mod)
-        elif hasattr(mod, "reset_parameters"):
-            mod.reset_parameters()
-        for name, p in entries:
-            slot, _ = slot_of[id(p)]
-            value = mod._parameters[name].data
-            _write_master(store.chunks[slot.chunk], slot, value.float().reshape(-1))
-            if counts[id(p)] > 1:
-                shared[id(p)] = value
-            mod._parameters[name] = p  # the original object, now a view of its chunk
-    for mod in module.modules():  # buffers live on the compute device, always resident
-        for name, b in mod._buffers.items():
-            if b is not None:
-                mod._buffers[name] = b.to(store.device)
 
 
 def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size: int, n_blocks: int, world_size: int = 1,

@@ -1,0 +1,161 @@
+"""Filling the chunks' fp32 masters from the module's weights, a module at a time.
+
+A module built on the meta device never has its whole fp32 copy anywhere: each module's weights are
+created on the host, initialised, copied into their chunks and dropped, in the order `module.apply`
+visits modules, so a seeded run draws the random numbers plain torch's `module.apply(init_fn)` draws.
+
+An `init_fn` may write weights of a module's descendants, not only the module's own: Hugging Face's
+GPT-2 `_init_weights(attention)` rescales `attention.c_proj.weight` after `c_proj` was initialised
+as a plain linear layer. Before anything is created, `init_fn` therefore runs once over the whole
+module on meta stand-ins (no memory, no random numbers drawn) to see which weights each call
+touches; a weight is then kept on the host until the last module whose `init_fn` touches it has run,
+and only then written to its chunk. Weights no ancestor touches (every one in the built-in GPT) are
+written as soon as their own module is done, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, write_slot
+
+
+def post_order(module: nn.Module):
+    """Children before their parent, as `nn.Module.apply` visits them."""
+    for child in module.children():
+        yield from post_order(child)
+    yield module
+
+
+def write_master(c: Chunk, slot: ParamSlot, flat: torch.Tensor) -> None:
+    write_slot(c, c.master, slot, flat)
+
+
+class _Touches(TorchFunctionMode):
+    """Records which of the given tensors a piece of code passes to torch (reads or writes)."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched, self.seen = watched, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) in self.watched:
+                self.seen.add(id(t))
+        return func(*args, **kwargs)
+
+
+def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Module], None]) -> list[set[int]]:
+    """Per module of `order`, the ids of the meta-built parameters (`meta_ids`) that `init_fn(module)`
+    reads or writes, found by running it with every parameter and buffer swapped for a meta stand-in.
+    A call that fails on meta tensors (it needs values) counts as touching its module's whole subtree."""
+    standin: dict[int, nn.Parameter] = {}  # original id -> stand-in (one per tied weight)
+    original_of: dict[int, int] = {}
+    swapped = []  # (module, table, name, original)
+    for mod in order:
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            s = standin.get(id(p))
+            if s is None:
+                s = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+                standin[id(p)] = s
+                original_of[id(s)] = id(p)
+            swapped.append((mod, mod._parameters, name, p))
+            mod._parameters[name] = s
+        for name, b in mod._buffers.items():
+            if b is not None:
+                swapped.append((mod, mod._buffers, name, b))
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    watched = {id(s) for pid, s in standin.items() if pid in meta_ids}
+    touches = []
+    try:
+        for mod in order:
+            recorder = _Touches(watched)
+            try:
+                with recorder:
+                    init_fn(mod)
+                seen = recorder.seen
+            except Exception:  # noqa: BLE001 - an init that needs values: assume it touches everything below
+                seen = {id(s) for s in mod.parameters() if id(s) in watched}
+            touches.append({original_of[i] for i in seen})
+    finally:
+        for _, table, name, value in reversed(swapped):
+            table[name] = value
+    return touches
+
+
+@torch.no_grad()
+def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch.Tensor], store: ChunkStore,
+                init_fn: Optional[Callable[[nn.Module], None]]) -> None:
+    """Fill the chunks' masters from the module's weights, one module at a time.
+
+    Real weights are copied. Meta weights are created on the host for one module (as stand-in
+    parameters in its table), initialised by `init_fn(module)` or the module's `reset_parameters`
+    in the order `module.apply` would use, copied into the chunks and dropped; weights shared by
+    several modules, or touched by another module's `init_fn`, are kept until the last of them.
+    """
+    slot_of = {id(s.param): (s, data) for s, data in zip(slots, originals)}
+    order = list(post_order(module))
+    owners: dict[int, list] = {}  # id -> [(module, name)]: a tied weight has several
+    params: dict[int, nn.Parameter] = {}
+    last: dict[int, int] = {}  # id -> index in `order` of the last module whose call may change it
+    for i, mod in enumerate(order):
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) in slot_of:
+                owners.setdefault(id(p), []).append((mod, name))
+                params[id(p)] = p
+                last[id(p)] = i
+    meta_ids = {pid for pid, (_, data) in slot_of.items() if data.device.type == "meta"}
+    touches = [set() for _ in order]
+    if init_fn is not None and meta_ids:
+        touches = touched_by_init(order, meta_ids, init_fn)
+        for i, seen in enumerate(touches):
+            for pid in seen:
+                last[pid] = max(last[pid], i)
+    live: dict[int, torch.Tensor] = {}  # made and not yet written: a later module's call may change it
+    for i, mod in enumerate(order):
+        own = {id(p): name for name, p in mod._parameters.items() if p is not None and id(p) in slot_of}
+        meta_buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"}
+        others = touches[i] - own.keys()  # weights of other modules this module's init_fn changes
+        if not (meta_buffers or others or own.keys() & meta_ids):
+            for pid in own:
+                slot, data = slot_of[pid]
+                write_master(store.chunks[slot.chunk], slot, data.detach().float().reshape(-1).cpu())
+            continue
+        swapped = {pid: [(mod, name)] for pid, name in own.items()}
+        swapped.update({pid: owners[pid] for pid in others})
+        for pid, places in swapped.items():
+            value = live.get(pid)
+            if value is None:
+                slot, data = slot_of[pid]
+                value = torch.empty(slot.shape, dtype=data.dtype) if data.device.type == "meta" else data.cpu()
+            for owner, name in places:
+                owner._parameters[name] = nn.Parameter(value, requires_grad=params[pid].requires_grad)
+        for name, b in meta_buffers.items():
+            mod._buffers[name] = torch.empty_like(b, device="cpu")
+        if init_fn is not None:
+            init_fn(mod)
+        elif hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+        for pid, places in swapped.items():
+            owner, name = places[0]
+            value = owner._parameters[name].data
+            if last[pid] > i:
+                live[pid] = value
+            else:
+                live.pop(pid, None)
+                slot, _ = slot_of[pid]
+                write_master(store.chunks[slot.chunk], slot, value.float().reshape(-1))
+            for owner, name in places:
+                owner._parameters[name] = params[pid]  # the original object, now a view of its chunk
+    for mod in module.modules():  # buffers live on the compute device, always resident
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = b.to(store.device)
