@@ -140,8 +140,9 @@ def check_data(cfg: RunConfig) -> RunConfig:
         uri = os.path.abspath(uri)
     dataset = TokenDataset(uri)
     shape = resolve_model_shape(cfg.model)
+    vocab_key = "model.hf.vocab_size" if cfg.model.hf is not None else "model.vocab_size"
     if dataset.vocab_size > shape["vocab_size"]:
-        raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than the dataset's vocabulary "
+        raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than the dataset's vocabulary "
                           f"({dataset.vocab_size}): use at least {dataset.vocab_size}")
     BatchSampler(dataset, shape["seq_len"], cfg.train.seed)  # raises when no full window fits
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
@@ -149,7 +150,7 @@ def check_data(cfg: RunConfig) -> RunConfig:
         eval_uri = cfg.eval.path if "://" in cfg.eval.path else os.path.abspath(cfg.eval.path)
         held_out = TokenDataset(eval_uri, what="eval.path")
         if held_out.vocab_size > shape["vocab_size"]:
-            raise ConfigError(f"model.vocab_size={shape['vocab_size']} is smaller than eval.path's vocabulary "
+            raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
         n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
         if n < cfg.eval.windows:

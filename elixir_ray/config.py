@@ -20,7 +20,8 @@ from elixir_ray.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    """Which GPT to train. `size` picks a named shape; explicit fields override it."""
+    """Which model to train: the built-in GPT (`size` picks a named shape; explicit fields override
+    it), or a Hugging Face causal LM built from its config fields (`hf`)."""
 
     size: str = "tiny"
     d_model: Optional[int] = None
@@ -32,6 +33,9 @@ class ModelConfig:
     # what matmuls and attention take and make) or true / "full" (recompute the whole block)
     activation_checkpointing: typing.Union[bool, str] = False
     dropout: float = 0.0
+    # a Hugging Face causal LM instead of the GPT: its transformers config fields (model_type first),
+    # or the path of a config.json, read where the config is loaded; random initialisation, no download
+    hf: typing.Union[dict, str, None] = None
 
 
 @dataclass
@@ -143,7 +147,7 @@ def _is_dataclass_type(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
 
 
 def _coerce(path: str, value: Any, tp) -> Any:
@@ -182,6 +186,10 @@ def _coerce(path: str, value: Any, tp) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return str(value)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
     if tp is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -244,6 +252,10 @@ def _merge(base: dict, extra: dict) -> dict:
 def config_from_dict(data: Optional[dict], overrides: Optional[list[str]] = None) -> RunConfig:
     merged = _merge(data or {}, parse_overrides(overrides or []))
     cfg = _build(RunConfig, merged, "")
+    if isinstance(cfg.model.hf, str):  # the workers get the fields, not a path they may not see
+        from elixir_ray.model.hf import read_hf_file
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=read_hf_file(cfg.model.hf)))
     validate(cfg)
     return cfg
 
@@ -314,11 +326,14 @@ def validate(cfg: RunConfig) -> None:
                           f"got {m.activation_checkpointing!r}") from None
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    shape = resolve_model_shape(m)
-    if shape["d_model"] % shape["n_heads"]:
-        raise ConfigError(
-            f"model.d_model ({shape['d_model']}) must be divisible by model.n_heads ({shape['n_heads']})"
-        )
+    if m.hf is not None:
+        _validate_hf(m)
+    else:
+        shape = resolve_model_shape(m)
+        if shape["d_model"] % shape["n_heads"]:
+            raise ConfigError(
+                f"model.d_model ({shape['d_model']}) must be divisible by model.n_heads ({shape['n_heads']})"
+            )
     t = cfg.train
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
         _positive(f"train.{key}", getattr(t, key))
@@ -370,10 +385,34 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"fault.wait_for_resources_s must be >= 0, got {f.wait_for_resources_s}")
 
 
+def _validate_hf(m: ModelConfig) -> None:
+    """`model.hf` replaces the GPT's shape fields; the model's own config says what they would."""
+    from elixir_ray.model.gpt import checkpoint_mode
+    from elixir_ray.model.hf import check_hf
+
+    for key in ("d_model", "n_layers", "n_heads", "vocab_size"):
+        if getattr(m, key) is not None:
+            raise ConfigError(f"model.{key} shapes the built-in GPT; with model.hf, set the model's own field "
+                              f"in model.hf instead (for example model.hf.hidden_size)")
+    if m.dropout:
+        raise ConfigError("model.dropout is the built-in GPT's; with model.hf, set the model's own dropout fields "
+                          "in model.hf (for example model.hf.attention_dropout)")
+    mode = checkpoint_mode(m.activation_checkpointing)
+    if mode == "selective":
+        raise ConfigError("model.activation_checkpointing: selective is the built-in GPT's; with model.hf it is "
+                          "true (the model's own gradient checkpointing) or false")
+    check_hf(m.hf, resolve_model_shape(m)["seq_len"], mode == "full")
+
+
 def resolve_model_shape(m: ModelConfig) -> dict:
-    """The named size with any explicit fields laid over it."""
+    """The named size with any explicit fields laid over it. With `model.hf`, only `vocab_size` (the
+    model's) and `seq_len` (the window length: `model.seq_len`, else the named size's)."""
     from elixir_ray.model.sizes import MODEL_SIZES
 
+    if m.hf is not None:
+        from elixir_ray.model.hf import hf_vocab_size
+
+        return {"vocab_size": hf_vocab_size(m.hf), "seq_len": m.seq_len or MODEL_SIZES[m.size]["seq_len"]}
     shape = dict(MODEL_SIZES[m.size])
     for key in ("d_model", "n_layers", "n_heads", "vocab_size", "seq_len"):
         value = getattr(m, key)

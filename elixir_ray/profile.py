@@ -64,12 +64,13 @@ def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, cfg: Opt
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     kernels = {}
     if cfg is not None and micro_batch is not None and cfg.engine.time_kernels:
-        from elixir_ray.model.factory import build_model, sample_batch
+        from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
         from elixir_ray.planner.api import time_run_kernels
 
         try:
-            kernels = time_run_kernels(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), hw,
-                                       dtype, cfg.engine.search_checkpointing, max_bytes=free // 2)
+            kernels = time_run_kernels(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), hw,
+                                       dtype, cfg.engine.search_checkpointing, max_bytes=free // 2,
+                                       loss_fn=trace_loss(cfg))
         except Exception as exc:  # optional: the plan then costs compute from FLOPs; the driver's own trace says why
             log.warning("rank %d could not time the model's kernels (%s: %s); the plan will use FLOPs",
                         rank, type(exc).__name__, exc)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.engine import EngineShard, Plan, engine_shard, layout_of, load_engine_state, wrap
-from elixir_ray.model.factory import build_model, init_fn_for, sample_batch
+from elixir_ray.model.factory import build_model, init_fn_for, loss_of, sample_inputs, trace_loss
 from elixir_ray.run_plan import RunPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,12 +65,13 @@ class RankTrainer:
         base_opt = torch.optim.AdamW(param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                      betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
         torch.manual_seed(cfg.train.seed)  # every rank materialises identical initial weights
+        self.loss_of = loss_of(cfg)
         self.model, self.optimizer = wrap(
-            module, base_opt, sample_inputs=(sample_batch(cfg, plan.micro_batch),),
+            module, base_opt, sample_inputs=sample_inputs(cfg, plan.micro_batch), loss_fn=trace_loss(cfg),
             plan=Plan.from_dict(plan.engine) if plan.engine else None,
             device_memory=plan.device_memory_bytes, process_group=group,
             max_grad_norm=cfg.optim.max_grad_norm, dtype=self.compute_dtype, device=device,
-            init_fn=init_fn_for(cfg),
+            init_fn=init_fn_for(cfg, module),
             # step() follows every grad_accum backward passes and the lr is set before the forward, so
             # host chunks may start their CPU update during the last backward (when nothing is clipped)
             accumulation_steps=plan.grad_accum,
@@ -106,7 +107,7 @@ class RankTrainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.plan.grad_accum):
-            loss = self.model(self.micro_batch(micro))
+            loss = self.loss_of(self.model, self.micro_batch(micro))
             (loss / self.plan.grad_accum).backward()
             loss_sum += loss.detach().float()
         self.optimizer.step()
@@ -150,7 +151,8 @@ class RankTrainer:
                 inputs, targets = rows[:, :-1], rows[:, 1:].clone()
                 real = max(0, min(count, windows - start))  # rows before the padding
                 targets[real:] = -100  # cross_entropy's ignore_index
-                loss = self.model(inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+                loss = self.loss_of(self.model, inputs.to(self.device, non_blocking=True),
+                                    targets.to(self.device, non_blocking=True))
                 if real:
                     total += loss.double() * (real * self.seq_len)
                 self.on_progress()

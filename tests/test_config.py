@@ -86,3 +86,48 @@ def test_the_learning_rate_warms_up_to_lr_and_decays_to_min_lr_ratio_at_the_last
     assert rates[max(0, warmup - 1)] == pytest.approx(1e-3)  # the last warm-up step (or the first step) is lr
     assert rates[-1] == pytest.approx(1e-4) if steps - 1 > warmup else rates[-1] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(rates[warmup:], rates[warmup + 1:]))  # decays, never rises
+
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             vocab_size=300, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"hf": {**LLAMA, "hiden_size": 32}}, "model.hf.hiden_size is not a field of LlamaConfig (did you mean hidden_size"),
+    ({"hf": {**LLAMA, "model_type": "lama"}}, "model.hf.model_type 'lama' is no causal language model this "
+                                              "transformers"),
+    ({"hf": {k: v for k, v in LLAMA.items() if k != "model_type"}}, "model.hf needs model_type"),
+    ({"hf": LLAMA, "n_layers": 4}, "model.n_layers shapes the built-in GPT; with model.hf, set the model's own field"),
+    ({"hf": LLAMA, "dropout": 0.1}, "model.dropout is the built-in GPT's; with model.hf, set the model's own dropout"),
+    ({"hf": LLAMA, "activation_checkpointing": "selective"}, "selective is the built-in GPT's"),
+    ({"hf": LLAMA, "seq_len": 256}, "model.seq_len=256 is longer than the 128 positions model.hf's model covers"),
+    ({"hf": [1]}, "model.hf: expected a mapping or a string, got [1]"),
+    ({"hf": "no/such/config.json"}, "model.hf: 'no/such/config.json' is no config.json file"),
+])
+def test_a_hugging_face_model_config_is_checked_before_any_worker_starts(model, needle):
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"model": model})
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path, monkeypatch):
+    import json
+
+    pytest.importorskip("transformers")
+    cfg = config_from_dict({"model": {"hf": LLAMA, "seq_len": 64, "activation_checkpointing": True}},
+                           ["model.hf.num_hidden_layers=3"])
+    assert cfg.model.hf["num_hidden_layers"] == 3
+    assert resolve_model_shape(cfg.model) == {"vocab_size": 300, "seq_len": 64}  # the model's vocabulary
+    (tmp_path / "m").mkdir()
+    # keys transformers wrote are taken as written, even one this version's config class does not take
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**LLAMA, "rope_theta": 5e5, "architectures": ["X"],
+                                                            "quantization_config": None}))
+    monkeypatch.chdir(tmp_path)
+    for path in ("m", "m/config.json"):  # a folder holding one, or the file; taken from where the command runs
+        cfg = config_from_dict({"model": {"hf": path}})
+        assert cfg.model.hf["hidden_size"] == 64 and cfg.model.hf["rope_theta"] == 5e5
+        assert cfg.model.hf["_name_or_path"] == str(tmp_path / "m" / "config.json")
+        assert config_from_dict(cfg.to_dict()).model.hf == cfg.model.hf  # as a sweep or a resume reads it back
+        assert resolve_model_shape(cfg.model)["seq_len"] == 128  # model.size's, as for the GPT

@@ -90,3 +90,21 @@ def test_loss_starts_near_uniform():
     model = GPT(GPTConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=257, seq_len=16))
     loss = model(torch.randint(0, 257, (4, 17)))
     assert abs(loss.item() - torch.log(torch.tensor(257.0)).item()) < 0.3
+
+
+def test_a_hugging_face_models_loss_scores_the_pairs_the_gpts_loss_scores():
+    """model.hf: seq_len tokens in, the next token scored at each position, -100 targets skipped:
+    what the model's own loss gives over the whole window of seq_len+1 tokens."""
+    transformers = pytest.importorskip("transformers")
+    from elixir_ray.model.hf import build_hf, hf_loss
+
+    torch.manual_seed(0)
+    model = build_hf(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, vocab_size=50, max_position_embeddings=32), checkpointing=False)
+    assert isinstance(model, transformers.LlamaForCausalLM) and model.training
+    model.apply(model._init_weights)
+    window = torch.randint(0, 50, (3, 17))
+    assert hf_loss(model, window).item() == pytest.approx(model(input_ids=window, labels=window).loss.item(), abs=1e-6)
+    targets = window[:, 1:].clone()
+    targets[1:] = -100  # padding rows, as evaluation pads its last batch
+    assert hf_loss(model, window[:, :-1], targets).item() == pytest.approx(hf_loss(model, window[:1]).item(), abs=1e-6)

@@ -136,6 +136,27 @@ def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
         plan_config(cfg, GPU, device_memory="3MiB")
 
 
+def test_a_hugging_face_models_plan_names_the_config_key_that_turns_on_its_checkpointing():
+    """model.hf: the planner traces the model and its loss as the workers run them, and its advice to
+    call the model's own checkpointing switch becomes the config key that does."""
+    pytest.importorskip("transformers")
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=257, max_position_embeddings=128)
+    cfg = config_from_dict({"model": {"seq_len": 64, "hf": llama}, "train": {"micro_batch": 4}})
+    with pytest.raises(elixir_ray.PlanError) as err:
+        plan_config(cfg, CPU, device_memory="2MiB")
+    assert "turn on the model's own activation checkpointing (--set model.activation_checkpointing=true), or " \
+           "use micro-batch" in str(err.value)
+    assert "LlamaForCausalLM" not in str(err.value)
+    full = config_from_dict({"model": {"seq_len": 64, "hf": llama, "activation_checkpointing": True},
+                             "train": {"micro_batch": 4}})
+    plain = plan_config(config_from_dict({"model": {"seq_len": 64, "hf": llama}, "train": {"micro_batch": 4}}),
+                        CPU, device_memory="8MiB").plan
+    recomputed = plan_config(full, CPU, device_memory="8MiB").plan
+    assert recomputed.memory["activations"] < 0.6 * plain.memory["activations"]
+    assert plain.param_order[0] == "model.embed_tokens.weight"  # the model's own names, in first-use order
+
+
 PROBE = re.compile(r"checking whether micro-batch (\d+) fits with (\d+) of \d+ blocks recomputed whole"
                    r"(?:, (\d+) selectively)?")
 

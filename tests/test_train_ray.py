@@ -1,5 +1,6 @@
 """End-to-end runs on a real local Ray cluster with real gloo process groups."""
 
+import importlib.util
 import os
 
 import numpy as np
@@ -13,7 +14,7 @@ from elixir_ray.checkpoint import load_checkpoint
 from elixir_ray.cluster.worker import RankWorker
 from elixir_ray.data.dataset import BatchSampler, TokenDataset
 from elixir_ray.config import resolve_model_shape
-from elixir_ray.model.factory import init_reference_model
+from elixir_ray.model.factory import init_reference_model, loss_of
 from elixir_ray.trainer import lr_at, param_groups
 
 from conftest import tiny_config
@@ -34,7 +35,7 @@ def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict
     for step in range(cfg.train.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss = model(sampler.samples(step * global_batch, global_batch))
+        loss = loss_of(cfg)(model, sampler.samples(step * global_batch, global_batch))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
@@ -54,7 +55,7 @@ def reference_eval_loss(cfg_dict: dict, state: dict) -> float:
     model.eval()
     sampler = BatchSampler(TokenDataset(cfg.eval.path), resolve_model_shape(cfg.model)["seq_len"], EVAL_SEED)
     with torch.no_grad():
-        return model(sampler.samples(0, cfg.eval.windows)).item()
+        return loss_of(cfg)(model, sampler.samples(0, cfg.eval.windows)).item()
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -79,6 +80,43 @@ def test_two_gloo_workers_match_one_process(ray_cluster, tiny_dataset, held_out,
     for name, ref in ref_state.items():
         np.testing.assert_allclose(tensors[f"model/{name}"], ref.numpy(), atol=1e-5, err_msg=name)
     assert result.plan.world_size == 2 and result.plan.grad_accum == grad_accum
+
+
+HF_MODELS = {  # no dropout: the workers' streams differ from one process's
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=257, max_position_embeddings=128),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=257, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # tied embeddings
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_a_hugging_face_model_from_its_config_fields_trains_on_two_workers_as_in_one_process(
+        ray_cluster, tiny_dataset, held_out, tmp_path, name):
+    """model.hf: the model built from its transformers config (random weights, no download) trains
+    through the Ray job as plain torch trains it, and the checkpoint holds the model's own keys."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from elixir_ray.cli import main
+
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 3}, eval={"path": held_out, "every_steps": 0,
+                                                                        "windows": 6})
+    cfg["model"] = {"seq_len": 64, "hf": HF_MODELS[name]}
+    result = train(cfg, progress=False)
+    ref_losses, ref_state = reference_losses(cfg, world_size=2)
+    np.testing.assert_allclose(result.metrics.column("loss").to_pylist(), ref_losses, rtol=1e-5, atol=1e-5)
+    assert result.final_eval_loss == pytest.approx(reference_eval_loss(cfg, ref_state), abs=1e-5)
+    _, tensors = load_checkpoint(result.checkpoint_uri)
+    for key, ref in ref_state.items():
+        np.testing.assert_allclose(tensors[f"model/{key}"], ref.numpy(), atol=1e-5, err_msg=key)
+    # exported, the weights load into the model transformers builds from the same fields
+    fields = dict(HF_MODELS[name])
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(fields.pop("model_type"),
+                                                                                            **fields))
+    assert main(["export", result.checkpoint_uri, str(tmp_path / "w.safetensors")]) == 0
+    model.load_state_dict(load_file(str(tmp_path / "w.safetensors")))
+    assert torch.equal(model.state_dict()["lm_head.weight"], torch.from_numpy(tensors["model/lm_head.weight"]))
 
 
 def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_path):
@@ -156,6 +194,9 @@ def test_vocabulary_smaller_than_the_data_is_refused(ray_cluster, tiny_dataset, 
     cfg = tiny_config(tiny_dataset, tmp_path)
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train({**cfg, "model": {**cfg["model"], "vocab_size": 100}}, progress=False)
+    if importlib.util.find_spec("transformers") is not None:  # the key to change is the model's own
+        with pytest.raises(ConfigError, match=r"^model.hf.vocab_size=100 is smaller than the dataset's vocabulary"):
+            train({**cfg, "model": {"seq_len": 64, "hf": {**HF_MODELS["llama"], "vocab_size": 100}}}, progress=False)
 
 
 def test_a_ray_address_that_is_not_a_cluster_is_one_line(tiny_dataset, tmp_path):

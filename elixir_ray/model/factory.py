@@ -1,34 +1,87 @@
-"""Building the configured GPT: on the meta device for planning and the engine, or plainly for references."""
+"""Building the configured model, the built-in GPT or a Hugging Face causal LM (`model.hf`): on the
+meta device for planning and the engine, or plainly for references; and what is traced and trained
+with it (sample inputs, the loss of a batch of token windows)."""
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Union
+
 import torch
+import torch.nn as nn
 
 from elixir_ray.config import RunConfig, resolve_model_shape
-from elixir_ray.model.gpt import GPT, build_gpt, init_gpt_weights
+from elixir_ray.model.gpt import build_gpt, checkpoint_mode, init_gpt_weights
+
+# (model, tokens, targets=None) -> mean loss: tokens hold seq_len+1 per row unless targets are given
+LossOf = Callable[[nn.Module, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
-def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> GPT:
-    return build_gpt(resolve_model_shape(cfg.model), cfg.model.activation_checkpointing, cfg.model.dropout, device)
+def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.Module:
+    m = cfg.model
+    if m.hf is not None:
+        from elixir_ray.model.hf import build_hf
+
+        return build_hf(m.hf, checkpoint_mode(m.activation_checkpointing) == "full", device)
+    return build_gpt(resolve_model_shape(m), m.activation_checkpointing, m.dropout, device)
 
 
-def init_fn_for(cfg: RunConfig):
+def init_fn_for(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module], None]:
+    """Initialises one module of `model` (what the engine materialises a meta-built model with)."""
+    if cfg.model.hf is not None:
+        from elixir_ray.model.hf import hf_init_fn
+
+        return hf_init_fn(model)
     n_layers = resolve_model_shape(cfg.model)["n_layers"]
     return lambda module: init_gpt_weights(module, n_layers)
 
 
-def init_reference_model(cfg: RunConfig) -> GPT:
+def init_reference_model(cfg: RunConfig) -> nn.Module:
     """The initial weights every rank materialises, built the plain way (for references and tests)."""
     model = build_model(cfg, device="meta").to_empty(device="cpu")
-    model.head.weight = model.wte.weight  # to_empty makes a new tensor per module: tie them again
+    if cfg.model.hf is not None:
+        model.tie_weights()  # to_empty makes a new tensor per module: tie them again
+    else:
+        model.head.weight = model.wte.weight
     torch.manual_seed(cfg.train.seed)
-    model.apply(init_fn_for(cfg))  # the order the engine materialises modules in
+    model.apply(init_fn_for(cfg, model))  # the order the engine materialises modules in
     return model
 
 
 def sample_batch(cfg: RunConfig, micro_batch: int, device: str = "cpu") -> torch.Tensor:
     seq_len = resolve_model_shape(cfg.model)["seq_len"]
     return torch.zeros((micro_batch, seq_len + 1), dtype=torch.long, device=device)
+
+
+def sample_inputs(cfg: RunConfig, micro_batch: int) -> Union[tuple, dict]:
+    """What the engine and the planner trace one step of: the inputs `loss_of(cfg)` calls the model with."""
+    tokens = sample_batch(cfg, micro_batch)
+    if cfg.model.hf is not None:
+        from elixir_ray.model.hf import hf_sample_inputs
+
+        return hf_sample_inputs(tokens)
+    return (tokens,)
+
+
+def trace_loss(cfg: RunConfig) -> Optional[Callable]:
+    """The trace's `loss_fn`: None where the model returns its loss itself (the built-in GPT)."""
+    if cfg.model.hf is not None:
+        from elixir_ray.model.hf import hf_trace_loss
+
+        return hf_trace_loss
+    return None
+
+
+def _gpt_loss(model: nn.Module, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return model(tokens) if targets is None else model(tokens, targets)
+
+
+def loss_of(cfg: RunConfig) -> LossOf:
+    """The mean next-token loss of a batch of token windows, for the configured model."""
+    if cfg.model.hf is not None:
+        from elixir_ray.model.hf import hf_loss
+
+        return hf_loss
+    return _gpt_loss
 
 
 def expected_checkpoint_shapes(cfg: RunConfig) -> dict[str, tuple]:

@@ -23,6 +23,8 @@ from elixir_ray.units import parse_bytes
 
 BATCH_HINT = re.compile(r"use micro-batch (\d+) or less, an estimate that takes activations as proportional to the "
                         r"micro-batch")
+OWN_CHECKPOINTING = re.compile(r"call \w+\.\w+_checkpointing_enable\(\) before planning or wrap(?: \(activation "
+                               r"checkpointing\))?")
 
 
 @contextmanager
@@ -34,6 +36,9 @@ def config_hints(cfg: RunConfig, fits: Optional[Callable[[int], bool]] = None):
         yield
     except PlanError as exc:
         text = str(exc)
+        if cfg.model.hf is not None:  # the model.hf model's own switch is a config key
+            text = OWN_CHECKPOINTING.sub("turn on the model's own activation checkpointing "
+                                         "(--set model.activation_checkpointing=true)", text, count=1)
         hints = {  # the planner's advice -> the config keys that follow it
             "enable activation checkpointing": "--set engine.search_checkpointing=true lets the planner choose per "
                                                "block, or --set model.activation_checkpointing=full",
@@ -49,6 +54,8 @@ def config_hints(cfg: RunConfig, fits: Optional[Callable[[int], bool]] = None):
         if "use shorter sequences" in text:
             raise PlanError(text.replace("use shorter sequences", "use shorter sequences (--set model.seq_len=...)",
                                          1)) from None
+        if text != str(exc):
+            raise PlanError(text) from None
         raise
 
 
@@ -88,7 +95,7 @@ class ConfigPlan:
 
 def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Optional[str] = None,
                 world_size: int = 1, host_memory: Optional[str] = None, progress=None) -> ConfigPlan:
-    from elixir_ray.model.factory import build_model, sample_batch
+    from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
     from elixir_ray.run_plan import resolve_dtype, updates_in_backward
 
     device = torch.device(hardware.device)
@@ -101,8 +108,8 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
 
     def search(micro_batch: int, timed: bool, say=None, variants=None):
-        return search_module(build_model(cfg, device="meta"), (sample_batch(cfg, micro_batch),), budget, world_size,
-                             hardware, dtype, None, cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
+        return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), budget, world_size,
+                             hardware, dtype, trace_loss(cfg), cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
                              in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say,
                              variants=variants)
 

@@ -1,0 +1,165 @@
+"""A Hugging Face causal language model as a run's model (`model.hf` in a config).
+
+The built-in GPT is one architecture; people who train with this kind of system bring Llama,
+Mistral, Qwen or GPT-2 shapes. The engine already trains any `nn.Module` (Hugging Face models
+included), so a run only needs the model built from its transformers config fields, with random
+initialisation and no download: on the meta device for the planner and the engine (which
+materialises it chunk by chunk with the model's own `_init_weights`), and trained on the same token
+windows and the same loss as the built-in GPT. The checkpoint then holds the model's own keys, so
+`elixir-ray export` writes weights that load into `AutoModelForCausalLM.from_config(...)`.
+
+transformers is imported only when a config names `model.hf`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from elixir_ray.errors import ConfigError
+
+# keys older config.json files carry that today's config classes still take (folded into others)
+_LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "dtype", "transformers_version",
+                          "architectures", "_name_or_path"})
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.hf needs the transformers package on the driver and on every worker: "
+                          "pip install 'elixir_ray[hf]' (or transformers), and list it in the job's "
+                          "runtime_env pip packages") from None
+    return transformers
+
+
+def read_hf_file(path: str) -> dict:
+    """The fields of a config.json (or of the config.json in a folder), as `model.hf` takes them."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f"model.hf: {path!r} is no config.json file (nor a folder holding one); give a "
+                          f"model's config.json, or its fields as a mapping (model_type: llama, hidden_size: ...)")
+    try:
+        with open(file) as f:
+            fields = json.load(f)
+    except ValueError as exc:
+        raise ConfigError(f"model.hf: {file} is not valid JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"model.hf: {file} holds {type(fields).__name__}, not a mapping of config fields")
+    fields["_name_or_path"] = os.path.abspath(file)  # as transformers notes where a config came from
+    return fields
+
+
+def hf_config(fields: dict):
+    """The transformers config `model.hf` describes, or a ConfigError that names what to change.
+
+    transformers keeps any keyword a config class does not know as a plain attribute, so a typo
+    (`hiden_size`) would silently train the class's default size: every key must be one the class
+    takes, unless the fields came from a config.json (`_name_or_path` set by `read_hf_file`), whose
+    keys transformers wrote."""
+    transformers = _transformers()
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.hf needs model_type, the architecture (for example llama, mistral, qwen2, gpt2)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(model_type), MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, n=3)
+        raise ConfigError(f"model.hf.model_type {model_type!r} is no causal language model this transformers "
+                          f"({transformers.__version__}) builds"
+                          + (f" (did you mean {', '.join(close)}?)" if close else
+                             " (for example llama, mistral, qwen2, gpt2)"))
+    cls = transformers.CONFIG_MAPPING[model_type]
+    if "_name_or_path" not in fields:
+        known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
+        known |= _LEGACY_KEYS
+        for key in fields:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known - {"self", "kwargs"}), n=2)
+                raise ConfigError(f"model.hf.{key} is not a field of {cls.__name__}"
+                                  + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.hf: {cls.__name__} refused these fields: {exc}") from None
+
+
+def max_positions(config) -> Optional[int]:
+    """The longest sequence the model's position embeddings cover (None: no such limit)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_hf(fields: dict, seq_len: int, checkpointing: bool) -> None:
+    """What a run needs of the model, checked where the config is read (before any worker starts)."""
+    config = hf_config(fields)
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"model.seq_len={seq_len} is longer than the {limit} positions model.hf's model covers: "
+                          f"set model.seq_len to at most {limit}")
+    model = build_hf(fields, checkpointing=False, device="meta")
+    if checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.activation_checkpointing: {type(model).__name__} has no gradient checkpointing "
+                          f"of its own; set it to false")
+
+
+def hf_vocab_size(fields: dict) -> int:
+    return int(hf_config(fields).vocab_size)
+
+
+def build_hf(fields: dict, checkpointing: bool, device=None) -> nn.Module:
+    """The model, in fp32 (the engine keeps fp32 masters and casts its compute copies), in training
+    mode, with the model's own gradient checkpointing (non-reentrant) when asked."""
+    transformers = _transformers()
+    config = hf_config(fields)
+    where = torch.device(device) if device is not None else contextlib.nullcontext()
+    with where:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model.to(torch.float32)  # a config.json that says bfloat16 still gets fp32 masters
+    model.train()
+    if checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def hf_init_fn(model: nn.Module):
+    """The per-module initialisation the engine materialises a meta-built model with: the model's own."""
+    return model._init_weights
+
+
+def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean next-token cross-entropy of `tokens` (seq_len+1 per row), as the built-in GPT computes
+    it: the model sees the first seq_len tokens and is scored on the next one at each position.
+    With `targets`, `tokens` are the inputs and positions whose target is -100 are not scored."""
+    if targets is None:
+        tokens, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(input_ids=tokens, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def hf_sample_inputs(tokens: torch.Tensor) -> dict:
+    """The keyword inputs the engine and the planner trace: those `hf_loss` calls the model with."""
+    return {"input_ids": tokens[:, :-1], "use_cache": False}
+
+
+def hf_trace_loss(output) -> torch.Tensor:
+    """The traced step's loss from the model's output: the same kernels `hf_loss` runs on the logits
+    (the trace runs on the meta device, where the targets' values do not matter)."""
+    logits = output.logits
+    targets = torch.zeros(logits.shape[:-1].numel(), dtype=torch.long, device=logits.device)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets)
