@@ -250,14 +250,23 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def config_from_dict(data: Optional[dict], overrides: Optional[list[str]] = None) -> RunConfig:
-    merged = _merge(data or {}, parse_overrides(overrides or []))
-    cfg = _build(RunConfig, merged, "")
-    if isinstance(cfg.model.hf, str):  # the workers get the fields, not a path they may not see
-        from elixir_ray.model.hf import read_hf_file
-
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=read_hf_file(cfg.model.hf)))
+    merged = _merge(_hf_file_read(data or {}), parse_overrides(overrides or []))
+    cfg = _build(RunConfig, _hf_file_read(merged), "")
     validate(cfg)
     return cfg
+
+
+def _hf_file_read(data: dict) -> dict:
+    """`model.hf` given as a config.json path, read into its fields: before the overrides, so that
+    `--set model.hf.num_hidden_layers=24` changes one field of the file's, and so that the workers
+    get the fields, not a path they may not see. Numbers YAML read as strings (`1e-5`) become floats."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("hf"), (str, dict)):
+        return data
+    from elixir_ray.model.hf import numbers_read, read_hf_file
+
+    hf = model["hf"]
+    return {**data, "model": {**model, "hf": numbers_read(read_hf_file(hf) if isinstance(hf, str) else hf)}}
 
 
 def shipped_file(folder: str, name: str, suffix: str) -> Optional[str]:
@@ -339,6 +348,9 @@ def validate(cfg: RunConfig) -> None:
         _positive(f"train.{key}", getattr(t, key))
     if t.dtype not in _DTYPES:
         raise ConfigError(f"train.dtype {t.dtype!r} is unknown (allowed: {', '.join(_DTYPES)})")
+    if t.dtype == "float16" and m.hf is not None:  # loss scaling needs the model to return the loss
+        raise ConfigError("train.dtype float16 is for the built-in GPT (its loss is scaled inside the model); with "
+                          "model.hf use bfloat16 (or auto: bfloat16 on GPUs) or float32")
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps must be >= 0 (0 evaluates only after the last step), "
                           f"got {cfg.eval.every_steps}")

@@ -102,12 +102,15 @@ LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidd
     ({"hf": LLAMA, "activation_checkpointing": "selective"}, "selective is the built-in GPT's"),
     ({"hf": LLAMA, "seq_len": 256}, "model.seq_len=256 is longer than the 128 positions model.hf's model covers"),
     ({"hf": [1]}, "model.hf: expected a mapping or a string, got [1]"),
+    ({"hf": {**LLAMA, "hidden_size": 66}}, "model.hf: LlamaConfig refused these fields: "),  # 66 heads of 4
+    ({"hf": LLAMA}, "train.dtype float16 is for the built-in GPT"),
     ({"hf": "no/such/config.json"}, "model.hf: 'no/such/config.json' is no config.json file"),
 ])
 def test_a_hugging_face_model_config_is_checked_before_any_worker_starts(model, needle):
     pytest.importorskip("transformers")
+    train = {"dtype": "float16"} if "float16" in needle else {}
     with pytest.raises(ConfigError) as exc:
-        config_from_dict({"model": model})
+        config_from_dict({"model": model, "train": train})
     assert needle in str(exc.value)
     assert "\n" not in str(exc.value)
 
@@ -116,9 +119,11 @@ def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path
     import json
 
     pytest.importorskip("transformers")
-    cfg = config_from_dict({"model": {"hf": LLAMA, "seq_len": 64, "activation_checkpointing": True}},
-                           ["model.hf.num_hidden_layers=3"])
+    cfg = config_from_dict({"model": {"hf": {**LLAMA, "rms_norm_eps": "1e-5"}, "seq_len": 64,
+                                      "activation_checkpointing": True}},
+                           ["model.hf.num_hidden_layers=3", "model.hf.attn_implementation=eager"])
     assert cfg.model.hf["num_hidden_layers"] == 3
+    assert cfg.model.hf["rms_norm_eps"] == 1e-5  # YAML 1.1 reads 1e-5 as a string; transformers wants a float
     assert resolve_model_shape(cfg.model) == {"vocab_size": 300, "seq_len": 64}  # the model's vocabulary
     (tmp_path / "m").mkdir()
     # keys transformers wrote are taken as written, even one this version's config class does not take
@@ -131,3 +136,6 @@ def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path
         assert cfg.model.hf["_name_or_path"] == str(tmp_path / "m" / "config.json")
         assert config_from_dict(cfg.to_dict()).model.hf == cfg.model.hf  # as a sweep or a resume reads it back
         assert resolve_model_shape(cfg.model)["seq_len"] == 128  # model.size's, as for the GPT
+    # one field of the file's changed from the command line; the others stay the file's
+    cfg = config_from_dict({"model": {"hf": "m"}}, ["model.hf.num_hidden_layers=5"])
+    assert cfg.model.hf["num_hidden_layers"] == 5 and cfg.model.hf["hidden_size"] == 64

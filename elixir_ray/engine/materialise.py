@@ -7,22 +7,30 @@ visits modules, so a seeded run draws the random numbers plain torch's `module.a
 An `init_fn` may write weights of a module's descendants, not only the module's own: Hugging Face's
 GPT-2 `_init_weights(attention)` rescales `attention.c_proj.weight` after `c_proj` was initialised
 as a plain linear layer. Before anything is created, `init_fn` therefore runs once over the whole
-module on meta stand-ins (no memory, no random numbers drawn) to see which weights each call
-touches; a weight is then kept on the host until the last module whose `init_fn` touches it has run,
-and only then written to its chunk. Weights no ancestor touches (every one in the built-in GPT) are
-written as soon as their own module is done, as before.
+module on meta stand-ins (no memory; torch's, Python's and numpy's random generators are put back
+afterwards) to see which weights each call touches. So init_fn runs twice per module, and must
+depend only on the module it is given and those generators. A
+weight is then kept on the host until the last module whose `init_fn` touches it has run, and only
+then written to its chunk. Weights no other module's call touches (every one in the built-in GPT)
+are written as soon as their own module is done. Real (not meta) weights are copied as given,
+never re-initialised, even where a call that initialises meta weights beside them would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
+import warnings
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, write_slot
+from elixir_ray.engine.device import random_state_kept
 
 
 def post_order(module: nn.Module):
@@ -51,10 +59,25 @@ class _Touches(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Module], None]) -> list[set[int]]:
+@contextlib.contextmanager
+def _generators_kept(device: torch.device):
+    """torch's (CPU and `device`), Python's and numpy's global random generators as they were."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with random_state_kept(device):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Module], None],
+                    device: torch.device = torch.device("cpu")) -> list[set[int]]:
     """Per module of `order`, the ids of the meta-built parameters (`meta_ids`) that `init_fn(module)`
-    reads or writes, found by running it with every parameter and buffer swapped for a meta stand-in.
-    A call that fails on meta tensors (it needs values) counts as touching its module's whole subtree."""
+    reads or writes, found by running it with every parameter and buffer swapped for a meta stand-in
+    (the random generators left as they were). A call that fails on meta tensors (it needs values)
+    counts as touching every meta weight below its module, with a warning where that is more than
+    its own: they are then all kept on the host until it has run."""
     standin: dict[int, nn.Parameter] = {}  # original id -> stand-in (one per tied weight)
     original_of: dict[int, int] = {}
     swapped = []  # (module, table, name, original)
@@ -76,15 +99,22 @@ def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Modul
     watched = {id(s) for pid, s in standin.items() if pid in meta_ids}
     touches = []
     try:
-        for mod in order:
-            recorder = _Touches(watched)
-            try:
-                with recorder:
-                    init_fn(mod)
-                seen = recorder.seen
-            except Exception:  # noqa: BLE001 - an init that needs values: assume it touches everything below
-                seen = {id(s) for s in mod.parameters() if id(s) in watched}
-            touches.append({original_of[i] for i in seen})
+        with _generators_kept(device):
+            for mod in order:
+                recorder = _Touches(watched)
+                try:
+                    with recorder:
+                        init_fn(mod)
+                    seen = recorder.seen
+                except Exception as exc:  # noqa: BLE001 - an init that needs values: it may touch anything below
+                    seen = {id(s) for s in mod.parameters() if id(s) in watched}
+                    own = {id(s) for s in mod.parameters(recurse=False)}
+                    if seen - own:
+                        below = sum(s.numel() * s.element_size() for s in mod.parameters() if id(s) in seen - own)
+                        warnings.warn(f"init_fn({type(mod).__name__}) could not run on meta tensors ({type(exc).__name__}: "
+                                      f"{exc}), so which weights below it it changes is unknown: they are kept on the host "
+                                      f"until it has run ({below / 2**20:,.1f} MiB)", stacklevel=4)
+                touches.append({original_of[i] for i in seen})
     finally:
         for _, table, name, value in reversed(swapped):
             table[name] = value
@@ -115,7 +145,7 @@ def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch
     meta_ids = {pid for pid, (_, data) in slot_of.items() if data.device.type == "meta"}
     touches = [set() for _ in order]
     if init_fn is not None and meta_ids:
-        touches = touched_by_init(order, meta_ids, init_fn)
+        touches = touched_by_init(order, meta_ids, init_fn, store.device)
         for i, seen in enumerate(touches):
             for pid in seen:
                 last[pid] = max(last[pid], i)
@@ -135,7 +165,8 @@ def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch
             value = live.get(pid)
             if value is None:
                 slot, data = slot_of[pid]
-                value = torch.empty(slot.shape, dtype=data.dtype) if data.device.type == "meta" else data.cpu()
+                # a real weight: a copy, so the call can neither change the caller's tensor nor the weight
+                value = torch.empty(slot.shape, dtype=data.dtype) if pid in meta_ids else data.detach().cpu().clone()
             for owner, name in places:
                 owner._parameters[name] = nn.Parameter(value, requires_grad=params[pid].requires_grad)
         for name, b in meta_buffers.items():
@@ -146,7 +177,7 @@ def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch
             mod.reset_parameters()
         for pid, places in swapped.items():
             owner, name = places[0]
-            value = owner._parameters[name].data
+            value = owner._parameters[name].data if pid in meta_ids else slot_of[pid][1].detach().cpu()
             if last[pid] > i:
                 live[pid] = value
             else:

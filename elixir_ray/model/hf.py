@@ -18,6 +18,7 @@ import difflib
 import inspect
 import json
 import os
+import re
 from typing import Optional
 
 import torch
@@ -26,9 +27,12 @@ import torch.nn.functional as F
 
 from elixir_ray.errors import ConfigError
 
-# keys older config.json files carry that today's config classes still take (folded into others)
-_LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "dtype", "transformers_version",
-                          "architectures", "_name_or_path"})
+# keys every config class takes through its keyword arguments (older config.json files carry the
+# first ones; attn_implementation picks eager, sdpa or flash attention)
+_COMMON_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "dtype", "transformers_version",
+                          "architectures", "_name_or_path", "attn_implementation", "is_decoder",
+                          "add_cross_attention", "output_attentions", "output_hidden_states"})
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # YAML 1.1 reads 1e-5 as a string
 
 
 def _transformers():
@@ -58,6 +62,11 @@ def read_hf_file(path: str) -> dict:
     return fields
 
 
+def numbers_read(fields: dict) -> dict:
+    """The fields with the numbers YAML 1.1 leaves as strings (`1e-5`) made floats, as transformers wants them."""
+    return {k: float(v) if isinstance(v, str) and _FLOAT.fullmatch(v) else v for k, v in fields.items()}
+
+
 def hf_config(fields: dict):
     """The transformers config `model.hf` describes, or a ConfigError that names what to change.
 
@@ -79,9 +88,10 @@ def hf_config(fields: dict):
                           + (f" (did you mean {', '.join(close)}?)" if close else
                              " (for example llama, mistral, qwen2, gpt2)"))
     cls = transformers.CONFIG_MAPPING[model_type]
+    fields = numbers_read(fields)
     if "_name_or_path" not in fields:
         known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
-        known |= _LEGACY_KEYS
+        known |= set(cls().to_dict()) | set(transformers.PretrainedConfig().to_dict()) | _COMMON_KEYS
         for key in fields:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known - {"self", "kwargs"}), n=2)
@@ -89,8 +99,9 @@ def hf_config(fields: dict):
                                   + (f" (did you mean {' or '.join(close)}?)" if close else ""))
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model.hf: {cls.__name__} refused these fields: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are of several kinds
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"model.hf: {cls.__name__} refused these fields: {why}") from None
 
 
 def max_positions(config) -> Optional[int]:
