@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 
 from elixir_ray.config import config_from_dict, load_config, parse_overrides, resolve_model_shape
@@ -63,13 +65,15 @@ def test_load_config_file_errors(tmp_path):
 def test_shipped_configs_load():
     for path in ("jobs/configs/tiny.yaml", "jobs/configs/demo.yaml"):
         load_config(path)
+    if importlib.util.find_spec("transformers") is not None:
+        assert load_config("jobs/configs/llama-tiny.yaml").model.hf["model_type"] == "llama"
 
 
 def test_shipped_configs_load_by_name_outside_the_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # an installed package has no jobs/ folder beside the user
     assert load_config("tiny").name == "tiny" and load_config("demo").name == "demo"
     for path in ("jobs/configs/tiny.yaml", "tiny.yaml"):  # a path is what the user meant: never swapped
-        with pytest.raises(ConfigError, match="ships by name: demo, tiny"):
+        with pytest.raises(ConfigError, match="ships by name: demo, llama-tiny, tiny"):
             load_config(path)
     (tmp_path / "tiny.yaml").write_text("name: mine\n")  # the user's own copy beside them is never shadowed
     with pytest.raises(ConfigError, match=r"there is a tiny.yaml here too: give its path \(./tiny.yaml\) for yours"):

@@ -58,7 +58,7 @@ def test_the_wheel_holds_every_module_and_every_file_read_by_name(wheel):
     assert _package_files((".py",)) <= names
     # what config.shipped_file reads: configs by name, hardware rates by name
     data = _package_files((".yaml", ".json"))
-    assert {"elixir_ray/configs/tiny.yaml", "elixir_ray/configs/demo.yaml",
+    assert {"elixir_ray/configs/tiny.yaml", "elixir_ray/configs/demo.yaml", "elixir_ray/configs/llama-tiny.yaml",
             "elixir_ray/hardware/h100_anchors.json"} <= data
     assert data <= names
     assert not [n for n in names if n.startswith(("tests/", "jobs/", "docs/"))]
