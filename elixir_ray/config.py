@@ -250,8 +250,13 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def config_from_dict(data: Optional[dict], overrides: Optional[list[str]] = None) -> RunConfig:
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections (model:, train:, ...), got {data!r}")
     merged = _merge(_hf_file_read(data or {}), parse_overrides(overrides or []))
-    cfg = _build(RunConfig, _hf_file_read(merged), "")
+    cfg = _build(RunConfig, merged, "")
+    if isinstance(cfg.model.hf, (str, dict)):  # a path given by --set, or a number YAML read (a folder's name)
+        fields = _hf_file_read({"model": {"hf": cfg.model.hf}})["model"]["hf"]
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=fields))
     validate(cfg)
     return cfg
 
@@ -260,7 +265,7 @@ def _hf_file_read(data: dict) -> dict:
     """`model.hf` given as a config.json path, read into its fields: before the overrides, so that
     `--set model.hf.num_hidden_layers=24` changes one field of the file's, and so that the workers
     get the fields, not a path they may not see. Numbers YAML read as strings (`1e-5`) become floats."""
-    model = data.get("model")
+    model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("hf"), (str, dict)):
         return data
     from elixir_ray.model.hf import numbers_read, read_hf_file

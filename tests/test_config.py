@@ -48,6 +48,11 @@ def test_bad_values_name_the_field(data, needle):
     assert "\n" not in str(exc.value)
 
 
+def test_a_config_that_is_not_a_mapping_is_one_line():
+    with pytest.raises(ConfigError, match=r"^config: expected a mapping of sections \(model:, train:, ...\), got \[1, 2\]$"):
+        config_from_dict([1, 2])
+
+
 def test_override_syntax_error():
     with pytest.raises(ConfigError, match="expected key=value"):
         parse_overrides(["train.steps"])
@@ -108,6 +113,9 @@ LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidd
     ({"hf": [1]}, "model.hf: expected a mapping or a string, got [1]"),
     ({"hf": {**LLAMA, "hidden_size": 66}}, "model.hf: LlamaConfig refused these fields: "),  # 66 heads of 4
     ({"hf": LLAMA}, "train.dtype float16 is for the built-in GPT"),
+    ({"hf": {**LLAMA, "attn_implementation": "bogus"}}, "model.hf: transformers could not build the model from these "
+                                                        "fields: ValueError: Specified `attn_implementation=\"bogus\"`"),
+    ({"hf": 2024}, "model.hf: '2024' is no config.json file"),
     ({"hf": "no/such/config.json"}, "model.hf: 'no/such/config.json' is no config.json file"),
 ])
 def test_a_hugging_face_model_config_is_checked_before_any_worker_starts(model, needle):
@@ -128,6 +136,9 @@ def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path
                            ["model.hf.num_hidden_layers=3", "model.hf.attn_implementation=eager"])
     assert cfg.model.hf["num_hidden_layers"] == 3
     assert cfg.model.hf["rms_norm_eps"] == 1e-5  # YAML 1.1 reads 1e-5 as a string; transformers wants a float
+    nested = config_from_dict({"model": {"hf": {**LLAMA, "rope_parameters": {"rope_type": "default",
+                                                                            "rope_theta": "1e6"}}}})
+    assert nested.model.hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
     assert resolve_model_shape(cfg.model) == {"vocab_size": 300, "seq_len": 64}  # the model's vocabulary
     (tmp_path / "m").mkdir()
     # keys transformers wrote are taken as written, even one this version's config class does not take

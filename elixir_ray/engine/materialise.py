@@ -7,13 +7,14 @@ visits modules, so a seeded run draws the random numbers plain torch's `module.a
 An `init_fn` may write weights of a module's descendants, not only the module's own: Hugging Face's
 GPT-2 `_init_weights(attention)` rescales `attention.c_proj.weight` after `c_proj` was initialised
 as a plain linear layer. Before anything is created, `init_fn` therefore runs once over the whole
-module on meta stand-ins (no memory; torch's, Python's and numpy's random generators are put back
-afterwards) to see which weights each call touches. So init_fn runs twice per module, and must
-depend only on the module it is given and those generators. A
-weight is then kept on the host until the last module whose `init_fn` touches it has run, and only
-then written to its chunk. Weights no other module's call touches (every one in the built-in GPT)
-are written as soon as their own module is done. Real (not meta) weights are copied as given,
-never re-initialised, even where a call that initialises meta weights beside them would.
+module on meta stand-ins (no memory; torch's, Python's and numpy's global random generators are put
+back afterwards) to see which weights each call touches. A weight is then kept on the host until
+the last module whose `init_fn` touches it has run, and only then written to its chunk. Weights no
+other module's call touches (every one in the built-in GPT) are written as soon as their own module
+is done. `init_fn` is then called on every module, as apply calls it, so that the random draws line
+up: twice per module in all, so it must depend only on the module and the global generators. Real
+(not meta) weights and buffers are copied as given: a call sees copies, and what it does to them is
+dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, write_slot
 from elixir_ray.engine.device import random_state_kept
+from elixir_ray.engine.param_guard import outside_torch_and_us
 
 
 def post_order(module: nn.Module):
@@ -71,16 +73,16 @@ def _generators_kept(device: torch.device):
         np.random.set_state(npy)
 
 
-def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Module], None],
+def touched_by_init(order: list, init_fn: Callable[[nn.Module], None],
                     device: torch.device = torch.device("cpu")) -> list[set[int]]:
-    """Per module of `order`, the ids of the meta-built parameters (`meta_ids`) that `init_fn(module)`
-    reads or writes, found by running it with every parameter and buffer swapped for a meta stand-in
-    (the random generators left as they were). A call that fails on meta tensors (it needs values)
-    counts as touching every meta weight below its module, with a warning where that is more than
-    its own: they are then all kept on the host until it has run."""
+    """Per module of `order`, the ids of the parameters that `init_fn(module)` reads or writes, found
+    by running it with every parameter and buffer swapped for a meta stand-in (the random generators
+    left as they were). A call that fails on meta tensors (it needs values) counts as touching every
+    weight below its module, with a warning where that is more than its own: they are then all kept
+    on the host until it has run."""
     standin: dict[int, nn.Parameter] = {}  # original id -> stand-in (one per tied weight)
     original_of: dict[int, int] = {}
-    swapped = []  # (module, table, name, original)
+    swapped = []  # (table, name, original)
     for mod in order:
         for name, p in mod._parameters.items():
             if p is None:
@@ -90,13 +92,13 @@ def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Modul
                 s = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
                 standin[id(p)] = s
                 original_of[id(s)] = id(p)
-            swapped.append((mod, mod._parameters, name, p))
+            swapped.append((mod._parameters, name, p))
             mod._parameters[name] = s
         for name, b in mod._buffers.items():
             if b is not None:
-                swapped.append((mod, mod._buffers, name, b))
+                swapped.append((mod._buffers, name, b))
                 mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    watched = {id(s) for pid, s in standin.items() if pid in meta_ids}
+    watched = set(original_of)
     touches = []
     try:
         with _generators_kept(device):
@@ -107,16 +109,16 @@ def touched_by_init(order: list, meta_ids: set[int], init_fn: Callable[[nn.Modul
                         init_fn(mod)
                     seen = recorder.seen
                 except Exception as exc:  # noqa: BLE001 - an init that needs values: it may touch anything below
-                    seen = {id(s) for s in mod.parameters() if id(s) in watched}
-                    own = {id(s) for s in mod.parameters(recurse=False)}
-                    if seen - own:
-                        below = sum(s.numel() * s.element_size() for s in mod.parameters() if id(s) in seen - own)
+                    seen = {id(s) for s in mod.parameters()}
+                    below = [s for s in mod.parameters() if id(s) not in {id(o) for o in mod.parameters(recurse=False)}]
+                    if below:
+                        size = sum(s.numel() * s.element_size() for s in below)
                         warnings.warn(f"init_fn({type(mod).__name__}) could not run on meta tensors ({type(exc).__name__}: "
                                       f"{exc}), so which weights below it it changes is unknown: they are kept on the host "
-                                      f"until it has run ({below / 2**20:,.1f} MiB)", stacklevel=4)
+                                      f"until it has run ({size / 2**20:,.1f} MiB)", stacklevel=outside_torch_and_us())
                 touches.append({original_of[i] for i in seen})
     finally:
-        for _, table, name, value in reversed(swapped):
+        for table, name, value in reversed(swapped):
             table[name] = value
     return touches
 
@@ -127,9 +129,11 @@ def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch
     """Fill the chunks' masters from the module's weights, one module at a time.
 
     Real weights are copied. Meta weights are created on the host for one module (as stand-in
-    parameters in its table), initialised by `init_fn(module)` or the module's `reset_parameters`
-    in the order `module.apply` would use, copied into the chunks and dropped; weights shared by
-    several modules, or touched by another module's `init_fn`, are kept until the last of them.
+    parameters in its table), initialised by `init_fn(module)` (called on every module, as
+    `module.apply` calls it, in its order) or the module's `reset_parameters`, copied into the
+    chunks and dropped; weights shared by several modules, or touched by another module's
+    `init_fn`, are kept until the last of them. A call sees copies of real weights and buffers,
+    whatever it does to them is dropped.
     """
     slot_of = {id(s.param): (s, data) for s, data in zip(slots, originals)}
     order = list(post_order(module))
@@ -145,41 +149,47 @@ def materialise(module: nn.Module, slots: list[ParamSlot], originals: list[torch
     meta_ids = {pid for pid, (_, data) in slot_of.items() if data.device.type == "meta"}
     touches = [set() for _ in order]
     if init_fn is not None and meta_ids:
-        touches = touched_by_init(order, meta_ids, init_fn, store.device)
+        touches = [seen & params.keys() for seen in touched_by_init(order, init_fn, store.device)]
         for i, seen in enumerate(touches):
-            for pid in seen:
+            for pid in seen & meta_ids:
                 last[pid] = max(last[pid], i)
+    calls_all = init_fn is not None and bool(meta_ids)  # as module.apply does: the random draws line up
     live: dict[int, torch.Tensor] = {}  # made and not yet written: a later module's call may change it
     for i, mod in enumerate(order):
-        own = {id(p): name for name, p in mod._parameters.items() if p is not None and id(p) in slot_of}
+        own = {id(p) for p in mod._parameters.values() if p is not None and id(p) in slot_of}
         meta_buffers = {n: b for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"}
-        others = touches[i] - own.keys()  # weights of other modules this module's init_fn changes
-        if not (meta_buffers or others or own.keys() & meta_ids):
+        if not (calls_all or meta_buffers or own & meta_ids):
             for pid in own:
                 slot, data = slot_of[pid]
                 write_master(store.chunks[slot.chunk], slot, data.detach().float().reshape(-1).cpu())
             continue
-        swapped = {pid: [(mod, name)] for pid, name in own.items()}
-        swapped.update({pid: owners[pid] for pid in others})
+        swapped = {pid: owners[pid] for pid in own | touches[i]}  # every name a tied weight goes by
         for pid, places in swapped.items():
-            value = live.get(pid)
-            if value is None:
-                slot, data = slot_of[pid]
-                # a real weight: a copy, so the call can neither change the caller's tensor nor the weight
-                value = torch.empty(slot.shape, dtype=data.dtype) if pid in meta_ids else data.detach().cpu().clone()
+            slot, data = slot_of[pid]
+            if pid in meta_ids:
+                value = live.get(pid)
+                if value is None:
+                    value = torch.empty(slot.shape, dtype=data.dtype)
+            else:  # a copy: the call can change neither the caller's tensor nor the weight
+                value = data.detach().cpu().clone()
             for owner, name in places:
                 owner._parameters[name] = nn.Parameter(value, requires_grad=params[pid].requires_grad)
+        real_buffers = {n: b for n, b in mod._buffers.items() if b is not None and n not in meta_buffers}
         for name, b in meta_buffers.items():
             mod._buffers[name] = torch.empty_like(b, device="cpu")
+        for name, b in real_buffers.items():
+            mod._buffers[name] = b.clone()
         if init_fn is not None:
             init_fn(mod)
         elif hasattr(mod, "reset_parameters"):
             mod.reset_parameters()
+        mod._buffers.update(real_buffers)
         for pid, places in swapped.items():
             owner, name = places[0]
             value = owner._parameters[name].data if pid in meta_ids else slot_of[pid][1].detach().cpu()
             if last[pid] > i:
-                live[pid] = value
+                if pid in meta_ids:
+                    live[pid] = value
             else:
                 live.pop(pid, None)
                 slot, _ = slot_of[pid]

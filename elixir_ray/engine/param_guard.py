@@ -144,16 +144,16 @@ def _warn_grad_access(t, func) -> None:
         text = (f"the .grad of parameter {name} was set after backward(), but elixir_ray keeps gradients in its "
                 f"chunks: setting .grad (p.grad = None) neither clears nor changes them. Clear them with "
                 f"model.zero_grad() or optimizer.zero_grad(), and clip with elixir_ray.wrap(..., max_grad_norm=...)")
-    warnings.warn(text, stacklevel=_outside_torch_and_us())
+    warnings.warn(text, stacklevel=outside_torch_and_us())
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
 
 
-def _outside_torch_and_us() -> int:
-    """The stacklevel, for the warn in _warn_grad_access, of the first caller outside torch and this
-    package: the user's line (a clip_grad_norm_ call), not the comprehension inside torch that read."""
-    frame, level = sys._getframe(2), 2  # level 1: _warn_grad_access itself
+def outside_torch_and_us() -> int:
+    """The stacklevel, for a warn in the function that calls this, of the first caller outside torch and
+    this package: the user's line (a clip_grad_norm_ call), not the comprehension inside torch that read."""
+    frame, level = sys._getframe(2), 2  # level 1: the function that warns
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level

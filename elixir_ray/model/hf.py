@@ -62,9 +62,14 @@ def read_hf_file(path: str) -> dict:
     return fields
 
 
-def numbers_read(fields: dict) -> dict:
-    """The fields with the numbers YAML 1.1 leaves as strings (`1e-5`) made floats, as transformers wants them."""
-    return {k: float(v) if isinstance(v, str) and _FLOAT.fullmatch(v) else v for k, v in fields.items()}
+def numbers_read(fields):
+    """The fields with the numbers YAML 1.1 leaves as strings (`1e-5`) made floats, as transformers
+    wants them, in nested mappings and lists too (`rope_parameters: {rope_theta: 1e6}`)."""
+    if isinstance(fields, dict):
+        return {k: numbers_read(v) for k, v in fields.items()}
+    if isinstance(fields, list):
+        return [numbers_read(v) for v in fields]
+    return float(fields) if isinstance(fields, str) and _FLOAT.fullmatch(fields) else fields
 
 
 def hf_config(fields: dict):
@@ -91,7 +96,11 @@ def hf_config(fields: dict):
     fields = numbers_read(fields)
     if "_name_or_path" not in fields:
         known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
-        known |= set(cls().to_dict()) | set(transformers.PretrainedConfig().to_dict()) | _COMMON_KEYS
+        known |= set(transformers.PretrainedConfig().to_dict()) | _COMMON_KEYS
+        try:
+            known |= set(cls().to_dict())
+        except Exception:  # noqa: BLE001 - a class whose defaults do not build: its signature says enough
+            pass
         for key in fields:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known - {"self", "kwargs"}), n=2)
@@ -120,7 +129,12 @@ def check_hf(fields: dict, seq_len: int, checkpointing: bool) -> None:
     if limit is not None and seq_len > limit:
         raise ConfigError(f"model.seq_len={seq_len} is longer than the {limit} positions model.hf's model covers: "
                           f"set model.seq_len to at most {limit}")
-    model = build_hf(fields, checkpointing=False, device="meta")
+    try:
+        model = build_hf(fields, checkpointing=False, device="meta")
+    except Exception as exc:  # noqa: BLE001 - transformers checks some fields only when it builds the model
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"model.hf: transformers could not build the model from these fields: "
+                          f"{type(exc).__name__}: {why}") from None
     if checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model.activation_checkpointing: {type(model).__name__} has no gradient checkpointing "
                           f"of its own; set it to false")
