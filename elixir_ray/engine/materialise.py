@@ -110,7 +110,8 @@ def touched_by_init(order: list, init_fn: Callable[[nn.Module], None],
                     seen = recorder.seen
                 except Exception as exc:  # noqa: BLE001 - an init that needs values: it may touch anything below
                     seen = {id(s) for s in mod.parameters()}
-                    below = [s for s in mod.parameters() if id(s) not in {id(o) for o in mod.parameters(recurse=False)}]
+                    own = {id(s) for s in mod.parameters(recurse=False)}
+                    below = [s for s in mod.parameters() if id(s) not in own]
                     if below:
                         size = sum(s.numel() * s.element_size() for s in below)
                         warnings.warn(f"init_fn({type(mod).__name__}) could not run on meta tensors ({type(exc).__name__}: "
