@@ -261,3 +261,45 @@ def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray
     assert "profiling the workers" in record.reason and "worker(s) 1 did not answer for 8s" in record.reason, record
     assert _steps(result) == [1, 2, 3, 4]
     assert time.monotonic() - started < 120
+
+
+def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray_cluster, tiny_dataset, tmp_path,
+                                                                            monkeypatch):
+    """A step that fails the same way on every try (a bad config, a model too big at this size) used to
+    be restarted fault.max_restarts times, each time re-placing, re-profiling and restoring. Whichever
+    rank reports the error first, the second identical failure ends the run with the error named."""
+    tries, starts = tmp_path / "tries", tmp_path / "starts"
+
+    class FailingWorker(RankWorker):
+        """From step 3 on, one rank's step raises: rank 1 on the first try, rank 0 on the next ones."""
+
+        def __init__(self, config, rank, world_size):
+            super().__init__(config, rank, world_size)
+            if rank == 0:  # one line per try, written before any rank trains
+                with open(starts, "a") as f:
+                    f.write("try\n")
+
+        def run(self, num_steps):
+            step, trainer = self.trainer.step, self.trainer
+            failing_rank = 1 if len(starts.read_text().split()) == 1 else 0
+
+            def failing_step():
+                if trainer.state.step >= 2 and self.rank == failing_rank:
+                    with open(tries, "a") as f:
+                        f.write(f"{self.rank}\n")
+                    raise FloatingPointError("injected: the loss is not finite")  # the run's error, not a worker's
+                return step()
+
+            trainer.step = failing_step
+            return super().run(num_steps)
+
+    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(FailingWorker))
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
+                      fault={"max_restarts": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ClusterError, match=r"(?s)injected: the loss is not finite.*raised after step 2 before "
+                                               r"the last restart too.*giving up after 1 restart"):
+            train(cfg, progress=False)
+    # two tries, not the four that max_restarts=3 allows
+    assert tries.read_text().split() == ["1", "0"]

@@ -32,7 +32,8 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, load_first_valid, load_newest_valid
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
-from elixir_ray.cluster.failure import Decision, RestartPolicy, WorkerGroupFailure
+from elixir_ray.cluster.failure import (Decision, FailureKind, RestartPolicy, StepError, WorkerGroupFailure,
+                                        error_line)
 from elixir_ray.cluster.placement import (WorkerShape, bundle_rank_order, cpu_thread_hint, create_placement_group,
                                           workers_that_fit)
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -117,6 +118,7 @@ class TrainController:
         self.poll_interval_s = poll_interval_s
         self._beats = 0  # rank 0's count of work within steps, as of the last poll
         self.policy = RestartPolicy(cfg.fault.max_restarts)
+        self.failures: list[WorkerGroupFailure] = []  # every failure that was restarted, oldest first
         self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
         self.checkpoint_uri = cfg.checkpoint_uri
         self.state: Optional[RunState] = None
@@ -177,12 +179,19 @@ class TrainController:
     def _recover_or_raise(self, failure: WorkerGroupFailure) -> None:
         log.warning("worker group failed: %s", failure)
         self._teardown()
-        if self.policy.decide(failure, len(self.outcome.restarts)) is Decision.FAIL:
+        reached = self.outcome.metrics[-1]["step"] if self.outcome.metrics else self.step  # the last step trained
+        failure.step = reached
+        decision = self.policy.decide(failure, self.failures)
+        if decision is Decision.FAIL_REPEATED:
+            raise ClusterError(f"{failure}; the same error was raised after step {reached} before the last restart "
+                               f"too, so another restart would fail the same way: giving up after "
+                               f"{len(self.outcome.restarts)} restart(s); fix its cause before resuming") from failure
+        if decision is Decision.FAIL:
             raise ClusterError(f"{failure}; giving up after {len(self.outcome.restarts)} restart(s) "
                                f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
+        self.failures.append(failure)
         self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
-        reached = self.outcome.metrics[-1]["step"] if self.outcome.metrics else self.step  # the last step trained
         self.on_note(f"step {reached}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
                      f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
                      f"{self.shape.num_workers} worker(s)")
@@ -523,7 +532,7 @@ class TrainController:
                         raise self._dead_peer(runs, rank) or failure
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
                 raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
-                                                     f"{self.cfg.fault.detect_timeout_s:g}s")
+                                                     f"{self.cfg.fault.detect_timeout_s:g}s", FailureKind.SILENT)
         self.step = self._get(runs, "training")[0]
         self._drain_metrics()
 
@@ -538,7 +547,8 @@ class TrainController:
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError as exc:
-                    return WorkerGroupFailure("training", f"worker {rank} died: {str(exc).splitlines()[0]}")
+                    return WorkerGroupFailure("training", f"worker {rank} died: {str(exc).splitlines()[0]}",
+                                              FailureKind.DIED)
                 except Exception:  # another survivor's error
                     continue
         return None
@@ -652,7 +662,8 @@ class TrainController:
             if written != last:
                 last, last_change = written, time.monotonic()
             elif time.monotonic() - last_change > detect:
-                raise WorkerGroupFailure("writing a checkpoint", f"no rank wrote anything for {detect:g}s")
+                raise WorkerGroupFailure("writing a checkpoint", f"no rank wrote anything for {detect:g}s",
+                                         FailureKind.SILENT)
         return self._get(refs, "writing a checkpoint")
 
     def _snapshot_timeout(self) -> float:
@@ -699,21 +710,24 @@ class TrainController:
             if silent:
                 ranks = ", ".join(str(rank) for rank, ping in enumerate(pings) if ping in silent)
                 raise WorkerGroupFailure(what, f"worker(s) {ranks} did not answer for {limit:g}s "
-                                               f"(fault.detect_timeout_s): hung or stopped")
+                                               f"(fault.detect_timeout_s): hung or stopped", FailureKind.SILENT)
             self._get(answered, what)
 
     def _get(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupFailure(what, f"timed out after {timeout:g}s") from None
+            raise WorkerGroupFailure(what, f"timed out after {timeout:g}s", FailureKind.SILENT) from None
         except ray.exceptions.RayActorError as exc:
-            raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}") from exc
+            raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}", FailureKind.DIED) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
                 raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
-            raise WorkerGroupFailure(what, f"a worker failed: {str(cause).splitlines()[0]}") from exc
+            first = (str(cause).splitlines() or [""])[0]
+            error = cause.error if isinstance(cause, StepError) else error_line(cause)
+            raise WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED,
+                                     error=error) from exc
 
     def _teardown(self) -> None:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""

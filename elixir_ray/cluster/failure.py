@@ -4,27 +4,71 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+class FailureKind(enum.Enum):
+    """How the group failed: only a raised error can be the run's own fault, repeated on every try."""
+
+    DIED = "died"  # a worker's process (or its node) is gone
+    RAISED = "raised"  # a worker raised an exception
+    SILENT = "silent"  # a worker stopped answering, or no step completed in time
+    OTHER = "other"  # the ranks disagreed, or the workers could not be placed or joined
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception's type and the first line of its message: what two tries compare."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+class StepError(RuntimeError):
+    """A rank's training step raised. It keeps the error apart from the rank that surfaced it and
+    from the traceback, so that the same error is recognised whichever rank reports it first."""
+
+    def __init__(self, rank: int, step: int, message: str, error: str, trace: str):
+        super().__init__(rank, step, message, error, trace)  # args: how a pickled exception is rebuilt
+        self.rank, self.step, self.message, self.trace = rank, step, message, trace
+        self.error = error  # error_line() of the exception the step raised
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed at step {self.step}: {self.message}\n{self.trace}"
 
 
 class WorkerGroupFailure(Exception):
     """A rank died, raised, or went silent; the whole group is rebuilt from a checkpoint."""
 
-    def __init__(self, phase: str, reason: str):
+    def __init__(self, phase: str, reason: str, kind: FailureKind = FailureKind.OTHER, error: str = ""):
         super().__init__(f"{reason} (while {phase})")
-        self.phase, self.reason = phase, reason
+        self.phase, self.reason, self.kind = phase, reason, kind
+        self.error = error  # for RAISED: the exception's type and first line, as the worker raised it
+        self.step: Optional[int] = None  # the last step the group trained before it failed (set by the controller)
+
+    def repeats(self, earlier: "WorkerGroupFailure") -> bool:
+        """The same error raised in the same phase with no step trained in between: a restart from a
+        checkpoint replays the same inputs, so a third try would fail the same way."""
+        return (self.kind is FailureKind.RAISED and earlier.kind is FailureKind.RAISED and bool(self.error)
+                and (self.phase, self.error, self.step) == (earlier.phase, earlier.error, earlier.step))
 
 
 class Decision(enum.Enum):
     RESTART = "restart"
-    FAIL = "fail"
+    FAIL = "fail"  # the restart budget is spent
+    FAIL_REPEATED = "fail_repeated"  # the run's own error, raised again after a restart
 
 
 @dataclass
 class RestartPolicy:
-    """Restart after any worker-group failure until max_restarts restarts have been spent."""
+    """Restart after a worker-group failure until max_restarts restarts have been spent, except
+    that an error raised again, the same way at the same step, ends the run at once: lost workers
+    and flaky links are what restarts are for, and they do not fail identically twice in a row,
+    while a bad config or a model that cannot run at this size does, on every try."""
 
     max_restarts: int
 
-    def decide(self, failure: WorkerGroupFailure, restarts_so_far: int) -> Decision:
-        del failure  # every failure kind costs one restart; a per-kind budget would go here
-        return Decision.RESTART if restarts_so_far < self.max_restarts else Decision.FAIL
+    def decide(self, failure: WorkerGroupFailure, earlier: Sequence[WorkerGroupFailure]) -> Decision:
+        if earlier and failure.repeats(earlier[-1]):
+            return Decision.FAIL_REPEATED
+        if len(earlier) >= self.max_restarts:
+            return Decision.FAIL
+        return Decision.RESTART

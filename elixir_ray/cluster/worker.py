@@ -25,6 +25,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from elixir_ray.cluster.failure import StepError, error_line
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.run_plan import RunPlan
@@ -181,8 +182,8 @@ class RankWorker:
                     with self._lock:
                         self._metrics.append(metrics)
         except Exception as exc:
-            raise RuntimeError(f"rank {self.rank} failed at step {self.trainer.state.step}: {exc}\n"
-                               f"{traceback.format_exc()}") from exc
+            raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
+                            traceback.format_exc()) from exc
         return self.trainer.state.step
 
     def poll(self) -> tuple[list[dict], int]:
