@@ -51,3 +51,21 @@ def test_a_step_error_keeps_its_error_apart_from_the_rank_and_survives_pickling(
     assert (back.rank, back.step, back.error) == (1, 7, "ValueError: bad shape")
     assert str(back).startswith("rank 1 failed at step 7: bad shape\nsecond line")
     assert error_line(RuntimeError()) == "RuntimeError: "
+
+
+def test_a_collectives_error_is_never_the_runs_own():
+    """A survivor's collective fails the same way on every try when a peer hangs (a gloo timeout's
+    line has no address in it): restarted, never called a repeat."""
+    import torch.distributed as dist
+
+    for exc in (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                             "3000ms for recv operation to complete"),
+                RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                             "[127.0.0.1]:41234"),
+                dist.DistBackendError("NCCL communicator was aborted on rank 1"),
+                dist.DistError("anything a collective raises")):
+        assert error_line(exc) == "", exc
+        error = StepError(0, 2, str(exc), error_line(exc), "")
+        failures = [_failure(error=error.error, step=2), _failure(error=error.error, step=2)]
+        assert RestartPolicy(max_restarts=3).decide(failures[1], failures[:1]) is Decision.RESTART
+    assert error_line(FloatingPointError("the loss is not finite")) == "FloatingPointError: the loss is not finite"

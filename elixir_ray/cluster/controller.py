@@ -180,11 +180,12 @@ class TrainController:
         log.warning("worker group failed: %s", failure)
         self._teardown()
         reached = self.outcome.metrics[-1]["step"] if self.outcome.metrics else self.step  # the last step trained
-        failure.step = reached
+        if failure.step is None:
+            failure.step = reached
         decision = self.policy.decide(failure, self.failures)
         if decision is Decision.FAIL_REPEATED:
-            raise ClusterError(f"{failure}; the same error was raised after step {reached} before the last restart "
-                               f"too, so another restart would fail the same way: giving up after "
+            raise ClusterError(f"{failure}; the same error was raised after step {failure.step} before the last "
+                               f"restart too, so another restart would fail the same way: giving up after "
                                f"{len(self.outcome.restarts)} restart(s); fix its cause before resuming") from failure
         if decision is Decision.FAIL:
             raise ClusterError(f"{failure}; giving up after {len(self.outcome.restarts)} restart(s) "
@@ -726,8 +727,10 @@ class TrainController:
                 raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
             first = (str(cause).splitlines() or [""])[0]
             error = cause.error if isinstance(cause, StepError) else error_line(cause)
-            raise WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED,
-                                     error=error) from exc
+            failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
+            if isinstance(cause, StepError):
+                failure.step = cause.step
+            raise failure from exc
 
     def _teardown(self) -> None:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""

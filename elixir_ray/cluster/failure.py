@@ -16,8 +16,27 @@ class FailureKind(enum.Enum):
     OTHER = "other"  # the ranks disagreed, or the workers could not be placed or joined
 
 
+# Words of the errors a rank's collective raises when a peer died, hung or cannot be reached: the
+# rank that raises one is a survivor, and its line (a gloo timeout has no address in it) says
+# nothing about the run's own inputs.
+PEER_ERROR_MARKERS = ("gloo", "nccl", "timed out", "connection reset", "connection closed", "connection refused",
+                      "broken pipe", "watchdog", "process group")
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # a torch built without distributed
+        DistError = ()  # noqa: N806
+    text = str(exc).lower()
+    return isinstance(exc, DistError) or any(marker in text for marker in PEER_ERROR_MARKERS)
+
+
 def error_line(exc: BaseException) -> str:
-    """An exception's type and the first line of its message: what two tries compare."""
+    """An exception's type and the first line of its message: what two tries compare. Empty for a
+    collective's error, which never counts as the run's own."""
+    if is_peer_error(exc):
+        return ""
     lines = str(exc).splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
@@ -29,7 +48,7 @@ class StepError(RuntimeError):
     def __init__(self, rank: int, step: int, message: str, error: str, trace: str):
         super().__init__(rank, step, message, error, trace)  # args: how a pickled exception is rebuilt
         self.rank, self.step, self.message, self.trace = rank, step, message, trace
-        self.error = error  # error_line() of the exception the step raised
+        self.error = error  # error_line() of the exception the step raised ("" for a collective's)
 
     def __str__(self) -> str:
         return f"rank {self.rank} failed at step {self.step}: {self.message}\n{self.trace}"
@@ -41,8 +60,10 @@ class WorkerGroupFailure(Exception):
     def __init__(self, phase: str, reason: str, kind: FailureKind = FailureKind.OTHER, error: str = ""):
         super().__init__(f"{reason} (while {phase})")
         self.phase, self.reason, self.kind = phase, reason, kind
-        self.error = error  # for RAISED: the exception's type and first line, as the worker raised it
-        self.step: Optional[int] = None  # the last step the group trained before it failed (set by the controller)
+        self.error = error  # for RAISED: error_line() of what the worker raised ("" never counts as a repeat)
+        # the last step trained before it failed: the raising rank's own for a step's error, else
+        # the last step the driver saw (set by the controller)
+        self.step: Optional[int] = None
 
     def repeats(self, earlier: "WorkerGroupFailure") -> bool:
         """The same error raised in the same phase with no step trained in between: a restart from a
