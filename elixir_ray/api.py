@@ -25,6 +25,7 @@ from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, count_tokens, resolve_data_uri, windows_in
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
+from elixir_ray.model.factory import check_model_step
 from elixir_ray.run_claim import claim_outputs
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
@@ -414,6 +415,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
           progress: bool = True, resume: Optional[str] = None) -> Result:
     """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from."""
     cfg = check_data(as_config(config, overrides))
+    check_model_step(cfg)
     if resume is not None:
         check_resume(cfg, resume)
     check_output_dir(cfg)

@@ -41,8 +41,12 @@ def _cmd_plan(args) -> int:
     import json
     import os
 
+    import torch
+
     from elixir_ray.config import load_config
     from elixir_ray.engine import PlanError
+    from elixir_ray.engine.device import resolve_device
+    from elixir_ray.model.factory import check_model_step
     from elixir_ray.planner.for_config import comparison_table, plan_config
     from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
     from elixir_ray.units import parse_bytes
@@ -75,7 +79,9 @@ def _cmd_plan(args) -> int:
                               f"plan for, or name one the package ships: "
                               f"{', '.join(shipped_names('hardware', '.json'))}") from None
         source = f"rates from {args.hardware}"
+        check_model_step(cfg, torch.device(hardware.device).type)
     else:
+        check_model_step(cfg, resolve_device(None).type)  # where profile_hardware measures
         _stage("measuring this machine's copy, AdamW and matmul rates")
         hardware = profile_hardware()
         source = "rates measured on this machine"

@@ -127,6 +127,25 @@ def test_a_hugging_face_model_config_is_checked_before_any_worker_starts(model, 
     assert "\n" not in str(exc.value)
 
 
+def test_a_hugging_face_model_whose_step_fails_is_refused_with_the_models_error():
+    """transformers builds a Llama whose key/value heads do not divide its heads; it fails only in
+    forward. One step traced on meta finds it on the driver, as one line."""
+    pytest.importorskip("transformers")
+    from elixir_ray.model.factory import check_model_step
+
+    cfg = config_from_dict({"model": {"hf": {**LLAMA, "num_key_value_heads": 3}, "seq_len": 64}})
+    with pytest.raises(ConfigError) as exc:
+        check_model_step(cfg)
+    assert str(exc.value).startswith("model.hf: transformers builds LlamaForCausalLM from these fields, but one "
+                                     "training step of it fails, traced on the meta device (64 tokens, float32): "
+                                     "RuntimeError: The size of tensor a (4) must match"), exc.value
+    with pytest.raises(ConfigError, match=r"\(64 tokens, bfloat16\)"):  # a GPU run's compute dtype
+        check_model_step(cfg, "cuda")
+    assert "\n" not in str(exc.value)
+    check_model_step(config_from_dict({"model": {"hf": {**LLAMA, "num_key_value_heads": 2}, "seq_len": 8}}))
+    check_model_step(config_from_dict({"model": {"size": "tiny"}}))  # the built-in GPT: nothing to trace
+
+
 def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path, monkeypatch):
     import json
 

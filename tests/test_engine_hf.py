@@ -24,10 +24,14 @@ def _configs():
                                       word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **small),
         "llama": transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=2, num_key_value_heads=1, **small),
+        # experts through torch's grouped matmul, whose meta kernel takes only bfloat16
+        "mixtral": transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                              num_experts_per_tok=2, **small),
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "opt", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "opt", "llama", "mixtral"])
 def test_hf_model_matches_plain_training(name):
     torch.manual_seed(0)
     config = _configs()[name]

@@ -87,6 +87,10 @@ HF_MODELS = {  # no dropout: the workers' streams differ from one process's
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=257, max_position_embeddings=128),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=257, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # tied embeddings
+    # a learned router (each rank's tokens pick other experts) and torch's grouped matmul for the experts
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    vocab_size=257, max_position_embeddings=128),
 }
 
 
@@ -197,6 +201,15 @@ def test_vocabulary_smaller_than_the_data_is_refused(ray_cluster, tiny_dataset, 
     if importlib.util.find_spec("transformers") is not None:  # the key to change is the model's own
         with pytest.raises(ConfigError, match=r"^model.hf.vocab_size=100 is smaller than the dataset's vocabulary"):
             train({**cfg, "model": {"seq_len": 64, "hf": {**HF_MODELS["llama"], "vocab_size": 100}}}, progress=False)
+
+
+def test_a_hugging_face_model_that_cannot_step_is_refused_before_the_run_starts(ray_cluster, tiny_dataset, tmp_path):
+    pytest.importorskip("transformers")
+    cfg = tiny_config(tiny_dataset, tmp_path)
+    model = {"seq_len": 64, "hf": {**HF_MODELS["llama"], "num_key_value_heads": 3}}
+    with pytest.raises(ConfigError, match=r"^model.hf: transformers builds LlamaForCausalLM .* one training step"):
+        train({**cfg, "model": model}, progress=False)
+    assert not os.path.exists(os.path.join(cfg["output_dir"], cfg["name"]))  # no run directory, no worker started
 
 
 def test_a_ray_address_that_is_not_a_cluster_is_one_line(tiny_dataset, tmp_path):

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
@@ -152,6 +153,27 @@ class _IndexListsOnCpu(TorchFunctionMode):
                 args = (args[0], tuple(_cpu_index(i) for i in index))
             else:
                 args = (args[0], _cpu_index(index))
+        return func(*args, **kwargs)
+
+
+class _GroupedMmAtAnyDtype(TorchDispatchMode):
+    """torch's meta kernel for `_grouped_mm` takes only bfloat16, while its CPU kernel, and the
+    engine's fp32 and fp16 compute, take the others too. Hugging Face's mixture-of-experts layers
+    (Mixtral, Qwen-MoE) call it at the model's dtype, so their step could not be traced at fp32.
+    On meta tensors of another dtype this answers with the bfloat16 kernel's shape in the inputs'
+    dtype (its backward calls `_grouped_mm` again and is answered the same way)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            a, b = args[0], args[1]
+            if a.device.type == "meta" and b.device.type == "meta" and a.dtype == b.dtype != torch.bfloat16 \
+                    and a.dtype.is_floating_point:
+                as_bf16 = [x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                           for x in args]
+                out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
+                shaped = func(*as_bf16, **{k: v for k, v in kwargs.items() if k != "out_dtype"})
+                return torch.empty(shaped.shape, dtype=out_dtype, device="meta")
         return func(*args, **kwargs)
 
 
@@ -352,7 +374,7 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(given)[0]]
         try:
             kernels = MetaKernelCache() if cache_kernels else nullcontext()  # first in: called last, by the kernel
-            with kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
+            with _GroupedMmAtAnyDtype(), kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
                 inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):

@@ -496,7 +496,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
             raise ValueError(f"the plan sets activation checkpointing but {type(module).__name__} has no "
                              f"set_checkpointing(mask)")
         module.set_checkpointing(plan.activation_checkpointing)
-    trace = trace_step(module, sample_inputs, loss_fn)
+    trace = trace_step(module, sample_inputs, loss_fn, dtype=dtype)  # as the planner traced it
     # ---- nothing above modified the module; from here on it is converted ----
     index = {n: i for i, n in enumerate(names)}
     ordered = [params[index[n]] for n in plan.param_order]

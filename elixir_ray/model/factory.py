@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from elixir_ray.config import RunConfig, resolve_model_shape
+from elixir_ray.errors import ConfigError
 from elixir_ray.model.gpt import build_gpt, checkpoint_mode, init_gpt_weights
 
 # (model, tokens, targets=None) -> mean loss: tokens hold seq_len+1 per row unless targets are given
@@ -45,6 +46,44 @@ def init_reference_model(cfg: RunConfig) -> nn.Module:
     torch.manual_seed(cfg.train.seed)
     model.apply(init_fn_for(cfg, model))  # the order the engine materialises modules in
     return model
+
+
+def check_model_step(cfg: RunConfig, device_type: Optional[str] = None) -> None:
+    """One training step of a `model.hf` model, traced on the meta device at micro-batch 1, on the
+    driver before any worker starts. transformers builds models whose fields disagree (a
+    num_key_value_heads that does not divide num_attention_heads) that fail only in their forward;
+    without this the workers would start, profile, and fail with a traceback. The trace runs at the
+    compute dtype of a run on `device_type` ("cuda" or "cpu"); where that is not known yet, the
+    model passes when a step traces at either dtype the run could use. About a second for a 7B
+    model; the built-in GPT's fields are all checked when the config is read."""
+    if cfg.model.hf is None:
+        return
+    from elixir_ray.engine.trace import trace_step
+    from elixir_ray.model.hf import hf_sample_inputs, hf_trace_loss
+
+    if cfg.train.dtype != "auto":
+        dtypes = [cfg.train.dtype]
+    elif device_type is not None or cfg.cluster.use_gpu is not None:
+        dtypes = ["bfloat16" if (device_type or ("cuda" if cfg.cluster.use_gpu else "cpu")) == "cuda" else "float32"]
+    else:
+        dtypes = ["float32", "bfloat16"]
+    seq_len = resolve_model_shape(cfg.model)["seq_len"]
+    tokens = torch.zeros((1, seq_len + 1), dtype=torch.long)
+    first = None
+    for dtype in dtypes:
+        model = build_model(cfg, device="meta")
+        try:
+            trace_step(model, hf_sample_inputs(tokens), hf_trace_loss, dtype=getattr(torch, dtype))
+            return
+        except Exception as exc:  # noqa: BLE001 - whatever the model raises, say it before the run starts
+            first = first or (dtype, exc)
+    dtype, exc = first
+    lines = str(exc).splitlines()
+    raise ConfigError(f"model.hf: transformers builds {type(model).__name__} from these fields, but one training "
+                      f"step of it fails, traced on the meta device ({seq_len} tokens, {dtype}): "
+                      f"{type(exc).__name__}: {lines[0] if lines else ''}. Fields that disagree fail this way (a "
+                      f"num_key_value_heads that does not divide num_attention_heads), as does a model whose step "
+                      f"the engine cannot trace") from exc
 
 
 def sample_batch(cfg: RunConfig, micro_batch: int, device: str = "cpu") -> torch.Tensor:
