@@ -209,6 +209,53 @@ def test_grouped_query_attention_flops_are_counted_where_torchs_formula_wants_eq
     assert forward.flops == 4 * b * h * s * s * d and calls and set(calls) == {h}
 
 
+class GroupedExperts(torch.nn.Module):
+    """Experts as Hugging Face's mixture-of-experts layers run them: tokens sorted by expert, one
+    grouped matmul over every expert's weight (whose meta kernel takes only bfloat16)."""
+
+    def __init__(self, experts=4, d=32, hidden=48):
+        super().__init__()
+        self.w_in = torch.nn.Parameter(torch.randn(experts, hidden, d) * 0.1)
+        self.w_out = torch.nn.Parameter(torch.randn(experts, d, hidden) * 0.1)
+
+    def forward(self, x, offs):
+        h = torch._grouped_mm(x, self.w_in.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(torch.relu(h), self.w_out.transpose(-2, -1), offs=offs).square().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_traces_at_any_dtype_and_its_flops_are_counted(dtype):
+    """torch has no FLOP formula for the grouped matmul, and its meta kernel refused float32: a
+    Mixtral step could not be traced at fp32, and its experts' compute was predicted as free."""
+    tokens, d, hidden = 40, 32, 48
+    model = GroupedExperts(d=d, hidden=hidden)
+    offs = torch.tensor([10, 20, 25, 40], dtype=torch.int32)
+    trace = trace_step(model, (torch.randn(tokens, d), offs), dtype=dtype)
+    grouped = [op for op in trace.ops if op.op == "aten::_grouped_mm"]
+    # forward: two products; backward: both weights' gradients and the hidden activation's (not x's)
+    assert sum(op.forward_count for op in grouped) == 2 and sum(op.count for op in grouped) == 5
+    assert {op.flops for op in grouped} == {2 * tokens * d * hidden}  # each is one (40 x 32) @ (32 x 48)
+    assert sum(op.flops * op.count for op in grouped) == 5 * 2 * tokens * d * hidden
+    assert all(trace.got_grad)
+
+
+def test_a_replayed_grouped_matmul_splits_its_tokens_evenly_over_the_groups():
+    """The trace keeps the offsets' shape only: replayed with zeros, every group is empty and the
+    kernel, timed on the device, does no work at all."""
+    from elixir_ray.planner.op_timing import _even_groups, _materialise
+
+    trace = trace_step(GroupedExperts(), (torch.randn(40, 32), torch.tensor([10, 20, 25, 40], dtype=torch.int32)))
+    seen = set()
+    for op in trace.ops:
+        if op.op == "aten::_grouped_mm":
+            args, kwargs = _even_groups(_materialise(op.args, torch.device("cpu")),
+                                        _materialise(op.kwargs, torch.device("cpu")))
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            assert offs.tolist() == [10, 20, 30, 40], op  # 40 tokens over 4 experts, in either operand's place
+            seen.add((args[0].dim(), args[1].dim()))
+    assert seen == {(2, 3), (2, 2)}  # the products and the weights' gradients
+
+
 class ReadsItsMask(torch.nn.Module):
     """Decides from the mask's values, as Hugging Face's attention does, and edits a mask in place."""
 

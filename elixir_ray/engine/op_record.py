@@ -27,8 +27,23 @@ ATTENTION_FORWARD = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled
 ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD}
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_args, out_val: torch.Tensor, **_kwargs) -> int:
+    """Mixture-of-experts layers' grouped matmul, which torch's formulas leave out. Two 2-D operands
+    (an expert weight's gradient) split their shared dimension over the groups, so every group's
+    product adds up to one (M x T) @ (T x N); otherwise each output element is a dot product over
+    the operands' last common dimension."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+_OWN_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 def _flops(func, name: str, args: tuple, kwargs: dict, out) -> int:
-    """torch's FLOP formula for the call (0 where it has none)."""
+    """torch's FLOP formula for the call, or ours (0 where neither has one)."""
+    if func.overloadpacket in _OWN_FLOPS:
+        return int(_OWN_FLOPS[func.overloadpacket](*args, **kwargs, out_val=out))
     if func.overloadpacket not in flop_registry:
         return 0
     formula = flop_registry[func.overloadpacket]
