@@ -31,8 +31,10 @@ def _cmd_prepare_data(args) -> int:
 
 def _cmd_export(args) -> int:
     from elixir_ray.checkpoint.export import export_safetensors
+    from elixir_ray.progress import ByteProgress
 
-    source, n = export_safetensors(args.checkpoint, args.out)
+    progress = None if args.quiet else ByteProgress(f"writing {args.out}")
+    source, n = export_safetensors(args.checkpoint, args.out, progress)
     print(f"wrote {n} tensors from {source} to {args.out}")
     return 0
 
@@ -212,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
     p.add_argument("out", metavar="OUT",
                    help="output file path or URI, e.g. weights.safetensors (not .pt: the file is safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr while the weights are written")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plan", help="show the plan the planner picks for a config, and why",

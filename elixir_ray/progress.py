@@ -61,3 +61,58 @@ class ProgressBar:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class ByteProgress:
+    """Progress of a long write (exporting a large model's weights: tens of GiB, minutes on network
+    storage): bytes done of the total, rate and time left. On a terminal it redraws in place a few
+    times a second; in a log it prints a line every `every_s` seconds, so a short write prints
+    only its last line."""
+
+    def __init__(self, what: str, stream=None, every_s: float = 10.0, clock=time.monotonic):
+        self.what, self.every_s, self.clock = what, every_s, clock
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.total = self.done = 0
+        self.start = self._shown = 0.0
+        self._last_len = 0
+
+    def begin(self, total_bytes: int) -> None:
+        self.total, self.done = total_bytes, 0
+        self.start = self._shown = self.clock()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = self.clock()
+        if now - self._shown >= (0.2 if self.tty else self.every_s):
+            self._shown = now
+            self._show(self.line(now))
+
+    def line(self, now: float) -> str:
+        seconds = now - self.start
+        rate = self.done / seconds if seconds > 0 else 0.0
+        share = self.done / self.total if self.total else 1.0
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        return (f"{self.what}: {_fmt_bytes(self.done)} of {_fmt_bytes(self.total)} ({share:.0%}), "
+                f"{_fmt_bytes(rate)}/s, {_fmt_seconds(left)} left")
+
+    def finish(self) -> None:
+        now = self.clock()
+        seconds = now - self.start
+        text = f"{self.what}: {_fmt_bytes(self.done)} in {_fmt_seconds(seconds)}"
+        self._show(text)
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self._last_len))
+            self._last_len = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()

@@ -2,7 +2,7 @@
 
 import io
 
-from elixir_ray.progress import ProgressBar
+from elixir_ray.progress import ByteProgress, ProgressBar
 
 
 def test_a_log_shows_the_first_step_seen_every_nth_and_the_last_with_notes_between():
@@ -37,3 +37,18 @@ def test_the_summary_says_when_a_restart_failed_again_before_its_restore():
     assert lines == ["restart: worker 1 died (training); failed again before its restore",
                      "restart: worker 0 died (setting up the workers); restored step 2 from object_store on 2 "
                      "worker(s)"]
+
+
+def test_a_long_write_in_a_log_shows_a_line_every_interval_and_the_total_at_the_end():
+    now = [100.0]
+    out = io.StringIO()
+    progress = ByteProgress("writing w.safetensors", stream=out, every_s=10.0, clock=lambda: now[0])
+    progress.begin(4 * 2**30)
+    for _ in range(4 * 8):  # 128 MiB blocks, 4 s apart: 512 MiB in each 16 s
+        now[0] += 4.0
+        progress.add(2**27)
+    progress.finish()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "writing w.safetensors: 384.0 MiB of 4.00 GiB (9%), 32.0 MiB/s, 1:56 left"  # 12 s in
+    assert len(lines) == 32 * 4 // 12 + 1  # one every 12 s (the first block at least 10 s after the last line)
+    assert lines[-1] == "writing w.safetensors: 4.00 GiB in 2:08"

@@ -85,7 +85,16 @@ def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpo
     with pytest.raises(CheckpointError, match=r"names a torch pickle, but export writes safetensors: name it .*w.safetensors"):
         export_safetensors(checkpoint, str(tmp_path / "w.pt"))
     assert not os.path.exists(tmp_path / "w.pt")
-    assert export_safetensors(checkpoint, str(tmp_path / "w.safetensors"))[0] == checkpoint
+    import io
+
+    from safetensors.numpy import load_file
+
+    from elixir_ray.progress import ByteProgress
+
+    log = io.StringIO()
+    assert export_safetensors(checkpoint, str(tmp_path / "w.safetensors"), ByteProgress("export", log))[0] == checkpoint
+    weights = sum(a.nbytes for a in load_file(str(tmp_path / "w.safetensors")).values())
+    assert log.getvalue().startswith(f"export: {weights / 2**20:.1f} MiB in 0:0"), log.getvalue()  # every byte counted
 
 
 def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_take(tmp_path):

@@ -7,17 +7,22 @@ nothing from elixir_ray; for Hugging Face models the keys are the module's own.
 from __future__ import annotations
 
 import os
+from typing import Optional
+
+import numpy as np
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
 from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
+from elixir_ray.progress import ByteProgress
 
 
 PICKLE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
 
 
-def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
-    """Returns (the checkpoint exported, the number of tensors written)."""
+def export_safetensors(ckpt_uri: str, out_uri: str, progress: Optional[ByteProgress] = None) -> tuple[str, int]:
+    """Returns (the checkpoint exported, the number of tensors written). `progress` hears of the
+    bytes as they are written."""
     if "://" not in out_uri and os.path.isdir(out_uri):
         raise CheckpointError(f"the output {out_uri!r} is a directory: name the file, for example "
                               f"{os.path.join(out_uri, 'weights.safetensors')}")
@@ -40,6 +45,12 @@ def export_safetensors(ckpt_uri: str, out_uri: str) -> tuple[str, int]:
     fs, out_path = storage.resolve(out_uri)
     # streamed one tensor at a time (a large model's weights are never all in memory), under a
     # temporary name renamed into place when complete
+    if progress is not None:
+        progress.begin(sum(int(np.prod(spec(f"model/{k}")[0])) * np.dtype(spec(f"model/{k}")[1]).itemsize
+                           for k in names))
     with storage.atomic_output(fs, out_path) as out:
-        safetensors_io.write(out, names, lambda k: tensors[f"model/{k}"], lambda k: spec(f"model/{k}"), metadata)
+        safetensors_io.write(out, names, lambda k: tensors[f"model/{k}"], lambda k: spec(f"model/{k}"), metadata,
+                             on_bytes=progress.add if progress is not None else None)
+    if progress is not None:
+        progress.finish()
     return path, len(names)
