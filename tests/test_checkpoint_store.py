@@ -414,3 +414,34 @@ def test_a_file_shorter_or_longer_than_its_manifest_says_is_refused(tmp_path):
     json.dump(manifest, open(manifest_path, "w"))
     with pytest.raises(CheckpointError, match=f"{name} has .* bytes, its manifest says"):
         load_checkpoint(path)
+
+
+def test_keep_never_removes_the_step_just_saved(tmp_path):
+    """An older step saved after a newer one with keep=1 returned the path it had just deleted."""
+    root = str(tmp_path / "ck")
+    save_checkpoint(root, 300, _tensors(), {})
+    path = save_checkpoint(root, 250, _tensors(1), {}, keep=1)
+    assert os.path.exists(os.path.join(path, "manifest.json")), path
+    np.testing.assert_array_equal(load_checkpoint(path)[1]["model/w"], _tensors(1)["model/w"])
+
+
+def test_a_step_saved_again_replaces_it_and_a_replace_cut_short_loses_neither_copy(tmp_path):
+    """A local save of a step that exists used to delete the old copy, then rename the new one in: a
+    kill between the two left no checkpoint of that step, and the complete new copy was removed as a
+    crashed save's leftover an hour later."""
+    root = tmp_path / "ck"
+    save_checkpoint(str(root), 200, _tensors(), {"which": "old"})
+    save_checkpoint(str(root), 200, _tensors(1), {"which": "new"})
+    assert read_manifest(str(root / "step-00000200"))["which"] == "new"
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp")]  # the old copy is gone
+    # the state a kill between the renames leaves: the old copy aside, the new one under its temporary name
+    save_checkpoint(str(tmp_path / "other"), 200, _tensors(2), {"which": "newer"})
+    os.rename(root / "step-00000200", root / ".tmp-step-00000200-replaced")
+    os.rename(tmp_path / "other" / "step-00000200", root / ".tmp-step-00000200-1234abcd")
+    assert list_checkpoints(str(root)) == []  # a commit this young may still be under way: left alone
+    minute_ago = time.time() - 90
+    for p in (root / ".tmp-step-00000200-replaced", root / ".tmp-step-00000200-1234abcd"):
+        os.utime(p, (minute_ago, minute_ago))
+    assert [os.path.basename(p) for p in list_checkpoints(str(root))] == ["step-00000200"]
+    assert read_manifest(str(root / "step-00000200"))["which"] == "newer"  # the new copy, not the replaced one
+    np.testing.assert_array_equal(load_checkpoint(str(root / "step-00000200"))[1]["model/w"], _tensors(2)["model/w"])

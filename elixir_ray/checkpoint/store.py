@@ -43,6 +43,9 @@ TMP_PREFIX = ".tmp-step-"
 # A `.tmp-step-*` directory untouched for this long is a crashed save's leftover: a save in progress
 # writes one part file (at most ~1 GiB) after another, so its newest file is never nearly that old.
 STALE_TMP_SECONDS = 3600
+# A temporary directory holding a manifest is a commit's last moment (the manifest is written, then
+# the directory renamed): one that old was interrupted between the two, not in progress.
+FINISH_AFTER_S = 60
 
 
 class CheckpointError(RuntimeError):
@@ -61,10 +64,11 @@ def save_checkpoint(uri: str, step: int, tensors: Mapping[str, np.ndarray], extr
     fs, root = storage.resolve(uri)
     fs.create_dir(root, recursive=True)
     remove_stale_temporaries(fs, root)  # first: on a full disk, a crashed save's leftovers free the space
-    write_checkpoint(fs, root, step, tensors, extra, part_bytes)
+    written = write_checkpoint(fs, root, step, tensors, extra, part_bytes)
     if keep:
         for old in _list(fs, root)[:-keep]:
-            _remove_checkpoint(fs, old)
+            if old != written:  # an older step saved after newer ones is still what the caller asked for
+                _remove_checkpoint(fs, old)
     return _as_uri(uri, root, f"{root}/{_step_dir(step)}")
 
 
@@ -168,8 +172,17 @@ def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) 
     with fs.open_output_stream(f"{work}/manifest.json") as out:
         out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
     if fs.type_name == "local":
-        _remove_checkpoint(fs, final)
+        # a step saved again: the old copy is moved aside first and removed only once the new one is
+        # in place, so that a crash in between leaves a complete copy (restored by the next save's
+        # clean-up), never none
+        aside = None
+        if storage.exists(fs, final):
+            aside = f"{os.path.dirname(final)}/{TMP_PREFIX}{os.path.basename(final)[len('step-'):]}-replaced"
+            _remove_checkpoint(fs, aside)
+            fs.move(final, aside)
         fs.move(work, final)
+        if aside is not None:
+            _discard(fs, aside)
 
 
 def abort_checkpoint(work_uri: str) -> None:
@@ -210,6 +223,8 @@ def remove_stale_temporaries(fs: pafs.FileSystem, root: str, max_age_s: float = 
         infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     except OSError:
         return removed
+    if _finish_interrupted_commits(fs, root, infos):
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     for info in infos:
         if info.type != pafs.FileType.Directory or not os.path.basename(info.path).startswith(TMP_PREFIX):
             continue
@@ -244,12 +259,44 @@ def checkpoint_path_hint(uri: str) -> str:
     return ""
 
 
+def _finish_interrupted_commits(fs: pafs.FileSystem, root: str, infos: list) -> bool:
+    """A local commit interrupted between its renames (a step saved again: the old copy moved aside,
+    the new one not yet in place) leaves complete copies, manifests written, under temporary names
+    and no checkpoint of that step: the new copy (else the old) is put in place. Returns whether any
+    was. Only copies at least FINISH_AFTER_S old: a younger one may be a commit in progress."""
+    if fs.type_name != "local":
+        return False  # elsewhere a step's files are written in place
+    limit_ns = time.time_ns() - int(FINISH_AFTER_S * 1e9)
+    complete = sorted((i for i in infos if i.type == pafs.FileType.Directory
+                       and os.path.basename(i.path).startswith(TMP_PREFIX)
+                       and i.mtime_ns is not None and i.mtime_ns < limit_ns
+                       and storage.exists(fs, f"{i.path}/manifest.json")),
+                      key=lambda i: os.path.basename(i.path).endswith("-replaced"))
+    finished = False
+    for info in complete:
+        digits = os.path.basename(info.path)[len(TMP_PREFIX):][:8]
+        if not digits.isdigit():
+            continue
+        final = f"{root}/{_step_dir(int(digits))}"
+        if storage.exists(fs, final):
+            continue
+        try:
+            fs.move(info.path, final)
+            finished = True
+        except OSError:  # a read-only filesystem, or another process finished it first
+            continue
+    return finished
+
+
 def _list(fs: pafs.FileSystem, root: str) -> list[str]:
-    """Committed checkpoints under root, as paths on fs."""
+    """Committed checkpoints under root, as paths on fs (an interrupted local commit finished first)."""
     if fs.get_file_info(root).type != pafs.FileType.Directory:  # missing, or a file (one checkpoint's manifest?)
         return []
     found = []
-    for info in fs.get_file_info(pafs.FileSelector(root)):
+    infos = fs.get_file_info(pafs.FileSelector(root))
+    if _finish_interrupted_commits(fs, root, infos):
+        infos = fs.get_file_info(pafs.FileSelector(root))
+    for info in infos:
         name = os.path.basename(info.path)
         if info.type == pafs.FileType.Directory and name.startswith("step-"):
             if storage.exists(fs, f"{info.path}/manifest.json"):
