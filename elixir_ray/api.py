@@ -217,6 +217,11 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(newest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
+    changed = model_fields_changed((newest.get("config") or {}).get("model"), cfg)
+    if changed:
+        warnings.warn(f"--resume {uri!r}: the checkpoint's model had {', '.join(changed)}: every tensor has the "
+                      f"shape this run's model expects, so it loads, but its weights are then read as another "
+                      f"model's; set the checkpoint's values to continue it", stacklevel=2)
     # "nothing left to train": the restore takes the newest that verifies, so the newest is refused
     # here when its files do verify (read through once, only in that case); a corrupt file can move
     # the restore back to any of them, so otherwise refuse only when even the oldest leaves no step
@@ -232,6 +237,29 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
     step = int(oldest.get("step", 0))
     if step >= cfg.train.steps:
         raise ConfigError(nothing_left_to_train(uri, step, cfg.train.steps))
+
+
+def model_fields_changed(theirs: Optional[dict], cfg: RunConfig) -> list[str]:
+    """The model fields a checkpoint's run set otherwise than this run, that leave every tensor's
+    shape as it is (the attention heads of the GPT; any of a Hugging Face model's fields but its
+    name): `their=value (this run: value)` each. The window length and checkpointing may change."""
+    if not isinstance(theirs, dict):
+        return []
+    mine = cfg.model
+    if isinstance(theirs.get("hf"), dict) and isinstance(mine.hf, dict):
+        ours, others = mine.hf, theirs["hf"]
+        keys = sorted((set(ours) | set(others)) - {"_name_or_path"})
+        return [f"model.hf.{k}={others.get(k)!r} (this run: {ours.get(k)!r})" for k in keys
+                if others.get(k) != ours.get(k)]
+    if theirs.get("hf") is not None or mine.hf is not None:
+        return []  # the shapes differ; check_compatible says so
+    try:
+        other_shape = resolve_model_shape(config_from_dict({"model": theirs}).model)
+    except (ConfigError, TypeError, KeyError, ValueError):
+        return []  # a config this version cannot read: the shapes were compared already
+    shape = resolve_model_shape(mine)
+    return [f"model.{k}={other_shape[k]} (this run: {shape[k]})" for k in sorted(shape)
+            if k != "seq_len" and other_shape.get(k) != shape[k]]
 
 
 def _writable_local_dir(uri: str, key: str) -> Optional[str]:

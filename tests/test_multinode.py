@@ -28,6 +28,7 @@ def test_node_lost_mid_run_continues_elastically_on_two_workers(tiny_dataset, tm
     assert report["plan_world_size"] == 2
     # the global batch (2 x 2 x 3 = 12) is kept: 2 workers take 6 samples each
     assert report["plan_micro_batch"] * report["plan_grad_accum"] == 6
+    assert report["manifest_global_batch"] == 12  # what a resume compares its own with
     assert report["restored_step"][0] % 3 == 0
     assert report["checkpoint"]
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from elixir_ray import ConfigError, train
+from elixir_ray import ClusterError, ConfigError, train
 from elixir_ray.api import as_config, check_resume
 from elixir_ray.checkpoint import list_checkpoints, save_checkpoint
 from elixir_ray.model.factory import init_reference_model
@@ -24,10 +24,10 @@ def _cfg(tmp_path, n_layers=2, steps=8, data=NO_DATA, **sections):
     return as_config(tiny_config(data, tmp_path, model={"n_layers": n_layers}, train={"steps": steps}, **sections))
 
 
-def _save_model(uri, step, cfg):
+def _save_model(uri, step, cfg, **extra):
     """A real checkpoint of the configured model's initial weights, named as the trainer names them."""
     tensors = {f"model/{k}": v.detach().numpy() for k, v in init_reference_model(cfg).state_dict().items()}
-    return save_checkpoint(uri, step, tensors, {"samples_consumed": step * 8})
+    return save_checkpoint(uri, step, tensors, {"samples_consumed": step * 8, **extra})
 
 
 def _damage_manifest(checkpoint_path):
@@ -237,3 +237,67 @@ def test_outputs_inside_rays_copy_of_a_jobs_working_directory_are_warned_about(t
         warnings.simplefilter("error")
         check_output_dir(config_from_dict({"name": "t", "output_dir": lasting}))
         check_output_dir(config_from_dict({"name": "t", "output_dir": lasting, "checkpoint": {"uri": "s3://b/ckpt"}}))
+
+
+def test_a_checkpoint_whose_model_differs_without_changing_a_shape_is_warned_about(tmp_path):
+    """Every tensor of a 4-head GPT has the shape of the 2-head one's: the resume loaded it silently,
+    and trained its weights as another attention layout."""
+    four_heads = as_config(tiny_config(NO_DATA, tmp_path, model={"n_layers": 2, "n_heads": 4}, train={"steps": 8}))
+    two_heads = as_config(tiny_config(NO_DATA, tmp_path, model={"n_layers": 2, "n_heads": 2}, train={"steps": 8}))
+    root = str(tmp_path / "ck")
+    _save_model(root, 2, four_heads, config=four_heads.to_dict())
+    with pytest.warns(UserWarning, match=r"the checkpoint's model had model.n_heads=4 \(this run: 2\): every tensor "
+                                         r"has the shape"):
+        check_resume(two_heads, root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same model, written out in full or by its named size: nothing to say
+        check_resume(as_config({**four_heads.to_dict(), "model": {"size": "tiny", "n_layers": 2, "n_heads": 4,
+                                                                  "seq_len": 64, "activation_checkpointing": True}}),
+                     root)
+
+
+def test_a_resume_whose_restore_falls_back_to_another_models_checkpoint_is_refused(ray_cluster, tiny_dataset,
+                                                                                   tmp_path):
+    """The driver checks the newest checkpoint whose manifest reads; the restore takes the newest whose
+    files verify. With the newest damaged, an older checkpoint of a bigger model was handed to the
+    workers, and every rank failed reading it."""
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6})
+    root = str(tmp_path / "ck")
+    _save_model(root, 2, _cfg(tmp_path, n_layers=4))
+    newest = _save_model(root, 4, as_config(cfg))
+    part = os.path.join(newest, "part-00000.safetensors")
+    with open(part, "r+b") as f:
+        f.seek(os.path.getsize(part) - 4)
+        f.write(b"\xff\xff\xff\xff")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ClusterError, match=r"the newest checkpoint whose files verify, .*step-00000002"
+                                                          r", is the one restored, and checkpoint does not fit this "
+                                                          r"model: it has tensor 'model/blocks.2"):
+            train(cfg, progress=False, resume=root)
+
+
+def test_the_global_batch_of_an_elastic_run_is_read_from_its_checkpoint(tmp_path, caplog):
+    """An elastic run keeps its global batch on fewer workers by raising grad_accum in its plan, which
+    its config does not show: resuming it on its first worker count, which continues it exactly, was
+    told to change the batch, and resuming it on fewer, which halves it, was not warned."""
+    from elixir_ray.cluster.controller import TrainController
+    from elixir_ray.cluster.placement import WorkerShape
+
+    cfg = as_config(tiny_config(NO_DATA, tmp_path))  # micro-batch 4, grad_accum 1
+    shrunk = {"step": 4, "world_size": 1, "config": cfg.to_dict()}  # started on 2 workers, 1 at the end
+
+    def warnings_for(manifest, workers):
+        caplog.clear()
+        controller = TrainController(cfg, WorkerShape(num_workers=workers, use_gpu=False, cpus_per_worker=1))
+        with caplog.at_level("WARNING", logger="elixir_ray"):
+            controller._note_resume("ck/step-00000004", manifest)
+        return [r.getMessage() for r in caplog.records if "global batch" in r.getMessage()]
+
+    assert warnings_for({**shrunk, "global_batch": 8}, workers=2) == []
+    (message,) = warnings_for({**shrunk, "global_batch": 8}, workers=1)
+    assert "had a global batch of 8 (its config's micro-batch 4 x grad_accum 1 over the workers it started on, 1 at " \
+           "the end), this run has 4" in message, message
+    # a checkpoint from before the manifest said it: the config's product over its last worker count
+    (message,) = warnings_for(shrunk, workers=2)
+    assert "had a global batch of 4 (1 worker(s) x micro-batch 4 x grad_accum 1)" in message, message

@@ -29,7 +29,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elixir_ray import storage
-from elixir_ray.checkpoint import CheckpointError, load_first_valid, load_newest_valid
+from elixir_ray.checkpoint import CheckpointError, check_compatible, load_first_valid, load_newest_valid
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import (Decision, FailureKind, RestartPolicy, StepError, WorkerGroupFailure,
@@ -413,14 +413,32 @@ class TrainController:
             self._warn_dropout_streams(world)
         if not (isinstance(world, int) and "micro_batch" in train):
             return
-        theirs = train["micro_batch"] * train.get("grad_accum", 1) * world
+        # kept whole across an elastic restart (the plan's grad_accum grows), so the config's product
+        # on the workers left is not it: the manifest says it (older ones did not)
+        product = train["micro_batch"] * train.get("grad_accum", 1) * world
+        theirs = manifest.get("global_batch") or product
         if theirs != self.global_batch:
-            message = (f"--resume: the checkpoint's run had a global batch of {theirs} ({world} worker(s) x "
-                       f"micro-batch {train['micro_batch']} x grad_accum {train.get('grad_accum', 1)}), this run has "
+            how = (f"{world} worker(s) x micro-batch {train['micro_batch']} x grad_accum {train.get('grad_accum', 1)}"
+                   if theirs == product else
+                   f"its config's micro-batch {train['micro_batch']} x grad_accum {train.get('grad_accum', 1)} over "
+                   f"the workers it started on, {world} at the end")
+            message = (f"--resume: the checkpoint's run had a global batch of {theirs} ({how}), this run has "
                        f"{self.global_batch} ({self.shape.num_workers} x {self.cfg.train.micro_batch} x "
                        f"{self.cfg.train.grad_accum}): it goes on differently from that run; to continue it exactly, "
                        f"set train.micro_batch or train.grad_accum so that the product is {theirs}")
             log.warning(message)
+
+    def _check_fits(self, path: str, manifest: dict) -> None:
+        """The driver checked the newest checkpoint whose manifest reads before the run started; the
+        restore takes the newest whose files verify, which may be an older one (another model's, in
+        a directory runs of one name share): refused here before any worker reads it."""
+        from elixir_ray.model.factory import expected_checkpoint_shapes
+
+        try:
+            check_compatible(manifest, expected_checkpoint_shapes(self.cfg))
+        except CheckpointError as exc:
+            raise ClusterError(f"--resume {self.resume.uri!r}: the newest checkpoint whose files verify, {path}, "
+                               f"is the one restored, and {exc}") from None
 
     def _same_run(self, manifest: dict) -> bool:
         """Whether a --resume checkpoint was written by this run (same name and output_dir), whose
@@ -477,6 +495,7 @@ class TrainController:
                 why = f": {errors[-1]}" if errors else ""
                 raise ClusterError(f"--resume {self.resume.uri!r}: no valid checkpoint there{why}")
             path, manifest, tensors = found
+            self._check_fits(path, manifest)
             tensors = self._for_the_workers(path, manifest, tensors)
             source, step, consumed = "durable", manifest["step"], manifest["samples_consumed"]
             self._note_resume(path, manifest)
@@ -588,7 +607,7 @@ class TrainController:
         snap = Snapshot(step=headers[0]["step"], samples_consumed=headers[0]["samples_consumed"], worker_refs=shards,
                         on_driver_node=self._on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
-                               "world_size": self.shape.num_workers})
+                               "world_size": self.shape.num_workers, "global_batch": self.global_batch})
         # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
         # driver's node both would be lost together, so one is enough (a whole state less in memory)
         self.snapshots = [snap] if self._on_driver_node else self.snapshots[-1:] + [snap]
@@ -635,7 +654,8 @@ class TrainController:
                 self.checkpoint_uri, step, work, {k: v for r in results for k, v in r["files"].items()},
                 results[0]["layout"], self.shape.num_workers,
                 {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
-                 "config": self.cfg.to_dict(), "world_size": self.shape.num_workers})
+                 "config": self.cfg.to_dict(), "world_size": self.shape.num_workers,
+                 "global_batch": self.global_batch})
         except (OSError, CheckpointError) as exc:
             self.persister.forget_unreadable(step)
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")

@@ -13,6 +13,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import elixir_ray
+import elixir_ray.checkpoint
 
 
 def main(dataset: str, out_dir: str) -> None:
@@ -63,6 +64,7 @@ def main(dataset: str, out_dir: str) -> None:
         "plan_grad_accum": result.plan.grad_accum,
         "node_removed": "at" in removed,
         "checkpoint": result.checkpoint_uri,
+        "manifest_global_batch": elixir_ray.checkpoint.read_manifest(result.checkpoint_uri).get("global_batch"),
     }))
     ray.shutdown()
     cluster.shutdown()
