@@ -118,6 +118,20 @@ def test_kept_zero_gradients_of_a_parameter_unused_in_a_step_are_refused():
         _one_step(model, opt, data[1])
 
 
+def test_a_parameter_frozen_after_keeping_a_zero_gradient_is_refused_as_torch_still_moves_it():
+    """Frozen mid-run after zero_grad(set_to_none=False): torch's AdamW keeps stepping it (its .grad is a
+    zero tensor, not None); the engine silently stopped, 8e-3 away from torch after one step."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(3, 4, seed=3)
+    model, opt = _wrapped(module, torch.optim.AdamW(module.parameters(), lr=1e-2), data)
+    _one_step(model, opt, data[0])
+    opt.zero_grad(set_to_none=False)
+    model.module.l3.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"'l3.weight' got no gradient in this step \(it was frozen since\) but "
+                                           r"kept a zero one"):
+        _one_step(model, opt, data[1])
+
+
 def test_a_tensor_learning_rate_changed_in_place_after_backward_is_refused():
     """A scheduler edits a tensor lr in place: the same object, so the value is what is compared."""
     torch.manual_seed(0)

@@ -553,3 +553,65 @@ def test_a_step_on_other_weights_between_a_forward_and_its_backward_trains_like_
             o.step()
             o.zero_grad()
     assert _max_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+
+
+def test_step_hooks_run_as_torch_runs_them_and_an_ema_of_the_weights_tracks_torchs():
+    """Hooks on the optimizer (an EMA of the weights, a logger) never ran: the optimizer wrap returns
+    set up none of torch's step machinery, and registering one raised an AttributeError."""
+    import torch.optim.optimizer as torch_optimizer
+
+    model, opt, base, reference, ref_opt = _pair()
+    calls, emas = [], []
+    for optimizer, module in ((opt, model), (ref_opt, reference)):
+        ema = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+        def update_ema(o, args, kwargs, ema=ema, module=module):
+            for k, v in module.state_dict().items():
+                ema[k].mul_(0.9).add_(v.detach(), alpha=0.1)
+        optimizer.register_step_post_hook(update_ema)
+        emas.append(ema)
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    handle = torch_optimizer.register_optimizer_step_post_hook(
+        lambda o, args, kwargs: calls.append(("global post", type(o).__name__)))
+    try:
+        for batch in batches(3, 4, seed=2):
+            for m, o in ((model, opt), (reference, ref_opt)):
+                m(batch).backward()
+                o.step()
+                o.zero_grad()
+    finally:
+        handle.remove()
+    assert calls.count(("pre", True)) == 3 and calls.count(("global post", "ChunkedAdam")) == 3
+    assert _max_diff(*emas) < 1e-5
+    with pytest.raises(NotImplementedError, match="without torch's state-dict hooks"):
+        opt.register_state_dict_post_hook(lambda *a: None)
+    # a hook registered on the optimizer before it was wrapped runs on the wrapped one's steps
+    module, sample, before = Toy(), (batches(1, 4)[0],), []
+    base = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    base.register_step_post_hook(lambda o, args, kwargs: before.append(o))
+    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu")
+    model(sample[0]).backward()
+    opt.step()
+    assert before == [opt]
+
+
+def test_another_optimizer_over_wrapped_parameters_is_refused_at_its_step():
+    """AdamW for some parameters and SGD for the wrapped module's matrices: the SGD found no gradients
+    (they live in the chunks) and silently trained nothing, 0.14 off torch after three steps."""
+    torch.manual_seed(0)
+    module = Toy()
+    sample = (batches(1, 4)[0],)
+    vectors = [p for p in module.parameters() if p.dim() < 2]
+    matrices = [p for p in module.parameters() if p.dim() >= 2]
+    model, opt = wrap(module, torch.optim.AdamW(vectors, lr=1e-2), sample_inputs=sample,
+                      plan=manual_plan(module, sample, 1024, 2), device="cpu")
+    sgd = torch.optim.SGD(matrices, lr=0.1)
+    model(sample[0]).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"this SGD steps 'emb.weight', a parameter elixir_ray.wrap packed into "
+                                           r"chunks"):
+        sgd.step()
+    unrelated = torch.nn.Linear(3, 3)  # optimizers over other parameters step as before
+    plain = torch.optim.SGD(unrelated.parameters(), lr=0.1)
+    unrelated(torch.ones(1, 3)).sum().backward()
+    plain.step()

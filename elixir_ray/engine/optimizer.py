@@ -24,7 +24,7 @@ does not advance, exactly as torch skips parameters whose `.grad` is None.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -162,11 +162,43 @@ def _host_sum_of_squares(grad: torch.Tensor) -> float:
     return total
 
 
+# torch's registry of step hooks is process-wide: the one hook below is registered there once, the
+# first time a module is wrapped, and refuses only optimizers that step wrapped parameters
+_OTHER_OPTIMIZER_HOOK: list = []
+_CHUNKED_NAME = "_elixir_ray_chunked"  # set on each wrapped parameter: its name in the module
+
+
+def refuse_other_optimizers(slots: list[ParamSlot]) -> None:
+    """Another torch optimizer over wrapped parameters (SGD or Muon for the matrices beside AdamW for
+    the rest, say) would find no gradients, as they live in the chunks, and silently train nothing."""
+    for s in slots:
+        setattr(s.param, _CHUNKED_NAME, s.name)
+    if not _OTHER_OPTIMIZER_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _OTHER_OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_refuse_other_optimizer_step))
+
+
+def _refuse_other_optimizer_step(optimizer, args, kwargs):
+    if isinstance(optimizer, ChunkedAdam) or getattr(optimizer, "_elixir_ray_original", False):
+        return  # the original optimizer's own hook says what to do instead
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, _CHUNKED_NAME, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} steps {name!r}, a parameter elixir_ray.wrap packed into "
+                    f"chunks: its gradient and its update live in the engine, so this step would change nothing. "
+                    f"Give every trained parameter to the optimizer passed to wrap (Adam or AdamW, param groups "
+                    f"for their own hyper-parameters), or keep this one's parameters out of the wrapped module")
+
+
 class ChunkedAdam(torch.optim.Optimizer):
     """The optimizer wrap returns. A torch Optimizer to the code that checks (learning-rate
-    schedulers built on it work), but none of Optimizer's own machinery is set up: its state lives
-    in the chunks, its param groups are the original optimizer's, and it has no `state` attribute
-    and no step hooks."""
+    schedulers built on it work), but little of Optimizer's own machinery is set up: its state lives
+    in the chunks, its param groups are the original optimizer's, and it has no `state` attribute.
+    Step hooks run as torch runs them (an EMA of the weights is often one): torch's global ones, and
+    this optimizer's, which start as those registered on the original optimizer before wrap."""
 
     def __init__(self, base: torch.optim.Optimizer, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot],
                  max_grad_norm: Optional[float], dos_gap: int, loss_scale: Optional[DynamicLossScale],
@@ -174,6 +206,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.base, self.store, self.pool, self.slots = base, store, pool, slots
         self.max_grad_norm, self.dos_gap, self.loss_scale = max_grad_norm, dos_gap, loss_scale
         self.accumulation_steps = accumulation_steps
+        # the step hooks registered on the original optimizer so far run on this one's step
+        self._optimizer_step_pre_hooks = OrderedDict(base._optimizer_step_pre_hooks)
+        self._optimizer_step_post_hooks = OrderedDict(base._optimizer_step_post_hooks)
         self.decoupled = isinstance(base, torch.optim.AdamW)
         group_of = {id(p): i for i, g in enumerate(base.param_groups) for p in g["params"]}
         for s in slots:
@@ -271,9 +306,11 @@ class ChunkedAdam(torch.optim.Optimizer):
                                    f"requires_grad before wrap (freeze after wrap instead, which works)")
         if self._zeros_kept:
             for s in self.slots:
-                if s.had_grad and not s.has_grad and s.group >= 0 and s.param.requires_grad:
+                # a parameter frozen since counts too: torch steps every parameter whose .grad is not None
+                if s.had_grad and not s.has_grad and s.group >= 0:
+                    frozen = "" if s.param.requires_grad else " (it was frozen since)"
                     raise RuntimeError(
-                        f"parameter {s.name!r} got no gradient in this step but kept a zero one from "
+                        f"parameter {s.name!r} got no gradient in this step{frozen} but kept a zero one from "
                         f"zero_grad(set_to_none=False): torch's AdamW would still move it (momentum, weight decay), "
                         f"elixir_ray updates only parameters with a gradient. Use zero_grad() (set_to_none=True, "
                         f"torch's default)")
@@ -342,6 +379,15 @@ class ChunkedAdam(torch.optim.Optimizer):
         return bool(self.store.comm.all_reduce_max(torch.tensor([float(bad)]))[0] > 0)
 
     @torch.no_grad()
+    def _no_state_dict_hooks(self, *args, **kwargs):
+        raise NotImplementedError("the optimizer wrap returns writes its state_dict() from the chunks and loads "
+                                  "it into them, without torch's state-dict hooks: change the dict you get from "
+                                  "state_dict(), or the one you pass to load_state_dict(), yourself")
+
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_state_dict_hooks
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_state_dict_hooks
+
+    @torch.optim.Optimizer.profile_hook_step  # torch's global and this optimizer's step hooks around it
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")

@@ -31,7 +31,8 @@ from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.materialise import materialise, post_order
-from elixir_ray.engine.optimizer import ChunkedAdam, DynamicLossScale, check_optimizer, updates_start_in_backward
+from elixir_ray.engine.optimizer import (ChunkedAdam, DynamicLossScale, check_optimizer, refuse_other_optimizers,
+                                         updates_start_in_backward)
 from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import as_sample_inputs, loss_in
@@ -531,6 +532,8 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
     optimizer.register_step_pre_hook(_refuse_original_step)
+    optimizer._elixir_ray_original = True
+    refuse_other_optimizers(slots)
     # the optimizer passed in holds no gradients or state of its own now: these act on the engine's,
     # so a loop that zeroes, saves or loads through it does what it did before wrap
     optimizer.zero_grad = chunked_optimizer.zero_grad
