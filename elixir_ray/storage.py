@@ -29,6 +29,25 @@ def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
+def sync_to_disk(fs: pafs.FileSystem, path: str) -> None:
+    """On a local filesystem, wait until the file's (or directory's) bytes are on the disk: a rename
+    that commits a file, or the pruning of an older copy, must not come before its data after a power
+    loss. Elsewhere an upload is durable once it completes. A filesystem that cannot sync a directory
+    (some network mounts refuse) is left as it is."""
+    if fs.type_name != "local":
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
     """Write under a temporary name in the same directory, then rename over the target."""
     with atomic_output(fs, path) as out:
@@ -46,7 +65,9 @@ def atomic_output(fs: pafs.FileSystem, path: str):
     try:
         with fs.open_output_stream(tmp) as out:
             yield out
+        sync_to_disk(fs, tmp)
         fs.move(tmp, path)
+        sync_to_disk(fs, parent or ".")
     except BaseException:
         if exists(fs, tmp):
             fs.delete_file(tmp)

@@ -445,3 +445,24 @@ def test_a_step_saved_again_replaces_it_and_a_replace_cut_short_loses_neither_co
     assert [os.path.basename(p) for p in list_checkpoints(str(root))] == ["step-00000200"]
     assert read_manifest(str(root / "step-00000200"))["which"] == "newer"  # the new copy, not the replaced one
     np.testing.assert_array_equal(load_checkpoint(str(root / "step-00000200"))[1]["model/w"], _tensors(2)["model/w"])
+
+
+def test_a_local_checkpoint_is_on_the_disk_before_its_rename_commits_it(tmp_path, monkeypatch):
+    """No file was synced: after a power loss a committed step could hold empty parts, with its
+    predecessor already pruned (keep=1)."""
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = tmp_path / "ck"
+    path = save_checkpoint(str(root), 5, _tensors(), {}, part_bytes=64)  # several parts
+    parts = sorted(p for p in os.listdir(path) if p.startswith("part-"))
+    assert len(parts) > 1
+    names = [os.path.basename(p) for p in synced]
+    assert all(name in names for name in parts + ["manifest.json"]), names
+    # the files and the temporary directory before the rename, then the directory that holds the step
+    assert names.index("manifest.json") > max(names.index(p) for p in parts)
+    assert synced[-1] == str(root)

@@ -615,3 +615,22 @@ def test_another_optimizer_over_wrapped_parameters_is_refused_at_its_step():
     plain = torch.optim.SGD(unrelated.parameters(), lr=0.1)
     unrelated(torch.ones(1, 3)).sum().backward()
     plain.step()
+
+
+def test_a_grad_scaler_is_refused_with_what_to_do_instead_and_training_goes_on():
+    """torch.amp.GradScaler failed inside torch ("No inf checks were recorded for this optimizer")."""
+    torch.manual_seed(0)
+    model, opt, _, _, _ = _pair()
+    data = batches(2, 4, seed=4)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading .grad to unscale warns that it holds nothing
+        scaler.scale(model(data[0])).backward()
+        with pytest.raises(RuntimeError, match=r"a torch.amp.GradScaler stepped elixir_ray's optimizer: .* scales the "
+                                               r"loss itself"):
+            scaler.step(opt)
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(data[1]).backward()
+    opt.step()
+    assert _max_diff(before, model.state_dict()) > 0  # the next step trains

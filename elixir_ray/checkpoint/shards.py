@@ -64,6 +64,7 @@ def write_rank_shard(work_uri: str, rank: int, shard: Mapping[str, np.ndarray],
         name = rank_file(rank, i)
         with fs.open_output_stream(f"{root}/{name}") as out:
             sha256, nbytes = safetensors_io.write(out, names, shard.__getitem__, spec, on_bytes=on_bytes)
+        storage.sync_to_disk(fs, f"{root}/{name}")  # on the disk before the driver's commit
         files[name] = {"sha256": sha256, "bytes": nbytes, "rank": rank}
     return files
 

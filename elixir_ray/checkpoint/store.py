@@ -93,6 +93,7 @@ def write_checkpoint(fs: pafs.FileSystem, root: str, step: int, tensors: Mapping
             # each tensor is joined (if `tensors` joins) just before its bytes are written
             with fs.open_output_stream(f"{work}/{name}") as out:
                 sha256, nbytes = safetensors_io.write(out, names, tensors.__getitem__, spec)
+            storage.sync_to_disk(fs, f"{work}/{name}")
             files[name] = {"sha256": sha256, "bytes": nbytes}
         _write_manifest(fs, work, final, {"format": FORMAT, "step": step, "files": files, "tensors": entries,
                                           **extra})
@@ -172,6 +173,9 @@ def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) 
     with fs.open_output_stream(f"{work}/manifest.json") as out:
         out.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
     if fs.type_name == "local":
+        # on the disk before the rename commits them (and before older checkpoints are pruned)
+        storage.sync_to_disk(fs, f"{work}/manifest.json")
+        storage.sync_to_disk(fs, work)
         # a step saved again: the old copy is moved aside first and removed only once the new one is
         # in place, so that a crash in between leaves a complete copy (restored by the next save's
         # clean-up), never none
@@ -181,6 +185,7 @@ def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) 
             _remove_checkpoint(fs, aside)
             fs.move(final, aside)
         fs.move(work, final)
+        storage.sync_to_disk(fs, os.path.dirname(final))
         if aside is not None:
             _discard(fs, aside)
 

@@ -387,8 +387,19 @@ class ChunkedAdam(torch.optim.Optimizer):
     register_state_dict_pre_hook = register_state_dict_post_hook = _no_state_dict_hooks
     register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_state_dict_hooks
 
+    # torch.amp.GradScaler hands an optimizer that says this its scale (`grad_scale`) and calls its step:
+    # the engine scales an fp16 loss itself, so the step refuses a GradScaler with what to do instead
+    _step_supports_amp_scaling = True
+
     @torch.optim.Optimizer.profile_hook_step  # torch's global and this optimizer's step hooks around it
     def step(self, closure=None) -> None:
+        if getattr(self, "grad_scale", None) is not None:
+            self.grad_scale = self.found_inf = None
+            raise RuntimeError("a torch.amp.GradScaler stepped elixir_ray's optimizer: the engine keeps fp32 masters "
+                               "and, with wrap(..., dtype=torch.float16), scales the loss itself (dynamic loss "
+                               "scaling). Call loss.backward() and optimizer.step() without a GradScaler, and no "
+                               "autocast: dtype= sets the compute dtype. The gradients of this step were computed "
+                               "from the scaled loss: call optimizer.zero_grad() before the next backward")
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
         self.base._opt_called = True  # what torch's LR schedulers look for, to not warn of a step before any
