@@ -445,6 +445,14 @@ def test_a_step_saved_again_replaces_it_and_a_replace_cut_short_loses_neither_co
     assert [os.path.basename(p) for p in list_checkpoints(str(root))] == ["step-00000200"]
     assert read_manifest(str(root / "step-00000200"))["which"] == "newer"  # the new copy, not the replaced one
     np.testing.assert_array_equal(load_checkpoint(str(root / "step-00000200"))[1]["model/w"], _tensors(2)["model/w"])
+    # a save killed while writing its manifest is no complete copy: never put in place
+    save_checkpoint(str(tmp_path / "third"), 300, _tensors(), {})
+    cut = root / ".tmp-step-00000300-5678abcd"
+    os.rename(tmp_path / "third" / "step-00000300", cut)
+    with open(cut / "manifest.json", "r+b") as f:
+        f.truncate(40)
+    os.utime(cut, (minute_ago, minute_ago))
+    assert [os.path.basename(p) for p in list_checkpoints(str(root))] == ["step-00000200"]
 
 
 def test_a_local_checkpoint_is_on_the_disk_before_its_rename_commits_it(tmp_path, monkeypatch):

@@ -286,6 +286,10 @@ def _finish_interrupted_commits(fs: pafs.FileSystem, root: str, infos: list) -> 
         if storage.exists(fs, final):
             continue
         try:
+            _read_manifest(fs, info.path, info.path)  # a manifest cut short by the kill: not a complete copy
+        except CheckpointError:
+            continue
+        try:
             fs.move(info.path, final)
             finished = True
         except OSError:  # a read-only filesystem, or another process finished it first
