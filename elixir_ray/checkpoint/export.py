@@ -46,8 +46,8 @@ def export_safetensors(ckpt_uri: str, out_uri: str, progress: Optional[ByteProgr
     # streamed one tensor at a time (a large model's weights are never all in memory), under a
     # temporary name renamed into place when complete
     if progress is not None:
-        progress.begin(sum(int(np.prod(spec(f"model/{k}")[0])) * np.dtype(spec(f"model/{k}")[1]).itemsize
-                           for k in names))
+        shapes_and_dtypes = [spec(f"model/{k}") for k in names]
+        progress.begin(sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in shapes_and_dtypes))
     with storage.atomic_output(fs, out_path) as out:
         safetensors_io.write(out, names, lambda k: tensors[f"model/{k}"], lambda k: spec(f"model/{k}"), metadata,
                              on_bytes=progress.add if progress is not None else None)

@@ -161,7 +161,8 @@ class _GroupedMmAtAnyDtype(TorchDispatchMode):
     engine's fp32 and fp16 compute, take the others too. Hugging Face's mixture-of-experts layers
     (Mixtral, Qwen-MoE) call it at the model's dtype, so their step could not be traced at fp32.
     On meta tensors of another dtype this answers with the bfloat16 kernel's shape in the inputs'
-    dtype (its backward calls `_grouped_mm` again and is answered the same way)."""
+    dtype (its backward calls `_grouped_mm` again and is answered the same way). Entered only for
+    modules with 3-D parameters (stacked experts' weights), which are what it multiplies by."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -374,7 +375,10 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         real_inputs = [_shadow_of(x, dtype) for x in tree_flatten(given)[0]]
         try:
             kernels = MetaKernelCache() if cache_kernels else nullcontext()  # first in: called last, by the kernel
-            with _GroupedMmAtAnyDtype(), kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
+            # the grouped matmul multiplies by experts' weights stacked in 3-D parameters: without one
+            # it is never called, and a dispatch layer would cost every op of the trace (~10%)
+            grouped = _GroupedMmAtAnyDtype() if any(p.dim() == 3 for p in metas) else nullcontext()
+            with grouped, kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
                 inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):

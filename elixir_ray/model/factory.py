@@ -59,21 +59,18 @@ def check_model_step(cfg: RunConfig, device_type: Optional[str] = None) -> None:
     if cfg.model.hf is None:
         return
     from elixir_ray.engine.trace import trace_step
-    from elixir_ray.model.hf import hf_sample_inputs, hf_trace_loss
+    from elixir_ray.run_plan import resolve_dtype
 
-    if cfg.train.dtype != "auto":
-        dtypes = [cfg.train.dtype]
-    elif device_type is not None or cfg.cluster.use_gpu is not None:
-        dtypes = ["bfloat16" if (device_type or ("cuda" if cfg.cluster.use_gpu else "cpu")) == "cuda" else "float32"]
-    else:
-        dtypes = ["float32", "bfloat16"]
+    if device_type is None and cfg.cluster.use_gpu is not None:
+        device_type = "cuda" if cfg.cluster.use_gpu else "cpu"
+    dtypes = list(dict.fromkeys(resolve_dtype(cfg.train.dtype, t) for t in ([device_type] if device_type
+                                                                           else ["cpu", "cuda"])))
     seq_len = resolve_model_shape(cfg.model)["seq_len"]
-    tokens = torch.zeros((1, seq_len + 1), dtype=torch.long)
     first = None
     for dtype in dtypes:
         model = build_model(cfg, device="meta")
         try:
-            trace_step(model, hf_sample_inputs(tokens), hf_trace_loss, dtype=getattr(torch, dtype))
+            trace_step(model, sample_inputs(cfg, 1), trace_loss(cfg), dtype=getattr(torch, dtype))
             return
         except Exception as exc:  # noqa: BLE001 - whatever the model raises, say it before the run starts
             first = first or (dtype, exc)
