@@ -153,6 +153,10 @@ def check_data(cfg: RunConfig) -> RunConfig:
         if held_out.vocab_size > shape["vocab_size"]:
             raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
+        if held_out.tokenizer != dataset.tokenizer:
+            raise ConfigError(f"eval.path {eval_uri!r} was tokenised with {held_out.tokenizer_file} and data.path with "
+                              f"{dataset.tokenizer_file}: the held-out loss would mean nothing. Prepare both with "
+                              f"the same --tokenizer")
         n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
         if n < cfg.eval.windows:
             warnings.warn(f"eval.path {eval_uri!r} holds {n} window(s) of {shape['seq_len'] + 1} tokens, fewer than "

@@ -22,10 +22,16 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_prepare_data(args) -> int:
-    from elixir_ray.data.dataset import prepare_dataset
+    from elixir_ray.data.dataset import prepare_dataset, read_metadata
+    from elixir_ray.progress import ByteProgress
 
-    n = prepare_dataset(args.text_files, args.out)
-    print(f"wrote {n:,} tokens from {len(args.text_files)} file(s) to {args.out}")
+    progress = None if args.quiet else ByteProgress("tokenising")
+    n = prepare_dataset(args.text_files, args.out, tokenizer=args.tokenizer, eos_token=args.eos_token,
+                        text_field=args.text_field, progress=progress)
+    meta = read_metadata(args.out)
+    docs = int(meta["documents"])
+    print(f"wrote {n:,} tokens ({docs:,} document{'s' * (docs != 1)}) from {len(args.text_files)} file(s) to "
+          f"{args.out}; token ids lie below {int(meta['vocab_size']):,}: the model's vocab_size must be at least that")
     return 0
 
 
@@ -200,10 +206,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("prepare-data", help="tokenise text files into a dataset",
-                       description="Tokenise text files (byte level) into an Arrow token dataset.")
-    p.add_argument("text_files", nargs="+", help="text files (UTF-8 or any bytes: the tokeniser is byte level)")
+                       description="Tokenise documents into an Arrow token dataset: each document's tokens, "
+                                   "then the end-of-document token. A .jsonl (or .ndjson) file holds one "
+                                   "document per line and a .parquet file one per row (the text in --text-field); "
+                                   "any other file is one text document. Byte-level by default; --tokenizer "
+                                   "takes a Hugging Face tokenizer.json.")
+    p.add_argument("text_files", nargs="+", metavar="FILE",
+                   help="input files: text (any bytes with the byte-level tokenizer, UTF-8 with --tokenizer), "
+                        ".jsonl or .parquet")
     p.add_argument("--out", required=True, help="output path or URI (pyarrow filesystem), e.g. data/my.arrow; "
                                                 "a dataset already there is replaced")
+    p.add_argument("--tokenizer", default="bytes", metavar="PATH",
+                   help="bytes (default: 257 ids, no file needed), or a tokenizer.json / a directory holding one "
+                        "(needs the tokenizers package, in elixir_ray[hf]); set model.vocab_size (or "
+                        "model.hf.vocab_size) to at least the bound the command prints")
+    p.add_argument("--eos-token", metavar="TOKEN",
+                   help="the token that ends each document (default: the eos_token of a tokenizer_config.json "
+                        "beside the tokenizer, else the first of <|endoftext|>, </s>, ... it has)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field of a .jsonl line, or the column of a .parquet file, that holds the text "
+                        "(default: text)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr while the files are tokenised")
     p.set_defaults(func=_cmd_prepare_data)
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict",

@@ -10,49 +10,73 @@ from __future__ import annotations
 
 import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from elixir_ray import storage
-from elixir_ray.data.tokenizer import ByteTokenizer
+from elixir_ray.data.sources import PIECE_BYTES, check_input, documents
+from elixir_ray.data.tokenizer import load_tokenizer
 from elixir_ray.errors import ConfigError
 
 FORMAT = "elixir_ray.tokens/1"
 
 
-def write_token_file(tokens: np.ndarray, uri: str, tokenizer: ByteTokenizer, sources: int) -> None:
-    """Write tokens as Arrow IPC under a temporary name, then rename: readers never see a partial file."""
-    table = pa.table({"tokens": pa.array(np.ascontiguousarray(tokens, dtype=np.uint16))})
-    table = table.replace_schema_metadata({
-        "format": FORMAT,
-        "tokenizer": tokenizer.name,
-        "vocab_size": str(tokenizer.vocab_size),
-        "num_tokens": str(len(tokens)),
-        "sources": str(sources),
-    })
-    fs, path = storage.resolve(uri)
-    parent = os.path.dirname(path)
-    if parent:
-        fs.create_dir(parent, recursive=True)
-    tmp = storage.temp_sibling(path)
-    try:
-        with fs.open_output_stream(tmp) as out:
-            with pa.ipc.new_file(out, table.schema) as writer:
-                writer.write_table(table, max_chunksize=len(tokens) or None)
-        fs.move(tmp, path)
-    except BaseException:
-        if storage.exists(fs, tmp):
-            fs.delete_file(tmp)
-        raise
+class TokenFileWriter:
+    """Appends tokens to a raw scratch file, then writes them as one Arrow record batch (read back
+    zero-copy, memory-mapped) under a temporary name and renames it: readers never see a partial
+    dataset, and a corpus larger than memory is never held in it (the scratch file is mapped)."""
+
+    def __init__(self, out_uri: str, dtype: np.dtype):
+        self.out_uri, self.dtype, self.count = out_uri, np.dtype(dtype), 0
+        local_parent = os.path.dirname(os.path.abspath(out_uri)) if "://" not in out_uri else None
+        if local_parent:
+            os.makedirs(local_parent, exist_ok=True)
+        # beside a local output (the same disk, which the dataset needs anyway), else in the temp directory
+        self._scratch = tempfile.NamedTemporaryFile(prefix=".tokens-", suffix=".raw", dir=local_parent, delete=False)
+
+    def append(self, tokens: np.ndarray) -> None:
+        self._scratch.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.count += len(tokens)
+
+    def commit(self, metadata: dict) -> None:
+        self._scratch.close()
+        tokens = (np.memmap(self._scratch.name, dtype=self.dtype, mode="r") if self.count
+                  else np.zeros(0, dtype=self.dtype))
+        table = pa.table({"tokens": pa.array(tokens)})
+        table = table.replace_schema_metadata({"format": FORMAT, "num_tokens": str(self.count),
+                                               **{k: str(v) for k, v in metadata.items()}})
+        fs, path = storage.resolve(self.out_uri)
+        parent = os.path.dirname(path)
+        if parent:
+            fs.create_dir(parent, recursive=True)
+        tmp = storage.temp_sibling(path)
+        try:
+            with fs.open_output_stream(tmp) as out:
+                with pa.ipc.new_file(out, table.schema) as writer:
+                    writer.write_table(table, max_chunksize=self.count or None)
+            fs.move(tmp, path)
+        except BaseException:
+            if storage.exists(fs, tmp):
+                fs.delete_file(tmp)
+            raise
+        finally:
+            del table, tokens
+            self.discard()
+
+    def discard(self) -> None:
+        self._scratch.close()
+        if os.path.exists(self._scratch.name):
+            os.unlink(self._scratch.name)
 
 
-def prepare_dataset(text_files: list[str], out_uri: str) -> int:
-    """Tokenise the user's text files into one dataset. Returns the number of tokens written."""
+def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str) -> None:
     if not text_files:
-        raise ConfigError("prepare-data needs at least one text file")
+        raise ConfigError("prepare-data needs at least one input file")
     for path in text_files:
         if os.path.isdir(path):
             raise ConfigError(f"{path!r} is a directory: give the text files in it (for example "
@@ -61,6 +85,7 @@ def prepare_dataset(text_files: list[str], out_uri: str) -> int:
             unexpanded = any(c in path for c in "*?[")
             raise ConfigError(f"text file {path!r} does not exist" +
                               (" (a pattern that matched no file reaches here as it is)" if unexpanded else ""))
+        check_input(path, text_field)
     if "://" not in out_uri:
         if os.path.isdir(out_uri):
             raise ConfigError(f"--out {out_uri!r} is a directory: name the dataset file, for example "
@@ -68,16 +93,57 @@ def prepare_dataset(text_files: list[str], out_uri: str) -> int:
         if any(os.path.exists(out_uri) and os.path.samefile(out_uri, path) for path in text_files):
             raise ConfigError(f"--out {out_uri!r} is one of the text files: it would be replaced by the dataset; "
                               f"name another file")
-    tok = ByteTokenizer()
-    docs = []
+
+
+def _batches(text_files: list[str], text_field: str, as_bytes: bool, batch_docs: int, piece_bytes: int):
+    """The inputs' documents gathered for one `encode_batch` call each (the tokenizer's threads work
+    on a batch): (documents, input bytes they came from, whether the last one goes on in the next)."""
     for path in text_files:
-        with open(path, "rb") as f:
-            docs.append(f.read())
-    tokens = tok.encode_documents(docs)
-    if len(tokens) <= len(docs):
-        raise ConfigError(f"the text files {text_files} are empty: nothing to tokenise")
-    write_token_file(tokens, out_uri, tok, sources=len(docs))
-    return len(tokens)
+        pending, size = [], 0
+        for docs, nbytes, continues in documents(path, text_field, as_bytes, piece_bytes):
+            pending.extend(docs)
+            size += nbytes
+            if continues or len(pending) >= batch_docs:
+                yield pending, size, continues
+                pending, size = [], 0
+        yield pending, size, False
+
+
+def prepare_dataset(text_files: list[str], out_uri: str, tokenizer: str = "bytes", eos_token: Optional[str] = None,
+                    text_field: str = "text", progress=None, batch_docs: int = 512,
+                    piece_bytes: int = PIECE_BYTES) -> int:
+    """Tokenise the user's files into one dataset (see `sources` for what each kind of file holds):
+    each document's tokens, then the end-of-document token. `tokenizer`: `bytes`, or the path of a
+    Hugging Face tokenizer.json (or its directory). `progress`: a `ByteProgress` over the input's
+    bytes, or None. Returns the number of tokens written."""
+    tok = load_tokenizer(tokenizer, eos_token)
+    _check_prepare_args(text_files, out_uri, text_field)
+    writer = TokenFileWriter(out_uri, tok.dtype)
+    eos = np.array([tok.eos_id], dtype=tok.dtype)
+    documents_seen = content = 0
+    if progress is not None:
+        progress.begin(sum(os.path.getsize(p) for p in text_files))
+    try:
+        for docs, nbytes, continues in _batches(text_files, text_field, tok.takes_bytes, batch_docs, piece_bytes):
+            for i, ids in enumerate(tok.encode_batch(docs) if docs else []):
+                writer.append(ids)
+                content += len(ids)
+                if not (continues and i == len(docs) - 1):  # a piece of a text file the next batch goes on with
+                    writer.append(eos)
+                    documents_seen += 1
+            if progress is not None:
+                progress.add(nbytes)
+        if content == 0:
+            raise ConfigError(f"the input files {text_files} are empty (no text in them): nothing to tokenise")
+        writer.commit({"tokenizer": tok.identity, "tokenizer_file": tok.name,
+                       "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "documents": documents_seen,
+                       "sources": len(text_files)})
+    except BaseException:
+        writer.discard()
+        raise
+    if progress is not None:
+        progress.finish()
+    return writer.count
 
 
 def builtin_corpus_files(max_bytes: int = 8 * 2**20) -> list[str]:
@@ -116,14 +182,20 @@ def windows_in(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-def count_tokens(uri: str) -> int:
-    """The tokens in a dataset `prepare_dataset` wrote, from its metadata: the file's footer is read,
-    not its tokens (a dataset in an object store is not fetched again for a count)."""
+def read_metadata(uri: str) -> dict[str, str]:
+    """A dataset's metadata (token count, tokenizer, vocabulary), from the file's footer: its tokens
+    are not read (a dataset in an object store is not fetched again for them)."""
     fs, path = storage.resolve(uri)
     with fs.open_input_file(path) as source:
         meta = pa.ipc.open_file(source).schema.metadata or {}
-    if b"num_tokens" in meta:
-        return int(meta[b"num_tokens"])
+    return {k.decode(): v.decode() for k, v in meta.items()}
+
+
+def count_tokens(uri: str) -> int:
+    """The tokens in a dataset `prepare_dataset` wrote, from its metadata."""
+    meta = read_metadata(uri)
+    if "num_tokens" in meta:
+        return int(meta["num_tokens"])
     return len(TokenDataset(uri))
 
 
@@ -147,12 +219,16 @@ class TokenDataset:
         if meta.get("format") != FORMAT or "tokens" not in table.column_names:
             raise ConfigError(f"{what} {uri!r} is not an elixir_ray token dataset (no {FORMAT} metadata)")
         column = table.column("tokens")
+        if column.type not in (pa.uint16(), pa.uint32()):
+            raise ConfigError(f"{what} {uri!r} holds {column.type} tokens, not uint16 or uint32")
         if column.num_chunks == 1:
             self.tokens = column.chunk(0).to_numpy(zero_copy_only=True)
         else:
             self.tokens = column.to_numpy()
         self.uri, self.what = uri, what
         self.vocab_size = int(meta.get("vocab_size", 257))
+        self.tokenizer = meta.get("tokenizer", "bytes")  # which tokenizer made it: a held-out set must match
+        self.tokenizer_file = meta.get("tokenizer_file", self.tokenizer)
         if len(self.tokens) == 0:
             raise ConfigError(f"{what} {uri!r} holds no tokens")
 
