@@ -134,6 +134,12 @@ def _show_step(bar: ProgressBar, m: dict) -> None:
         bar.note(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
 
 
+def _tokenizer_named(dataset: TokenDataset) -> str:
+    if dataset.tokenizer == dataset.tokenizer_file:
+        return dataset.tokenizer
+    return f"{dataset.tokenizer_file} ({dataset.tokenizer})"
+
+
 def check_data(cfg: RunConfig) -> RunConfig:
     """Resolve and open the dataset on the driver; returns the config with an absolute data path."""
     uri = resolve_data_uri(cfg.data.path, cfg.data.cache_dir)
@@ -154,9 +160,9 @@ def check_data(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
         if held_out.tokenizer != dataset.tokenizer:
-            raise ConfigError(f"eval.path {eval_uri!r} was tokenised with {held_out.tokenizer_file} and data.path with "
-                              f"{dataset.tokenizer_file}: the held-out loss would mean nothing. Prepare both with "
-                              f"the same --tokenizer")
+            raise ConfigError(f"eval.path {eval_uri!r} was tokenised with {_tokenizer_named(held_out)} and data.path "
+                              f"with {_tokenizer_named(dataset)}: the held-out loss would mean nothing. Prepare both "
+                              f"with the same --tokenizer (and --eos-token)")
         n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
         if n < cfg.eval.windows:
             warnings.warn(f"eval.path {eval_uri!r} holds {n} window(s) of {shape['seq_len'] + 1} tokens, fewer than "

@@ -207,13 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-data", help="tokenise text files into a dataset",
                        description="Tokenise documents into an Arrow token dataset: each document's tokens, "
-                                   "then the end-of-document token. A .jsonl (or .ndjson) file holds one "
-                                   "document per line and a .parquet file one per row (the text in --text-field); "
-                                   "any other file is one text document. Byte-level by default; --tokenizer "
+                                   "then the end-of-document token. A .jsonl, .ndjson or .json file is read as "
+                                   "JSON lines, one document per line, and a .parquet file holds one per row (the "
+                                   "text in --text-field); any other file is one text document. Names ending in "
+                                   ".gz, .bz2, .zst or .lz4 are decompressed. Byte-level by default; --tokenizer "
                                    "takes a Hugging Face tokenizer.json.")
     p.add_argument("text_files", nargs="+", metavar="FILE",
                    help="input files: text (any bytes with the byte-level tokenizer, UTF-8 with --tokenizer), "
-                        ".jsonl or .parquet")
+                        "JSON lines or Parquet")
     p.add_argument("--out", required=True, help="output path or URI (pyarrow filesystem), e.g. data/my.arrow; "
                                                 "a dataset already there is replaced")
     p.add_argument("--tokenizer", default="bytes", metavar="PATH",

@@ -109,6 +109,13 @@ class ByteProgress:
             self.stream.write("\n")
             self.stream.flush()
 
+    def close(self) -> None:
+        """Stopped short (an error): end the line on a terminal, so the error starts on its own."""
+        if self.tty and self._last_len:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._last_len = 0
+
     def _show(self, text: str) -> None:
         if self.tty:
             self.stream.write("\r" + text.ljust(self._last_len))

@@ -57,7 +57,7 @@ def test_prepare_data_refuses_what_would_lose_a_file_or_mislead_before_writing(t
     text = tmp_path / "a.txt"
     text.write_text("hello world\n")
     (tmp_path / "texts").mkdir()
-    with pytest.raises(ConfigError, match="is one of the text files"):
+    with pytest.raises(ConfigError, match="is one of the input files"):
         prepare_dataset([str(text)], str(text))
     assert text.read_text() == "hello world\n"
     with pytest.raises(ConfigError, match=r"is a directory: name the dataset file, for example .*data.arrow"):

@@ -4,6 +4,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -140,7 +141,8 @@ def test_a_saved_truncation_does_not_cut_documents_short(tmp_path):
     tok, path = _bpe(tmp_path)
     tok.enable_truncation(max_length=4)
     tok.save(str(path))
-    n = prepare_dataset([str(tmp_path / "tokenizer.json")], str(tmp_path / "d.arrow"), tokenizer=str(path))
+    (tmp_path / "a.txt").write_text("".join(DOCS))
+    n = prepare_dataset([str(tmp_path / "a.txt")], str(tmp_path / "d.arrow"), tokenizer=str(path))
     assert n > 100
 
 
@@ -186,7 +188,7 @@ def test_a_held_out_set_from_another_tokenizer_is_refused(tmp_path):
     cfg = {"model": {"size": "tiny", "seq_len": 16, "vocab_size": 300}, "data": {"path": str(tmp_path / "hf.arrow")},
            "eval": {"path": str(tmp_path / "bytes.arrow"), "windows": 1}}
     with pytest.raises(ConfigError, match=r"eval.path .* was tokenised with bytes and data.path with "
-                                          r".*tokenizer.json: .* Prepare both with the same --tokenizer"):
+                                          r".*/tokenizer.json \(tokenizers:sha256:[0-9a-f]{16}\): .* Prepare both with the same --tokenizer"):
         check_data(as_config(cfg))
     cfg["eval"]["path"] = str(tmp_path / "hf.arrow")
     cfg["model"]["vocab_size"] = 299
@@ -212,3 +214,120 @@ def test_a_run_trains_on_ids_past_65535_from_a_tokenizer_file(ray_cluster, tmp_p
     result = train(cfg, progress=False)
     first = result.metrics.column("loss").to_pylist()[0]
     assert abs(first - math.log(70_002)) < 0.5, first
+
+
+def test_compressed_json_lines_and_text_are_read_and_progress_counts_the_files_bytes(tmp_path):
+    import bz2
+    import gzip
+
+    from elixir_ray.progress import ByteProgress
+
+    tok, path = _bpe(tmp_path)
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "b.json").write_text(lines)  # what datasets' to_json writes: JSON lines
+    with pa.CompressedOutputStream(str(tmp_path / "c.txt.zst"), "zstd") as out:
+        out.write(DOCS[2].encode())
+    (tmp_path / "d.txt.bz2").write_bytes(bz2.compress(DOCS[0].encode()))
+    files = [str(tmp_path / n) for n in ("a.jsonl.gz", "b.json", "c.txt.zst", "d.txt.bz2")]
+    shown = []
+
+    class Seen(ByteProgress):
+        def add(self, nbytes):
+            shown.append(nbytes)
+            super().add(nbytes)
+
+    prepare_dataset(files, str(tmp_path / "d.arrow"), tokenizer=str(path), progress=Seen("t"), batch_docs=1)
+    np.testing.assert_array_equal(TokenDataset(str(tmp_path / "d.arrow")).tokens,
+                                  _expected(tok, DOCS + DOCS + [DOCS[2], DOCS[0]]))
+    assert sum(shown) == sum(os.path.getsize(f) for f in files)
+    (tmp_path / "e.json").write_text(json.dumps([{"text": "an array, not lines"}], indent=1))
+    with pytest.raises(ConfigError, match=r"e.json:1 is not a JSON line .* \(a .json file is read as JSON lines"):
+        prepare_dataset([str(tmp_path / "e.json")], str(tmp_path / "e.arrow"))
+    (tmp_path / "f.txt.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ConfigError, match=r"f.txt.gz' could not be read as gzip"):
+        prepare_dataset([str(tmp_path / "f.txt.gz")], str(tmp_path / "f.arrow"))
+
+
+def test_what_a_scraped_corpus_holds_is_handled_line_by_line(tmp_path):
+    """A null text is skipped, a lone surrogate becomes '?' with one warning, the text of a special
+    token stays text (it would end a document inside one), a non-string is refused with its line."""
+    tok, path = _bpe(tmp_path)
+    eos = tok.token_to_id("<|endoftext|>")
+    rows = [{"text": "one <|endoftext|> doc"}, {"text": None}, {"text": "bad \ud800 here"}, {"text": "last"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=r"a.jsonl: 1 line\(s\) hold lone surrogates .* first at line 3"):
+        prepare_dataset([str(tmp_path / "a.jsonl")], str(tmp_path / "d.arrow"), tokenizer=str(path))
+    ids = TokenDataset(str(tmp_path / "d.arrow")).tokens
+    assert list(ids).count(eos) == 3 and read_metadata(str(tmp_path / "d.arrow"))["documents"] == "3"
+    assert tok.decode(ids.tolist(), skip_special_tokens=False).startswith("one <|endoftext|> doc<|endoftext|>bad ? here")
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": ["a", "list"]}\n')
+    with pytest.raises(ConfigError, match=r"b.jsonl:2: field 'text' is a JSON list, not a string"):
+        prepare_dataset([str(tmp_path / "b.jsonl")], str(tmp_path / "b.arrow"))
+
+
+def test_parquet_columns_that_hold_no_text_are_refused_and_long_rows_come_in_small_batches(tmp_path):
+    from elixir_ray.data.dataset import _batches
+    from elixir_ray.data.sources import segments
+
+    _, path = _bpe(tmp_path)
+    pq.write_table(pa.table({"text": [1, 2], "raw": [b"ab", b"cd"]}), tmp_path / "t.parquet")
+    with pytest.raises(ConfigError, match=r"column 'text' holds int64, not text: name the text column"):
+        prepare_dataset([str(tmp_path / "t.parquet")], str(tmp_path / "d.arrow"))
+    with pytest.raises(ConfigError, match=r"column 'raw' holds binary, not text; --tokenizer bytes takes binary"):
+        prepare_dataset([str(tmp_path / "t.parquet")], str(tmp_path / "d.arrow"), tokenizer=str(path),
+                        text_field="raw")
+    prepare_dataset([str(tmp_path / "t.parquet")], str(tmp_path / "d.arrow"), text_field="raw")
+    assert list(TokenDataset(str(tmp_path / "d.arrow")).tokens) == [97, 98, 256, 99, 100, 256]
+    pq.write_table(pa.table({"text": [f"{i:4d}" * 250 for i in range(40)]}), tmp_path / "long.parquet")  # 1 group
+    batches = [texts for texts, _, _ in segments(str(tmp_path / "long.parquet"), piece_bytes=4000)]
+    assert sum(map(len, batches)) == 40 and max(map(len, batches)) <= 4
+    batches = list(_batches([str(tmp_path / "long.parquet")] * 2, "text", False, batch_docs=512, piece_bytes=4000))
+    assert sum(len(texts) for texts, _, _ in batches) == 80
+    assert max(sum(map(len, texts)) for texts, _, _ in batches) <= 8000  # gathered up to about piece_bytes
+
+
+def test_tokens_are_the_same_across_piece_cuts_in_any_script(tmp_path):
+    tok, path = _bpe(tmp_path)
+    text = tmp_path / "ru.txt"
+    text.write_text("привет слово мир, ещё одно слово. " * 200 + "日本語のテキストには空白がない" * 50)
+    whole = prepare_dataset([str(text)], str(tmp_path / "w.arrow"), tokenizer=str(path))
+    assert whole == prepare_dataset([str(text)], str(tmp_path / "p.arrow"), tokenizer=str(path), piece_bytes=256)
+    np.testing.assert_array_equal(TokenDataset(str(tmp_path / "w.arrow")).tokens,
+                                  TokenDataset(str(tmp_path / "p.arrow")).tokens)
+
+
+def test_a_tokenizer_is_known_by_what_it_encodes(tmp_path):
+    from elixir_ray.data.tokenizer import load_tokenizer
+
+    tok, path = _bpe(tmp_path)
+    first = load_tokenizer(str(path)).identity
+    tok.enable_truncation(max_length=8)
+    tok.save(str(tmp_path / "again.json"), pretty=False)  # saved otherwise, with a truncation it ignores
+    assert load_tokenizer(str(tmp_path / "again.json")).identity == first
+    assert load_tokenizer(str(path), eos_token="a").identity != first  # another end of document
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    with pytest.raises(ConfigError, match=r"the eos_token '<\|eot_id\|>' of the tokenizer_config.json beside it "
+                                          r"is not a token of .*: name one of its special tokens with --eos-token"):
+        load_tokenizer(str(path))
+
+
+def test_the_output_is_checked_before_the_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world\n")
+    with pytest.raises(ConfigError, match="is one of the input files"):
+        prepare_dataset([str(tmp_path / "a.txt")], "~/a.txt")  # a ~ the shell left as it is
+    with pytest.raises(ConfigError, match=r"--out 'nope://bucket/x.arrow' cannot be written"):
+        prepare_dataset([str(tmp_path / "a.txt")], "nope://bucket/x.arrow")
+    with pytest.raises(ConfigError, match="are empty"):
+        prepare_dataset([_write(tmp_path / "e.txt", "")], "~/new/dir/d.arrow")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "e.txt"]  # nothing made, no ~ directory
+    prepare_dataset([str(tmp_path / "a.txt")], "~/new/dir/d.arrow")
+    assert TokenDataset(str(tmp_path / "new" / "dir" / "d.arrow")).tokens.size == 13
+    assert sorted(p.name for p in (tmp_path / "new" / "dir").iterdir()) == ["d.arrow"]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)

@@ -1,4 +1,5 @@
-"""Token datasets: one Arrow IPC file with a uint16 `tokens` column, memory-mapped for training.
+"""Token datasets: one Arrow IPC file with a `tokens` column (uint16, or uint32 for a vocabulary past
+65,536 ids), memory-mapped for training, made by `prepare_dataset` from the user's files.
 
 Training samples are windows of seq_len + 1 tokens at multiples of seq_len. Their order is a
 seeded permutation per epoch, so the whole data order is a pure function of (seed, sample index):
@@ -19,33 +20,41 @@ import pyarrow as pa
 import torch
 
 from elixir_ray import storage
-from elixir_ray.data.sources import PIECE_BYTES, check_input, documents
+from elixir_ray.data.sources import PIECE_BYTES, check_input, segments
 from elixir_ray.data.tokenizer import load_tokenizer
 from elixir_ray.errors import ConfigError
 
 FORMAT = "elixir_ray.tokens/1"
 
 
+def _nearest_directory(path: str) -> str:
+    """The output's directory, or the nearest that exists above it (the same disk, most likely):
+    nothing is created before the dataset is complete."""
+    parent = os.path.dirname(path)
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return parent
+
+
 class TokenFileWriter:
-    """Appends tokens to a raw scratch file, then writes them as one Arrow record batch (read back
+    """Appends tokens to a scratch file, then writes them as one Arrow record batch (read back
     zero-copy, memory-mapped) under a temporary name and renames it: readers never see a partial
-    dataset, and a corpus larger than memory is never held in it (the scratch file is mapped)."""
+    dataset, and a corpus larger than memory is never held in it (the scratch file is mapped). The
+    scratch file has no name (it is gone however the process ends); it lies beside a local output,
+    else in the temporary directory (TMPDIR): it needs 2 or 4 bytes per token there."""
 
     def __init__(self, out_uri: str, dtype: np.dtype):
         self.out_uri, self.dtype, self.count = out_uri, np.dtype(dtype), 0
-        local_parent = os.path.dirname(os.path.abspath(out_uri)) if "://" not in out_uri else None
-        if local_parent:
-            os.makedirs(local_parent, exist_ok=True)
-        # beside a local output (the same disk, which the dataset needs anyway), else in the temp directory
-        self._scratch = tempfile.NamedTemporaryFile(prefix=".tokens-", suffix=".raw", dir=local_parent, delete=False)
+        local = storage.local_path(out_uri)
+        self._scratch = tempfile.TemporaryFile(prefix=".tokens-", dir=_nearest_directory(local) if local else None)
 
     def append(self, tokens: np.ndarray) -> None:
         self._scratch.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.count += len(tokens)
 
     def commit(self, metadata: dict) -> None:
-        self._scratch.close()
-        tokens = (np.memmap(self._scratch.name, dtype=self.dtype, mode="r") if self.count
+        self._scratch.flush()
+        tokens = (np.memmap(self._scratch, dtype=self.dtype, mode="r", shape=(self.count,)) if self.count
                   else np.zeros(0, dtype=self.dtype))
         table = pa.table({"tokens": pa.array(tokens)})
         table = table.replace_schema_metadata({"format": FORMAT, "num_tokens": str(self.count),
@@ -70,11 +79,9 @@ class TokenFileWriter:
 
     def discard(self) -> None:
         self._scratch.close()
-        if os.path.exists(self._scratch.name):
-            os.unlink(self._scratch.name)
 
 
-def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str) -> None:
+def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str, as_bytes: bool) -> None:
     if not text_files:
         raise ConfigError("prepare-data needs at least one input file")
     for path in text_files:
@@ -85,28 +92,39 @@ def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str) ->
             unexpanded = any(c in path for c in "*?[")
             raise ConfigError(f"text file {path!r} does not exist" +
                               (" (a pattern that matched no file reaches here as it is)" if unexpanded else ""))
-        check_input(path, text_field)
-    if "://" not in out_uri:
-        if os.path.isdir(out_uri):
-            raise ConfigError(f"--out {out_uri!r} is a directory: name the dataset file, for example "
-                              f"{os.path.join(out_uri, 'data.arrow')}")
-        if any(os.path.exists(out_uri) and os.path.samefile(out_uri, path) for path in text_files):
-            raise ConfigError(f"--out {out_uri!r} is one of the text files: it would be replaced by the dataset; "
-                              f"name another file")
+        check_input(path, text_field, as_bytes)
+    local = storage.local_path(out_uri)
+    if local is None:
+        try:
+            storage.resolve(out_uri)  # an unknown scheme or missing credentials, before the work rather than after
+        except Exception as exc:  # noqa: BLE001 - pyarrow's own errors, of several types
+            raise ConfigError(f"--out {out_uri!r} cannot be written: {exc}") from None
+        return
+    if os.path.isdir(local):
+        raise ConfigError(f"--out {out_uri!r} is a directory: name the dataset file, for example "
+                          f"{os.path.join(out_uri, 'data.arrow')}")
+    if any(os.path.exists(local) and os.path.samefile(local, path) for path in text_files):
+        raise ConfigError(f"--out {out_uri!r} is one of the input files: it would be replaced by the dataset; "
+                          f"name another file")
+    if not os.access(_nearest_directory(local), os.W_OK):
+        raise ConfigError(f"--out {out_uri!r}: {_nearest_directory(local)!r} is not writable")
 
 
 def _batches(text_files: list[str], text_field: str, as_bytes: bool, batch_docs: int, piece_bytes: int):
-    """The inputs' documents gathered for one `encode_batch` call each (the tokenizer's threads work
-    on a batch): (documents, input bytes they came from, whether the last one goes on in the next)."""
+    """The inputs' texts gathered for one `encode_batch` call each (the tokenizer's threads share a
+    batch out), at most `batch_docs` texts or about `piece_bytes` of text, so that long documents
+    never pile up in memory: (texts, whether each ends its document, input bytes they came from)."""
+    texts, ends, size, nbytes = [], [], 0, 0
     for path in text_files:
-        pending, size = [], 0
-        for docs, nbytes, continues in documents(path, text_field, as_bytes, piece_bytes):
-            pending.extend(docs)
-            size += nbytes
-            if continues or len(pending) >= batch_docs:
-                yield pending, size, continues
-                pending, size = [], 0
-        yield pending, size, False
+        for more, more_ends, more_bytes in segments(path, text_field, as_bytes, piece_bytes):
+            texts += more
+            ends += more_ends
+            size += sum(map(len, more))
+            nbytes += more_bytes
+            if len(texts) >= batch_docs or size >= piece_bytes:
+                yield texts, ends, nbytes
+                texts, ends, size, nbytes = [], [], 0, 0
+    yield texts, ends, nbytes
 
 
 def prepare_dataset(text_files: list[str], out_uri: str, tokenizer: str = "bytes", eos_token: Optional[str] = None,
@@ -117,29 +135,30 @@ def prepare_dataset(text_files: list[str], out_uri: str, tokenizer: str = "bytes
     Hugging Face tokenizer.json (or its directory). `progress`: a `ByteProgress` over the input's
     bytes, or None. Returns the number of tokens written."""
     tok = load_tokenizer(tokenizer, eos_token)
-    _check_prepare_args(text_files, out_uri, text_field)
+    _check_prepare_args(text_files, out_uri, text_field, tok.takes_bytes)
     writer = TokenFileWriter(out_uri, tok.dtype)
     eos = np.array([tok.eos_id], dtype=tok.dtype)
-    documents_seen = content = 0
+    documents = content = 0
     if progress is not None:
         progress.begin(sum(os.path.getsize(p) for p in text_files))
     try:
-        for docs, nbytes, continues in _batches(text_files, text_field, tok.takes_bytes, batch_docs, piece_bytes):
-            for i, ids in enumerate(tok.encode_batch(docs) if docs else []):
+        for texts, ends, nbytes in _batches(text_files, text_field, tok.takes_bytes, batch_docs, piece_bytes):
+            for ids, ends_document in zip(tok.encode_batch(texts) if texts else [], ends):
                 writer.append(ids)
                 content += len(ids)
-                if not (continues and i == len(docs) - 1):  # a piece of a text file the next batch goes on with
+                if ends_document:
                     writer.append(eos)
-                    documents_seen += 1
+                    documents += 1
             if progress is not None:
                 progress.add(nbytes)
         if content == 0:
             raise ConfigError(f"the input files {text_files} are empty (no text in them): nothing to tokenise")
-        writer.commit({"tokenizer": tok.identity, "tokenizer_file": tok.name,
-                       "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "documents": documents_seen,
-                       "sources": len(text_files)})
+        writer.commit({"tokenizer": tok.identity, "tokenizer_file": tok.name, "vocab_size": tok.vocab_size,
+                       "eos_id": tok.eos_id, "documents": documents, "sources": len(text_files)})
     except BaseException:
         writer.discard()
+        if progress is not None:
+            progress.close()
         raise
     if progress is not None:
         progress.finish()
