@@ -22,7 +22,8 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_hint
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
-from elixir_ray.data.dataset import BatchSampler, TokenDataset, count_tokens, resolve_data_uri, windows_in
+from elixir_ray.data.dataset import (BatchSampler, TokenDataset, count_tokens, resolve_data_uri, tokenizer_of,
+                                     windows_in)
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
 from elixir_ray.model.factory import check_model_step
@@ -227,6 +228,11 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(newest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
+    theirs = newest.get("tokenizer")
+    if theirs is not None and theirs != (ours := tokenizer_of(cfg.data.path)):
+        raise ConfigError(f"--resume {uri!r}: the checkpoint's model was trained on tokens of {theirs} and data.path "
+                          f"holds tokens of {ours}: its embeddings would be read as another vocabulary's. Prepare "
+                          f"data.path with the checkpoint's tokenizer (elixir-ray prepare-data --tokenizer)")
     changed = model_fields_changed((newest.get("config") or {}).get("model"), cfg)
     if changed:
         warnings.warn(f"--resume {uri!r}: the checkpoint's model had {', '.join(changed)}: every tensor has the "

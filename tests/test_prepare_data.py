@@ -14,6 +14,7 @@ import torch
 from conftest import tiny_config
 
 from elixir_ray import train
+from elixir_ray.checkpoint import read_manifest
 from elixir_ray.cli import main
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, prepare_dataset, read_metadata
 from elixir_ray.errors import ConfigError
@@ -214,6 +215,8 @@ def test_a_run_trains_on_ids_past_65535_from_a_tokenizer_file(ray_cluster, tmp_p
     result = train(cfg, progress=False)
     first = result.metrics.column("loss").to_pylist()[0]
     assert abs(first - math.log(70_002)) < 0.5, first
+    identity = TokenDataset(str(tmp_path / "d.arrow")).tokenizer
+    assert identity.startswith("tokenizers:sha256:") and read_manifest(result.checkpoint_uri)["tokenizer"] == identity
 
 
 def test_compressed_json_lines_and_text_are_read_and_progress_counts_the_files_bytes(tmp_path):

@@ -301,3 +301,17 @@ def test_the_global_batch_of_an_elastic_run_is_read_from_its_checkpoint(tmp_path
     # a checkpoint from before the manifest said it: the config's product over its last worker count
     (message,) = warnings_for(shrunk, workers=2)
     assert "had a global batch of 4 (1 worker(s) x micro-batch 4 x grad_accum 1)" in message, message
+
+
+def test_a_checkpoint_trained_on_another_tokenizers_ids_is_refused(tmp_path, tiny_dataset):
+    """The shapes match (the vocabulary size is the model's), so only the tokenizer the checkpoint's
+    run read says that its embeddings would be read as another vocabulary's."""
+    cfg = _cfg(tmp_path, data=tiny_dataset)
+    root = str(tmp_path / "ck")
+    _save_model(root, 2, cfg, tokenizer="tokenizers:sha256:0123456789abcdef")
+    with pytest.raises(ConfigError, match=r"trained on tokens of tokenizers:sha256:0123456789abcdef and data.path "
+                                          r"holds tokens of bytes: .* Prepare data.path with the checkpoint's tokenizer"):
+        check_resume(cfg, root)
+    shutil.rmtree(root)
+    _save_model(root, 2, cfg, tokenizer="bytes")
+    check_resume(cfg, root)

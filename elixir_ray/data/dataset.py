@@ -210,6 +210,11 @@ def read_metadata(uri: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in meta.items()}
 
 
+def tokenizer_of(uri: str) -> str:
+    """Which tokenizer made a dataset (`bytes` for one written before datasets said)."""
+    return read_metadata(uri).get("tokenizer", "bytes")
+
+
 def count_tokens(uri: str) -> int:
     """The tokens in a dataset `prepare_dataset` wrote, from its metadata."""
     meta = read_metadata(uri)
