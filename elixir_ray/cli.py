@@ -35,6 +35,20 @@ def _cmd_prepare_data(args) -> int:
     return 0
 
 
+def _cmd_sample(args) -> int:
+    import sys
+
+    from elixir_ray.sample import sample
+
+    out = sample(args.checkpoint, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
+                 top_k=args.top_k or None, seed=args.seed, tokenizer=args.tokenizer, eos_token=args.eos_token,
+                 device=args.device)
+    print(f"{out.checkpoint} (step {out.step}): {out.tokens} token(s)" + (", then end of document" if out.ended else ""),
+          file=sys.stderr)
+    print(out.prompt + out.text)
+    return 0
+
+
 def _cmd_export(args) -> int:
     from elixir_ray.checkpoint.export import export_safetensors
     from elixir_ray.progress import ByteProgress
@@ -240,6 +254,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output file path or URI, e.g. weights.safetensors (not .pt: the file is safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr while the weights are written")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("sample", help="write text with a checkpoint's model",
+                       description="Continue a prompt with the model of a checkpoint (or of the newest valid "
+                                   "one in a directory, such as a run's checkpoints/), to see what a run "
+                                   "learned. The model is rebuilt from the run config the checkpoint keeps and "
+                                   "loaded in fp32: it must fit in host memory (or on the GPU).")
+    p.add_argument("checkpoint", metavar="CKPT_URI", help="a checkpoint directory, or a directory of them")
+    p.add_argument("--prompt", default="", help="the text to continue (default: none, a new document)")
+    p.add_argument("--tokens", type=at_least(1), default=200, metavar="N", help="at most this many new tokens "
+                                                                                  "(default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest token each time (default 0.8)")
+    p.add_argument("--top-k", type=at_least(0), default=50, metavar="K",
+                   help="sample among the K likeliest tokens; 0: all (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json the run's data was prepared with "
+                                                       "(not needed for the byte-level tokenizer)")
+    p.add_argument("--eos-token", metavar="TOKEN", help="as given to prepare-data, if it was")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
+    p.set_defaults(func=_cmd_sample)
 
     p = sub.add_parser("plan", help="show the plan the planner picks for a config, and why",
                        description="Profile the config's model on the meta device (no weights), search the "

@@ -232,6 +232,9 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
     _, tensors = load_checkpoint(result.checkpoint_uri)
     assert torch.equal(module.blocks[0].mlp.up.weight, torch.from_numpy(tensors["model/blocks.0.mlp.up.weight"].copy()))
     assert main(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x.safetensors")]) == 2
+    # the trained model writes text from the same directory (the config and tokenizer its checkpoint keeps)
+    assert main(["sample", os.path.dirname(result.checkpoint_uri), "--prompt", "def ", "--tokens", "4",
+                 "--device", "cpu"]) == 0
 
 
 def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_dataset, tmp_path):
