@@ -22,7 +22,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_hint
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
-from elixir_ray.data.dataset import (BatchSampler, TokenDataset, count_tokens, resolve_data_uri, tokenizer_of,
+from elixir_ray.data.dataset import (BatchSampler, TokenDataset, count_tokens, data_tokenizer, resolve_data_uri,
                                      windows_in)
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
@@ -229,10 +229,15 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
     theirs = newest.get("tokenizer")
-    if theirs is not None and theirs != (ours := tokenizer_of(cfg.data.path)):
-        raise ConfigError(f"--resume {uri!r}: the checkpoint's model was trained on tokens of {theirs} and data.path "
-                          f"holds tokens of {ours}: its embeddings would be read as another vocabulary's. Prepare "
-                          f"data.path with the checkpoint's tokenizer (elixir-ray prepare-data --tokenizer)")
+    if theirs is not None and theirs != (ours := data_tokenizer(cfg.data.path))["tokenizer"]:
+        named = newest.get("tokenizer_file") or theirs
+        named = f"{named} ({theirs})" if named != theirs else theirs
+        how = ("without --tokenizer" if theirs == "bytes" else
+               f"with --tokenizer naming {newest.get('tokenizer_file') or 'that tokenizer.json'}")
+        raise ConfigError(f"--resume {uri!r}: the checkpoint's model was trained on tokens of {named} and data.path "
+                          f"holds tokens of {ours['tokenizer_file']}: its embeddings would be read as another "
+                          f"vocabulary's. Prepare data.path with the checkpoint's tokenizer (elixir-ray prepare-data "
+                          f"{how})")
     changed = model_fields_changed((newest.get("config") or {}).get("model"), cfg)
     if changed:
         warnings.warn(f"--resume {uri!r}: the checkpoint's model had {', '.join(changed)}: every tensor has the "

@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Continue a prompt with the model of a checkpoint (or of the newest valid "
                                    "one in a directory, such as a run's checkpoints/), to see what a run "
                                    "learned. The model is rebuilt from the run config the checkpoint keeps and "
-                                   "loaded in fp32: it must fit in host memory (or on the GPU).")
+                                   "its fp32 weights are copied onto the device it runs on, where the whole "
+                                   "model must fit.")
     p.add_argument("checkpoint", metavar="CKPT_URI", help="a checkpoint directory, or a directory of them")
     p.add_argument("--prompt", default="", help="the text to continue (default: none, a new document)")
     p.add_argument("--tokens", type=at_least(1), default=200, metavar="N", help="at most this many new tokens "

@@ -1,7 +1,7 @@
 """Text from a trained checkpoint (`elixir-ray sample`): the quickest look at what a run learned.
 
-The model is rebuilt from the config its checkpoint keeps and loaded with its fp32 weights, so the
-whole model must fit where it is sampled (the host, or one GPU). The prompt follows an
+The model is rebuilt from the model section of the config its checkpoint keeps and its fp32 weights
+are copied in one at a time, so the whole model must fit where it is sampled (the host, or one GPU). The prompt follows an
 end-of-document token, as every document did in training; the text ends after `max_tokens` new
 tokens or at the model's own end-of-document token. No key-value cache: each new token runs the
 window again, which is plenty for a look at a model this system trained.
@@ -9,16 +9,20 @@ window again, which is plenty for a look at a model this system trained.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
 from elixir_ray.config import RunConfig, config_from_dict, resolve_model_shape
+from elixir_ray.data.dataset import tokenizer_of
 from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
 from elixir_ray.errors import ConfigError
-from elixir_ray.model.factory import build_model
+from elixir_ray.model.factory import build_model, init_fn_for
 
 
 @dataclass
@@ -31,8 +35,41 @@ class Sampled:
     ended: bool  # it wrote the end-of-document token
 
 
+def _model_config(manifest: dict, path: str) -> RunConfig:
+    """The model section of the run config the checkpoint keeps (the rest, such as the data, need not
+    hold any more, and keys a later version dropped there do not matter)."""
+    config = manifest.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"checkpoint {path!r} does not say which model it holds (no run config in its manifest)")
+    try:
+        return config_from_dict({"model": config["model"]})
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint {path!r}: its run config's model section: {exc}") from None
+
+
+def _load_weights(model: torch.nn.Module, tensors, path: str) -> None:
+    """Each weight copied from the checkpoint straight into the model's own tensor, one at a time (a
+    tied weight once): the weights are never held twice, on the host or on the way to a GPU."""
+    own = model.state_dict()
+    theirs = {k[len("model/"):] for k in tensors if k.startswith("model/")}
+    if theirs != set(own):
+        missing, extra = sorted(set(own) - theirs), sorted(theirs - set(own))
+        raise CheckpointError(f"checkpoint {path!r} does not hold the model its config builds (missing: "
+                              f"{missing[:5]}, unexpected: {extra[:5]})")
+    done = set()
+    for name, tensor in own.items():
+        if tensor.data_ptr() in done:
+            continue
+        value = np.asarray(tensors[f"model/{name}"])
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {path!r}: {name} has shape {tuple(value.shape)}, the model's is "
+                                  f"{tuple(tensor.shape)}")
+        tensor.copy_(torch.from_numpy(value if value.flags.writeable else value.copy()))
+        done.add(tensor.data_ptr())
+
+
 def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dict, RunConfig, torch.nn.Module]:
-    """The newest valid checkpoint at `ckpt_uri` as (path, manifest, its run's config, the model in
+    """The newest valid checkpoint at `ckpt_uri` as (path, manifest, its model's config, the model in
     eval mode on `device`)."""
     errors: list = []
     found = load_newest_valid(ckpt_uri, errors)
@@ -40,33 +77,57 @@ def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dic
         hint = checkpoint_path_hint(ckpt_uri)
         raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{hint or (f': {errors[-1]}' if errors else '')}")
     path, manifest, tensors = found
-    if not isinstance(manifest.get("config"), dict):
-        raise CheckpointError(f"checkpoint {path!r} does not say which model it holds (no run config in its manifest)")
-    cfg = config_from_dict(manifest["config"])
+    cfg = _model_config(manifest, path)
     model = build_model(cfg, device="meta").to_empty(device=device)
     if cfg.model.hf is not None:
         model.tie_weights()  # to_empty makes a new tensor per module: tie them again
     else:
         model.head.weight = model.wte.weight
-    state = {k[len("model/"):]: torch.from_numpy(v.copy()) for k, v in tensors.items() if k.startswith("model/")}
-    model.load_state_dict(state)
+    # buffers a state dict leaves out (a rotary embedding's frequencies) come from the model's own
+    # initialisation; the weights it draws there are then overwritten
+    init = init_fn_for(cfg, model)
+    with torch.no_grad():
+        for module in model.modules():
+            if module._non_persistent_buffers_set:
+                init(module)
+        _load_weights(model, tensors, path)
     return path, manifest, cfg, model.eval()
 
 
 def checkpoint_tokenizer(manifest: dict, tokenizer: Optional[str], eos_token: Optional[str]):
     """The tokenizer the checkpoint's data was made with: the byte-level one, or the file named,
-    checked against what the checkpoint says it read."""
-    theirs = manifest.get("tokenizer", "bytes")
+    checked against what the checkpoint says it read. A checkpoint from before checkpoints said
+    is taken at its data's word where that file is still there, else at the user's."""
+    theirs = manifest.get("tokenizer")
+    if theirs is None:
+        data = ((manifest.get("config") or {}).get("data") or {}).get("path")
+        try:
+            theirs = tokenizer_of(data) if isinstance(data, str) else None
+        except (OSError, ValueError):  # moved or removed since (pyarrow's errors are of these kinds)
+            theirs = None
+    if theirs is None:
+        guess = f"--tokenizer {tokenizer!r}" if tokenizer is not None else "the byte-level tokenizer"
+        warnings.warn(f"the checkpoint does not say which tokenizer its data was made with (nor is its data.path "
+                      f"there to ask): using {guess}", stacklevel=3)
+        theirs = load_tokenizer(tokenizer, eos_token).identity if tokenizer is not None else "bytes"
     if tokenizer is None:
+        if eos_token is not None:
+            raise ConfigError("--eos-token is for a --tokenizer file: name the one the run's data was made with")
         if theirs != "bytes":
-            raise ConfigError(f"the checkpoint was trained on tokens of {theirs}: name that tokenizer with --tokenizer "
-                              f"(the tokenizer.json its data was prepared with)")
+            raise ConfigError(f"the checkpoint was trained on tokens of {_named(manifest, theirs)}: name that "
+                              f"tokenizer with --tokenizer (the tokenizer.json its data was prepared with)")
         return ByteTokenizer()
     tok = load_tokenizer(tokenizer, eos_token)
     if tok.identity != theirs:
-        raise ConfigError(f"--tokenizer {tokenizer!r} gives {tok.identity}, but the checkpoint was trained on tokens of "
-                          f"{theirs}: name the tokenizer (and --eos-token) its data was prepared with")
+        raise ConfigError(f"--tokenizer {tokenizer!r} gives {tok.identity}, but the checkpoint was trained on tokens "
+                          f"of {_named(manifest, theirs)}: name the tokenizer (and --eos-token) its data was prepared "
+                          f"with")
     return tok
+
+
+def _named(manifest: dict, identity: str) -> str:
+    file = manifest.get("tokenizer_file")
+    return f"{file} ({identity})" if file and file != identity else identity
 
 
 def _encode(tok, text: str) -> list[int]:
@@ -81,11 +142,11 @@ def sample(ckpt_uri: str, prompt: str = "", max_tokens: int = 200, temperature: 
     likeliest token each time; `top_k` keeps only the k likeliest (None: all)."""
     if max_tokens < 1:
         raise ConfigError(f"--tokens {max_tokens}: sample at least 1 token")
-    if temperature < 0:
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"--temperature {temperature}: use 0 (the likeliest token each time) or more")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k {top_k}: keep at least 1 token")
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = _device(device)
     path, manifest, cfg, model = load_checkpoint_model(ckpt_uri, where)
     tok = checkpoint_tokenizer(manifest, tokenizer, eos_token)
     window = resolve_model_shape(cfg.model)["seq_len"]
@@ -101,15 +162,36 @@ def sample(ckpt_uri: str, prompt: str = "", max_tokens: int = 200, temperature: 
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
             if top_k is not None and top_k < logits.numel():
                 kth = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
+            logits = (logits - logits.max()) / temperature  # the likeliest at 0: no overflow at a tiny temperature
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         if nxt == tok.eos_id:
             ended = True
             break
         written.append(nxt)
         context.append(nxt)
-    return Sampled(checkpoint=path, step=int(manifest["step"]), prompt=prompt, text=tok.decode(written),
-                   tokens=len(written), ended=ended)
+    # decoded with the prompt, then the prompt's text taken off: a tokenizer that drops the first
+    # token's leading space (sentencepiece-style) would otherwise run the first word into the prompt
+    prompt_ids = context[1:len(context) - len(written)]
+    shown, whole = tok.decode(prompt_ids), tok.decode(prompt_ids + written)
+    text = whole[len(shown):] if whole.startswith(shown) else tok.decode(written)
+    return Sampled(checkpoint=path, step=int(manifest["step"]), prompt=prompt, text=text, tokens=len(written),
+                   ended=ended)
+
+
+def _device(name: Optional[str]) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this torch has no CUDA device (use cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: sample runs on cpu or cuda")
+    return device

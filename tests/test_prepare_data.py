@@ -216,7 +216,12 @@ def test_a_run_trains_on_ids_past_65535_from_a_tokenizer_file(ray_cluster, tmp_p
     first = result.metrics.column("loss").to_pylist()[0]
     assert abs(first - math.log(70_002)) < 0.5, first
     identity = TokenDataset(str(tmp_path / "d.arrow")).tokenizer
-    assert identity.startswith("tokenizers:sha256:") and read_manifest(result.checkpoint_uri)["tokenizer"] == identity
+    manifest = read_manifest(result.checkpoint_uri)
+    assert identity.startswith("tokenizers:sha256:") and manifest["tokenizer"] == identity
+    assert manifest["tokenizer_file"] == f"{tmp_path.name}/tokenizer.json"
+    # the trained model writes with the same tokenizer (ids past 65,535 decode to its words)
+    assert main(["sample", os.path.dirname(result.checkpoint_uri), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--tokens", "3", "--temperature", "0", "--device", "cpu"]) == 0
 
 
 def test_compressed_json_lines_and_text_are_read_and_progress_counts_the_files_bytes(tmp_path):

@@ -17,7 +17,7 @@ from elixir_ray.model.factory import init_reference_model
 
 from conftest import tiny_config
 
-NO_DATA = "/nonexistent/tiny.arrow"  # check_resume reads only the model section; the data is not opened
+NO_DATA = "/nonexistent/tiny.arrow"  # check_resume opens the data only for a checkpoint that names its tokenizer
 
 
 def _cfg(tmp_path, n_layers=2, steps=8, data=NO_DATA, **sections):
@@ -277,14 +277,14 @@ def test_a_resume_whose_restore_falls_back_to_another_models_checkpoint_is_refus
             train(cfg, progress=False, resume=root)
 
 
-def test_the_global_batch_of_an_elastic_run_is_read_from_its_checkpoint(tmp_path, caplog):
+def test_the_global_batch_of_an_elastic_run_is_read_from_its_checkpoint(tmp_path, tiny_dataset, caplog):
     """An elastic run keeps its global batch on fewer workers by raising grad_accum in its plan, which
     its config does not show: resuming it on its first worker count, which continues it exactly, was
     told to change the batch, and resuming it on fewer, which halves it, was not warned."""
     from elixir_ray.cluster.controller import TrainController
     from elixir_ray.cluster.placement import WorkerShape
 
-    cfg = as_config(tiny_config(NO_DATA, tmp_path))  # micro-batch 4, grad_accum 1
+    cfg = as_config(tiny_config(tiny_dataset, tmp_path))  # micro-batch 4, grad_accum 1
     shrunk = {"step": 4, "world_size": 1, "config": cfg.to_dict()}  # started on 2 workers, 1 at the end
 
     def warnings_for(manifest, workers):
@@ -308,9 +308,11 @@ def test_a_checkpoint_trained_on_another_tokenizers_ids_is_refused(tmp_path, tin
     run read says that its embeddings would be read as another vocabulary's."""
     cfg = _cfg(tmp_path, data=tiny_dataset)
     root = str(tmp_path / "ck")
-    _save_model(root, 2, cfg, tokenizer="tokenizers:sha256:0123456789abcdef")
-    with pytest.raises(ConfigError, match=r"trained on tokens of tokenizers:sha256:0123456789abcdef and data.path "
-                                          r"holds tokens of bytes: .* Prepare data.path with the checkpoint's tokenizer"):
+    _save_model(root, 2, cfg, tokenizer="tokenizers:sha256:0123456789abcdef", tokenizer_file="llama/tokenizer.json")
+    with pytest.raises(ConfigError, match=r"trained on tokens of llama/tokenizer.json \(tokenizers:sha256:0123456789abcdef\)"
+                                          r" and data.path holds tokens of bytes: .* Prepare data.path with the "
+                                          r"checkpoint's tokenizer \(elixir-ray prepare-data with --tokenizer naming "
+                                          r"llama/tokenizer.json\)"):
         check_resume(cfg, root)
     shutil.rmtree(root)
     _save_model(root, 2, cfg, tokenizer="bytes")

@@ -6,10 +6,10 @@ import torch
 from elixir_ray.api import as_config
 from elixir_ray.checkpoint import save_checkpoint
 from elixir_ray.cli import main
-from elixir_ray.data.tokenizer import ByteTokenizer
+from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
 from elixir_ray.errors import ConfigError
 from elixir_ray.model.factory import init_reference_model
-from elixir_ray.sample import sample
+from elixir_ray.sample import load_checkpoint_model, sample
 
 from conftest import tiny_config
 
@@ -19,7 +19,7 @@ def _checkpoint(tmp_path, model=None, **extra):
     model = init_reference_model(cfg)
     tensors = {f"model/{k}": v.detach().numpy() for k, v in model.state_dict().items()}
     root = str(tmp_path / "ck")
-    save_checkpoint(root, 3, tensors, {"samples_consumed": 24, "config": cfg.to_dict(), **extra})
+    save_checkpoint(root, 3, tensors, {"samples_consumed": 24, "config": cfg.to_dict(), "tokenizer": "bytes", **extra})
     return root, model.eval()
 
 
@@ -57,8 +57,6 @@ def test_the_tokenizer_must_be_the_one_the_data_was_made_with(tmp_path, capsys):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")
     tok.save(str(tmp_path / "tokenizer.json"))
-    from elixir_ray.data.tokenizer import load_tokenizer
-
     identity = load_tokenizer(str(tmp_path / "tokenizer.json")).identity
     root, _ = _checkpoint(tmp_path, tokenizer=identity)
     with pytest.raises(ConfigError, match=r"trained on tokens of tokenizers:sha256:\w+: name that tokenizer with "
@@ -100,3 +98,63 @@ def test_a_hugging_face_checkpoint_is_sampled_through_its_own_forward(tmp_path):
             logits = model(input_ids=torch.tensor([context[-16:]])).logits[0, -1]
             context.append(int(logits[:257].argmax()))  # ids past the byte tokenizer's are never written
     assert out.text == ByteTokenizer().decode(context[3:]) and out.tokens > 16  # past one window
+
+
+def test_a_rotary_model_gets_the_frequencies_its_state_dict_leaves_out(tmp_path):
+    """Llama's rotary frequencies are a non-persistent buffer: loaded weights alone left them as
+    whatever memory held."""
+    pytest.importorskip("transformers")
+    fields = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=257, max_position_embeddings=64)
+    root, model = _checkpoint(tmp_path, model={"seq_len": 16, "hf": fields})
+    _, _, _, loaded = load_checkpoint_model(root, torch.device("cpu"))
+    ids = torch.tensor([[256, 1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_sentencepiece_style_continuation_keeps_its_first_space(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, "▁The": 2, "▁cat": 3, "▁sat": 4}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    identity = load_tokenizer(str(tmp_path / "tokenizer.json")).identity
+    root, _ = _checkpoint(tmp_path, tokenizer=identity)
+    out = sample(root, "The cat", max_tokens=3, tokenizer=str(tmp_path / "tokenizer.json"), device="cpu")
+    assert out.tokens > 0 and out.text.startswith(" "), out.text  # " sat", not "sat" run into "cat"
+
+
+def test_older_checkpoints_are_sampled_with_what_they_say(tmp_path, tiny_dataset):
+    cfg = as_config({**tiny_config(tiny_dataset, tmp_path), "model": {"n_layers": 2, "seq_len": 16}})
+    model = init_reference_model(cfg)
+    tensors = {f"model/{k}": v.detach().numpy() for k, v in model.state_dict().items()}
+    old_config = {**cfg.to_dict(), "eval": {"batches": 4}}  # a key a later version dropped: not the model's
+    save_checkpoint(str(tmp_path / "a"), 1, tensors, {"samples_consumed": 0, "config": old_config})
+    assert sample(str(tmp_path / "a"), max_tokens=2, device="cpu").step == 1  # no tokenizer field: its data says bytes
+    gone = {**cfg.to_dict(), "data": {"path": str(tmp_path / "moved.arrow")}}
+    save_checkpoint(str(tmp_path / "b"), 1, tensors, {"samples_consumed": 0, "config": gone})
+    with pytest.warns(UserWarning, match="does not say which tokenizer .* using the byte-level tokenizer"):
+        sample(str(tmp_path / "b"), max_tokens=2, device="cpu")
+    bad = {**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "n_layer": 2}}
+    save_checkpoint(str(tmp_path / "c"), 1, tensors, {"samples_consumed": 0, "config": bad})
+    with pytest.raises(ConfigError, match=r"checkpoint .*step-00000001': its run config's model section: .*n_layer"):
+        sample(str(tmp_path / "c"), device="cpu")
+
+
+def test_devices_and_temperatures_that_cannot_sample_are_refused(tmp_path):
+    root, _ = _checkpoint(tmp_path)
+    for device, match in [("bogus", "is not a device"), ("cuda:7", "CUDA device")]:
+        with pytest.raises(ConfigError, match=match):
+            sample(root, device=device)
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--temperature"):
+            sample(root, temperature=t, device="cpu")
+    assert sample(root, "a", max_tokens=5, temperature=1e-30, device="cpu").text == \
+        sample(root, "a", max_tokens=5, temperature=0, device="cpu").text  # the likeliest, no NaN
+    with pytest.raises(ConfigError, match="--eos-token is for a --tokenizer file"):
+        sample(root, eos_token="</s>", device="cpu")

@@ -17,7 +17,6 @@ when those objects are gone or were never made), and continues.
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import logging
 import os
@@ -40,7 +39,7 @@ from elixir_ray.cluster.placement import (WorkerShape, bundle_rank_order, cpu_th
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
 from elixir_ray.config import RunConfig
-from elixir_ray.data.dataset import tokenizer_of
+from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
 from elixir_ray.profile import WorkerProfile
@@ -122,6 +121,7 @@ class TrainController:
         self.policy = RestartPolicy(cfg.fault.max_restarts)
         self.failures: list[WorkerGroupFailure] = []  # every failure that was restarted, oldest first
         self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
+        self.tokenizer = data_tokenizer(cfg.data.path)  # kept in checkpoints: a resume on other tokens is refused
         self.checkpoint_uri = cfg.checkpoint_uri
         self.state: Optional[RunState] = None
         self.workers: list = []
@@ -134,11 +134,6 @@ class TrainController:
         self._on_driver_node = False  # every worker runs on the driver's node (set at rendezvous)
         self._workers_per_node: dict[str, int] = {}  # node id -> workers there (set at rendezvous)
         self._thread_hint: Optional[str] = None  # the CPU-thread warning of the profiling round, if any
-
-    @functools.cached_property
-    def tokenizer(self) -> str:
-        """Which tokenizer made the data, kept in checkpoints: a resume on other tokens is refused."""
-        return tokenizer_of(self.cfg.data.path)
 
     def _enter(self, state: RunState) -> None:
         self.state = state
@@ -615,7 +610,7 @@ class TrainController:
                         on_driver_node=self._on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
                                "world_size": self.shape.num_workers, "global_batch": self.global_batch,
-                               "tokenizer": self.tokenizer})
+                               **self.tokenizer})
         # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
         # driver's node both would be lost together, so one is enough (a whole state less in memory)
         self.snapshots = [snap] if self._on_driver_node else self.snapshots[-1:] + [snap]
@@ -663,7 +658,7 @@ class TrainController:
                 results[0]["layout"], self.shape.num_workers,
                 {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
                  "config": self.cfg.to_dict(), "world_size": self.shape.num_workers,
-                 "global_batch": self.global_batch, "tokenizer": self.tokenizer})
+                 "global_batch": self.global_batch, **self.tokenizer})
         except (OSError, CheckpointError) as exc:
             self.persister.forget_unreadable(step)
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")

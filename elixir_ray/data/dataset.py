@@ -215,6 +215,14 @@ def tokenizer_of(uri: str) -> str:
     return read_metadata(uri).get("tokenizer", "bytes")
 
 
+def data_tokenizer(uri: str) -> dict[str, str]:
+    """What a checkpoint keeps of the tokenizer its run's data was made with: its identity, which a
+    resume and `sample` compare, and its file's name, which their messages show."""
+    meta = read_metadata(uri)
+    identity = meta.get("tokenizer", "bytes")
+    return {"tokenizer": identity, "tokenizer_file": meta.get("tokenizer_file", identity)}
+
+
 def count_tokens(uri: str) -> int:
     """The tokens in a dataset `prepare_dataset` wrote, from its metadata."""
     meta = read_metadata(uri)
