@@ -33,6 +33,7 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml
+	$(VENV)/bin/elixir-ray sample runs/demo/checkpoints --prompt "def " --tokens 160
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

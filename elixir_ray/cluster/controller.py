@@ -551,6 +551,10 @@ class TrainController:
                     try:
                         self._get([ref], "training")
                     except WorkerGroupFailure as failure:
+                        if isinstance(failure.__cause__, ray.exceptions.RayActorError):  # this rank itself died
+                            raise WorkerGroupFailure("training", f"worker {rank} died: "
+                                                     f"{str(failure.__cause__).splitlines()[0]}",
+                                                     FailureKind.DIED) from failure.__cause__
                         raise self._dead_peer(runs, rank) or failure
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
                 raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
