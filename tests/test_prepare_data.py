@@ -324,6 +324,8 @@ def test_the_output_is_checked_before_the_work(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("hello world\n")
+    with pytest.raises(ConfigError, match=f"--tokenizer: no tokenizer.json in '{tmp_path}'"):
+        prepare_dataset([str(tmp_path / "a.txt")], "d.arrow", tokenizer="~")  # a ~ the shell left as it is
     with pytest.raises(ConfigError, match="is one of the input files"):
         prepare_dataset([str(tmp_path / "a.txt")], "~/a.txt")  # a ~ the shell left as it is
     with pytest.raises(ConfigError, match=r"--out 'nope://bucket/x.arrow' cannot be written"):

@@ -75,6 +75,7 @@ class HFTokenizer:
         except ImportError:
             raise ConfigError("--tokenizer needs the `tokenizers` package: pip install 'elixir_ray[hf]' "
                               "(or --tokenizer bytes)") from None
+        path = os.path.expanduser(path)  # `--tokenizer=~/model`: no shell expands a ~ after `=`
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             where = f"no tokenizer.json in {path!r}" if os.path.isdir(path) else f"{path!r} does not exist"
