@@ -22,8 +22,8 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, list_checkpoints, read_manifest
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, checkpoint_path_hint
 from elixir_ray.config import RunConfig, config_from_dict, load_config, resolve_model_shape
-from elixir_ray.data.dataset import (BatchSampler, TokenDataset, count_tokens, data_tokenizer, resolve_data_uri,
-                                     windows_in)
+from elixir_ray.data.dataset import (BatchSampler, TokenDataset, checkpoint_tokenizer_identity, count_tokens,
+                                     data_tokenizer, resolve_data_uri, tokenizer_named, windows_in)
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
 from elixir_ray.model.factory import check_model_step
@@ -135,12 +135,6 @@ def _show_step(bar: ProgressBar, m: dict) -> None:
         bar.note(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
 
 
-def _tokenizer_named(dataset: TokenDataset) -> str:
-    if dataset.tokenizer == dataset.tokenizer_file:
-        return dataset.tokenizer
-    return f"{dataset.tokenizer_file} ({dataset.tokenizer})"
-
-
 def check_data(cfg: RunConfig) -> RunConfig:
     """Resolve and open the dataset on the driver; returns the config with an absolute data path."""
     uri = resolve_data_uri(cfg.data.path, cfg.data.cache_dir)
@@ -161,8 +155,9 @@ def check_data(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
         if held_out.tokenizer != dataset.tokenizer:
-            raise ConfigError(f"eval.path {eval_uri!r} was tokenised with {_tokenizer_named(held_out)} and data.path "
-                              f"with {_tokenizer_named(dataset)}: the held-out loss would mean nothing. Prepare both "
+            raise ConfigError(f"eval.path {eval_uri!r} was tokenised with "
+                              f"{tokenizer_named(held_out.tokenizer, held_out.tokenizer_file)} and data.path with "
+                              f"{tokenizer_named(dataset.tokenizer, dataset.tokenizer_file)}: the held-out loss would mean nothing. Prepare both "
                               f"with the same --tokenizer (and --eos-token)")
         n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
         if n < cfg.eval.windows:
@@ -228,10 +223,9 @@ def check_resume(cfg: RunConfig, uri: str) -> None:
         check_compatible(newest, expected_checkpoint_shapes(cfg))
     except CheckpointError as exc:
         raise ConfigError(f"--resume {uri!r}: {exc}") from None
-    theirs = newest.get("tokenizer")
-    if theirs is not None and theirs != (ours := data_tokenizer(cfg.data.path))["tokenizer"]:
-        named = newest.get("tokenizer_file") or theirs
-        named = f"{named} ({theirs})" if named != theirs else theirs
+    theirs = checkpoint_tokenizer_identity(newest)
+    if theirs != (ours := data_tokenizer(cfg.data.path))["tokenizer"]:
+        named = tokenizer_named(theirs, newest.get("tokenizer_file"))
         how = ("without --tokenizer" if theirs == "bytes" else
                f"with --tokenizer naming {newest.get('tokenizer_file') or 'that tokenizer.json'}")
         raise ConfigError(f"--resume {uri!r}: the checkpoint's model was trained on tokens of {named} and data.path "
@@ -289,8 +283,7 @@ def _writable_local_dir(uri: str, key: str) -> Optional[str]:
     path = storage.local_path(uri)
     if path is None:
         return None
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
+    path = storage.nearest_existing(path)
     if not os.path.isdir(path):
         raise ConfigError(f"{key} {uri!r}: {path} is a file, not a directory: point {key} at a directory (it is "
                           f"made if missing)")

@@ -36,8 +36,6 @@ def _cmd_prepare_data(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    import sys
-
     from elixir_ray.sample import sample
 
     out = sample(args.checkpoint, args.prompt, max_tokens=args.tokens, temperature=args.temperature,

@@ -10,7 +10,6 @@ window again, which is plenty for a look at a model this system trained.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,10 +18,10 @@ import torch
 
 from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
 from elixir_ray.config import RunConfig, config_from_dict, resolve_model_shape
-from elixir_ray.data.dataset import tokenizer_of
+from elixir_ray.data.dataset import checkpoint_tokenizer_identity, tokenizer_named
 from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
 from elixir_ray.errors import ConfigError
-from elixir_ray.model.factory import build_model, init_fn_for
+from elixir_ray.model.factory import empty_model, init_fn_for
 
 
 @dataclass
@@ -68,21 +67,17 @@ def _load_weights(model: torch.nn.Module, tensors, path: str) -> None:
         done.add(tensor.data_ptr())
 
 
-def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dict, RunConfig, torch.nn.Module]:
-    """The newest valid checkpoint at `ckpt_uri` as (path, manifest, its model's config, the model in
-    eval mode on `device`)."""
+def _newest_checkpoint(ckpt_uri: str) -> tuple[str, dict, dict]:
     errors: list = []
     found = load_newest_valid(ckpt_uri, errors)
     if found is None:
         hint = checkpoint_path_hint(ckpt_uri)
         raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{hint or (f': {errors[-1]}' if errors else '')}")
-    path, manifest, tensors = found
-    cfg = _model_config(manifest, path)
-    model = build_model(cfg, device="meta").to_empty(device=device)
-    if cfg.model.hf is not None:
-        model.tie_weights()  # to_empty makes a new tensor per module: tie them again
-    else:
-        model.head.weight = model.wte.weight
+    return found
+
+
+def _build_model(cfg: RunConfig, tensors, path: str, device: torch.device) -> torch.nn.Module:
+    model = empty_model(cfg, device)
     # buffers a state dict leaves out (a rotary embedding's frequencies) come from the model's own
     # initialisation; the weights it draws there are then overwritten
     init = init_fn_for(cfg, model)
@@ -91,43 +86,34 @@ def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dic
             if module._non_persistent_buffers_set:
                 init(module)
         _load_weights(model, tensors, path)
-    return path, manifest, cfg, model.eval()
+    return model.eval()
+
+
+def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dict, RunConfig, torch.nn.Module]:
+    """The newest valid checkpoint at `ckpt_uri` as (path, manifest, its model's config, the model in
+    eval mode on `device`)."""
+    path, manifest, tensors = _newest_checkpoint(ckpt_uri)
+    cfg = _model_config(manifest, path)
+    return path, manifest, cfg, _build_model(cfg, tensors, path, device)
 
 
 def checkpoint_tokenizer(manifest: dict, tokenizer: Optional[str], eos_token: Optional[str]):
     """The tokenizer the checkpoint's data was made with: the byte-level one, or the file named,
-    checked against what the checkpoint says it read. A checkpoint from before checkpoints said
-    is taken at its data's word where that file is still there, else at the user's."""
-    theirs = manifest.get("tokenizer")
-    if theirs is None:
-        data = ((manifest.get("config") or {}).get("data") or {}).get("path")
-        try:
-            theirs = tokenizer_of(data) if isinstance(data, str) else None
-        except (OSError, ValueError):  # moved or removed since (pyarrow's errors are of these kinds)
-            theirs = None
-    if theirs is None:
-        guess = f"--tokenizer {tokenizer!r}" if tokenizer is not None else "the byte-level tokenizer"
-        warnings.warn(f"the checkpoint does not say which tokenizer its data was made with (nor is its data.path "
-                      f"there to ask): using {guess}", stacklevel=3)
-        theirs = load_tokenizer(tokenizer, eos_token).identity if tokenizer is not None else "bytes"
+    checked against what the checkpoint says it was trained on."""
+    theirs = checkpoint_tokenizer_identity(manifest)
+    named = tokenizer_named(theirs, manifest.get("tokenizer_file"))
     if tokenizer is None:
         if eos_token is not None:
             raise ConfigError("--eos-token is for a --tokenizer file: name the one the run's data was made with")
         if theirs != "bytes":
-            raise ConfigError(f"the checkpoint was trained on tokens of {_named(manifest, theirs)}: name that "
-                              f"tokenizer with --tokenizer (the tokenizer.json its data was prepared with)")
+            raise ConfigError(f"the checkpoint was trained on tokens of {named}: name that tokenizer with --tokenizer "
+                              f"(the tokenizer.json its data was prepared with)")
         return ByteTokenizer()
     tok = load_tokenizer(tokenizer, eos_token)
     if tok.identity != theirs:
         raise ConfigError(f"--tokenizer {tokenizer!r} gives {tok.identity}, but the checkpoint was trained on tokens "
-                          f"of {_named(manifest, theirs)}: name the tokenizer (and --eos-token) its data was prepared "
-                          f"with")
+                          f"of {named}: name the tokenizer (and --eos-token) its data was prepared with")
     return tok
-
-
-def _named(manifest: dict, identity: str) -> str:
-    file = manifest.get("tokenizer_file")
-    return f"{file} ({identity})" if file and file != identity else identity
 
 
 def _encode(tok, text: str) -> list[int]:
@@ -147,8 +133,10 @@ def sample(ckpt_uri: str, prompt: str = "", max_tokens: int = 200, temperature: 
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k {top_k}: keep at least 1 token")
     where = _device(device)
-    path, manifest, cfg, model = load_checkpoint_model(ckpt_uri, where)
-    tok = checkpoint_tokenizer(manifest, tokenizer, eos_token)
+    path, manifest, tensors = _newest_checkpoint(ckpt_uri)
+    tok = checkpoint_tokenizer(manifest, tokenizer, eos_token)  # a wrong one refused before the model is built
+    cfg = _model_config(manifest, path)
+    model = _build_model(cfg, tensors, path, where)
     window = resolve_model_shape(cfg.model)["seq_len"]
     context = [tok.eos_id] + _encode(tok, prompt)
     generator = torch.Generator(device=where).manual_seed(seed)

@@ -25,6 +25,14 @@ def local_path(uri: str) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(uri[len("file://"):] if uri.startswith("file://") else uri))
 
 
+def nearest_existing(path: str) -> str:
+    """`path`, or the nearest directory above it that exists: where a local output's files will land
+    (a file found there instead of a directory means they cannot)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

@@ -293,6 +293,22 @@ def test_parquet_columns_that_hold_no_text_are_refused_and_long_rows_come_in_sma
     batches = list(_batches([str(tmp_path / "long.parquet")] * 2, "text", False, batch_docs=512, piece_bytes=4000))
     assert sum(len(texts) for texts, _, _ in batches) == 80
     assert max(sum(map(len, texts)) for texts, _, _ in batches) <= 8000  # gathered up to about piece_bytes
+    # a struct column before the text: Parquet's leaf columns are numbered past the Arrow field index
+    nested = pa.table({"meta": [{"a": i, "b": "x"} for i in range(40)], "text": [f"{i:4d}" * 250 for i in range(40)]})
+    pq.write_table(nested, tmp_path / "nested.parquet", use_dictionary=False)
+    batches = [texts for texts, _, _ in segments(str(tmp_path / "nested.parquet"), piece_bytes=4000)]
+    assert sum(map(len, batches)) == 40 and max(map(len, batches)) <= 4
+
+
+def test_a_damaged_parquet_file_is_one_error_naming_it(tmp_path, capsys):
+    pq.write_table(pa.table({"text": [f"doc {i} " * 50 for i in range(4000)]}), tmp_path / "p.parquet",
+                   row_group_size=1000)
+    raw = bytearray((tmp_path / "p.parquet").read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 4000] = bytes(range(256)) * 15 + bytes(160)
+    (tmp_path / "bad.parquet").write_bytes(bytes(raw))
+    assert main(["prepare-data", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "d.arrow"), "--quiet"]) == 2
+    assert "bad.parquet': row group " in capsys.readouterr().err
+    assert not (tmp_path / "d.arrow").exists()
 
 
 def test_tokens_are_the_same_across_piece_cuts_in_any_script(tmp_path):
@@ -310,6 +326,11 @@ def test_a_tokenizer_is_known_by_what_it_encodes(tmp_path):
 
     tok, path = _bpe(tmp_path)
     first = load_tokenizer(str(path)).identity
+    # the same tokenizer as an older tokenizers library saved it (merges as "a b" strings, not pairs)
+    saved = json.loads(path.read_text())
+    saved["model"]["merges"] = [" ".join(m) if isinstance(m, list) else m for m in saved["model"]["merges"]]
+    (tmp_path / "older.json").write_text(json.dumps(saved, indent=1))
+    assert load_tokenizer(str(tmp_path / "older.json")).identity == first
     tok.enable_truncation(max_length=8)
     tok.save(str(tmp_path / "again.json"), pretty=False)  # saved otherwise, with a truncation it ignores
     assert load_tokenizer(str(tmp_path / "again.json")).identity == first
@@ -330,6 +351,8 @@ def test_the_output_is_checked_before_the_work(tmp_path, monkeypatch):
         prepare_dataset([str(tmp_path / "a.txt")], "~/a.txt")  # a ~ the shell left as it is
     with pytest.raises(ConfigError, match=r"--out 'nope://bucket/x.arrow' cannot be written"):
         prepare_dataset([str(tmp_path / "a.txt")], "nope://bucket/x.arrow")
+    with pytest.raises(ConfigError, match=rf"--out 'a.txt/more/d.arrow': {tmp_path}/a.txt is a file, not a directory"):
+        prepare_dataset([str(tmp_path / "a.txt")], "a.txt/more/d.arrow")
     with pytest.raises(ConfigError, match="are empty"):
         prepare_dataset([_write(tmp_path / "e.txt", "")], "~/new/dir/d.arrow")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "e.txt"]  # nothing made, no ~ directory

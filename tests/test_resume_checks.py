@@ -17,10 +17,8 @@ from elixir_ray.model.factory import init_reference_model
 
 from conftest import tiny_config
 
-NO_DATA = "/nonexistent/tiny.arrow"  # check_resume opens the data only for a checkpoint that names its tokenizer
-
-
-def _cfg(tmp_path, n_layers=2, steps=8, data=NO_DATA, **sections):
+def _cfg(tmp_path, data, n_layers=2, steps=8, **sections):
+    """`data`: a dataset's path (check_resume compares the tokenizer it was made with)."""
     return as_config(tiny_config(data, tmp_path, model={"n_layers": n_layers}, train={"steps": steps}, **sections))
 
 
@@ -35,24 +33,24 @@ def _damage_manifest(checkpoint_path):
         f.truncate(50)
 
 
-def test_a_damaged_newest_manifest_checks_the_previous_checkpoint(tmp_path):
+def test_a_damaged_newest_manifest_checks_the_previous_checkpoint(tmp_path, tiny_dataset):
     """The restore falls back past a damaged checkpoint, so the driver's check must not refuse the directory."""
-    cfg = _cfg(tmp_path, steps=8)
+    cfg = _cfg(tmp_path, tiny_dataset, steps=8)
     root = str(tmp_path / "ck")
     _save_model(root, 2, cfg)
     _damage_manifest(_save_model(root, 4, cfg))
     with pytest.warns(UserWarning, match=r"skipping checkpoint: .*step-00000004' has no readable manifest"):
         check_resume(cfg, root)
     # the previous one is the one checked: a checkpoint of another model there is refused
-    bigger = _cfg(tmp_path, n_layers=4)
+    bigger = _cfg(tmp_path, tiny_dataset, n_layers=4)
     shutil.rmtree(os.path.join(root, "step-00000002"))
     _save_model(root, 2, bigger)
     with pytest.warns(UserWarning, match="skipping checkpoint"), pytest.raises(ConfigError, match="blocks.2"):
         check_resume(cfg, root)
 
 
-def test_a_directory_without_any_readable_manifest_is_refused(tmp_path):
-    cfg = _cfg(tmp_path)
+def test_a_directory_without_any_readable_manifest_is_refused(tmp_path, tiny_dataset):
+    cfg = _cfg(tmp_path, tiny_dataset)
     root = str(tmp_path / "ck")
     for step in (2, 4):
         _damage_manifest(_save_model(root, step, cfg))
@@ -64,13 +62,13 @@ def test_a_directory_without_any_readable_manifest_is_refused(tmp_path):
             check_resume(cfg, str(tmp_path / "nothing-here"))
 
 
-def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpoints_are(tmp_path):
+def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpoints_are(tmp_path, tiny_dataset):
     """A manifest file crashed the listing (NotADirectoryError); a run directory said only that it had
     no readable manifest. Export says the same, and refuses an output that is a directory."""
     from elixir_ray.checkpoint.export import export_safetensors
     from elixir_ray.checkpoint.store import CheckpointError
 
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, tiny_dataset)
     checkpoint = _save_model(str(tmp_path / "run" / "checkpoints"), 2, cfg)
     manifest = os.path.join(checkpoint, "manifest.json")
     cases = [(str(tmp_path / "run"), r"\(a run directory\? its checkpoints are in .*run/checkpoints\)"),
@@ -97,17 +95,17 @@ def test_a_run_directory_or_a_file_given_for_a_checkpoint_says_where_the_checkpo
     assert log.getvalue().startswith(f"export: {weights / 2**20:.1f} MiB in 0:0"), log.getvalue()  # every byte counted
 
 
-def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_take(tmp_path):
+def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_take(tmp_path, tiny_dataset):
     """The restore takes the newest checkpoint that verifies: refused before any cluster starts when that
     one leaves nothing to train (naming its step). A corrupt file moves the restore back, so with the
     newest damaged only the oldest readable one is judged."""
-    cfg = _cfg(tmp_path, steps=4)
+    cfg = _cfg(tmp_path, tiny_dataset, steps=4)
     root = str(tmp_path / "ck")
     _damage_manifest(_save_model(root, 2, cfg))
     _save_model(root, 4, cfg)
     newest = _save_model(root, 6, cfg)
     with pytest.raises(ConfigError, match=r"the checkpoint is at step 6, and train.steps=5"):
-        check_resume(_cfg(tmp_path, steps=5), root)
+        check_resume(_cfg(tmp_path, tiny_dataset, steps=5), root)
     part = os.path.join(newest, "part-00000.safetensors")
     with open(part, "r+b") as f:  # flip the last byte: same size, another checksum
         f.seek(-1, os.SEEK_END)
@@ -116,20 +114,20 @@ def test_nothing_left_to_train_is_judged_on_the_checkpoint_the_restore_would_tak
         f.write(bytes([last[0] ^ 0xFF]))
     with pytest.raises(ConfigError, match=r"the checkpoint is at step 4, and train.steps=4"):
         check_resume(cfg, root)
-    check_resume(_cfg(tmp_path, steps=5), root)  # the restore falls back to step 4, which leaves a step
+    check_resume(_cfg(tmp_path, tiny_dataset, steps=5), root)  # the restore falls back to step 4, which leaves a step
 
 
-def test_a_checkpoint_of_a_bigger_model_is_refused_naming_its_extra_tensor(tmp_path):
+def test_a_checkpoint_of_a_bigger_model_is_refused_naming_its_extra_tensor(tmp_path, tiny_dataset):
     """Every tensor of the 2-layer model is in a 4-layer checkpoint; the extra layers must still refuse it,
     here, rather than fail every worker's restore."""
     root = str(tmp_path / "ck")
-    _save_model(root, 2, _cfg(tmp_path, n_layers=4))
+    _save_model(root, 2, _cfg(tmp_path, tiny_dataset, n_layers=4))
     with pytest.raises(ConfigError, match=r"it has tensor 'model/blocks\.2\.[\w.]+', which this model does not have"):
-        check_resume(_cfg(tmp_path, n_layers=2), root)
+        check_resume(_cfg(tmp_path, tiny_dataset, n_layers=2), root)
     # and a smaller model's checkpoint, as before, by the first tensor it lacks
     with pytest.raises(ConfigError, match=r"it has no tensor 'model/blocks\.4\."):
-        check_resume(_cfg(tmp_path, n_layers=6), root)
-    check_resume(_cfg(tmp_path, n_layers=4), root)  # the same model fits
+        check_resume(_cfg(tmp_path, tiny_dataset, n_layers=6), root)
+    check_resume(_cfg(tmp_path, tiny_dataset, n_layers=4), root)  # the same model fits
 
 
 ENSURE_RAY = """
@@ -239,11 +237,11 @@ def test_outputs_inside_rays_copy_of_a_jobs_working_directory_are_warned_about(t
         check_output_dir(config_from_dict({"name": "t", "output_dir": lasting, "checkpoint": {"uri": "s3://b/ckpt"}}))
 
 
-def test_a_checkpoint_whose_model_differs_without_changing_a_shape_is_warned_about(tmp_path):
+def test_a_checkpoint_whose_model_differs_without_changing_a_shape_is_warned_about(tmp_path, tiny_dataset):
     """Every tensor of a 4-head GPT has the shape of the 2-head one's: the resume loaded it silently,
     and trained its weights as another attention layout."""
-    four_heads = as_config(tiny_config(NO_DATA, tmp_path, model={"n_layers": 2, "n_heads": 4}, train={"steps": 8}))
-    two_heads = as_config(tiny_config(NO_DATA, tmp_path, model={"n_layers": 2, "n_heads": 2}, train={"steps": 8}))
+    four_heads = as_config(tiny_config(tiny_dataset, tmp_path, model={"n_layers": 2, "n_heads": 4}, train={"steps": 8}))
+    two_heads = as_config(tiny_config(tiny_dataset, tmp_path, model={"n_layers": 2, "n_heads": 2}, train={"steps": 8}))
     root = str(tmp_path / "ck")
     _save_model(root, 2, four_heads, config=four_heads.to_dict())
     with pytest.warns(UserWarning, match=r"the checkpoint's model had model.n_heads=4 \(this run: 2\): every tensor "
@@ -263,7 +261,7 @@ def test_a_resume_whose_restore_falls_back_to_another_models_checkpoint_is_refus
     workers, and every rank failed reading it."""
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6})
     root = str(tmp_path / "ck")
-    _save_model(root, 2, _cfg(tmp_path, n_layers=4))
+    _save_model(root, 2, _cfg(tmp_path, tiny_dataset, n_layers=4))
     newest = _save_model(root, 4, as_config(cfg))
     part = os.path.join(newest, "part-00000.safetensors")
     with open(part, "r+b") as f:
@@ -306,7 +304,7 @@ def test_the_global_batch_of_an_elastic_run_is_read_from_its_checkpoint(tmp_path
 def test_a_checkpoint_trained_on_another_tokenizers_ids_is_refused(tmp_path, tiny_dataset):
     """The shapes match (the vocabulary size is the model's), so only the tokenizer the checkpoint's
     run read says that its embeddings would be read as another vocabulary's."""
-    cfg = _cfg(tmp_path, data=tiny_dataset)
+    cfg = _cfg(tmp_path, tiny_dataset)
     root = str(tmp_path / "ck")
     _save_model(root, 2, cfg, tokenizer="tokenizers:sha256:0123456789abcdef", tokenizer_file="llama/tokenizer.json")
     with pytest.raises(ConfigError, match=r"trained on tokens of llama/tokenizer.json \(tokenizers:sha256:0123456789abcdef\)"
@@ -317,3 +315,26 @@ def test_a_checkpoint_trained_on_another_tokenizers_ids_is_refused(tmp_path, tin
     shutil.rmtree(root)
     _save_model(root, 2, cfg, tokenizer="bytes")
     check_resume(cfg, root)
+    shutil.rmtree(root)
+    _save_model(root, 2, cfg)  # from before checkpoints said: every one of them was trained on bytes
+    check_resume(cfg, root)
+
+
+def test_a_checkpoint_from_before_checkpoints_named_their_tokenizer_is_bytes(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from elixir_ray.data.dataset import prepare_dataset
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="a"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    data = str(tmp_path / "words.arrow")
+    prepare_dataset([_text(tmp_path / "t.txt", "ab" * 400)], data, tokenizer=str(tmp_path / "tokenizer.json"))
+    cfg = _cfg(tmp_path, data)
+    _save_model(str(tmp_path / "ck"), 2, cfg)
+    with pytest.raises(ConfigError, match=r"trained on tokens of bytes and data.path holds tokens of "
+                                          r".*tokenizer.json: .*\(elixir-ray prepare-data without --tokenizer\)"):
+        check_resume(cfg, str(tmp_path / "ck"))
+
+
+def _text(path, text):
+    path.write_text(text)
+    return str(path)

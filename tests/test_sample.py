@@ -51,12 +51,18 @@ def test_sampling_is_seeded(tmp_path):
             sample(root, **kw)
 
 
-def test_the_tokenizer_must_be_the_one_the_data_was_made_with(tmp_path, capsys):
+def _word_level(tmp_path):
+    """A tokenizer.json of one id per letter (and [UNK], </s>): (its path, its vocabulary)."""
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {chr(c): i for i, c in enumerate(range(97, 123))} | {"[UNK]": 26, "</s>": 27}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")
     tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path / "tokenizer.json"), vocab
+
+
+def test_the_tokenizer_must_be_the_one_the_data_was_made_with(tmp_path, capsys):
+    _, vocab = _word_level(tmp_path)
     identity = load_tokenizer(str(tmp_path / "tokenizer.json")).identity
     root, _ = _checkpoint(tmp_path, tokenizer=identity)
     with pytest.raises(ConfigError, match=r"trained on tokens of tokenizers:sha256:\w+: name that tokenizer with "
@@ -135,15 +141,18 @@ def test_older_checkpoints_are_sampled_with_what_they_say(tmp_path, tiny_dataset
     tensors = {f"model/{k}": v.detach().numpy() for k, v in model.state_dict().items()}
     old_config = {**cfg.to_dict(), "eval": {"batches": 4}}  # a key a later version dropped: not the model's
     save_checkpoint(str(tmp_path / "a"), 1, tensors, {"samples_consumed": 0, "config": old_config})
-    assert sample(str(tmp_path / "a"), max_tokens=2, device="cpu").step == 1  # no tokenizer field: its data says bytes
-    gone = {**cfg.to_dict(), "data": {"path": str(tmp_path / "moved.arrow")}}
-    save_checkpoint(str(tmp_path / "b"), 1, tensors, {"samples_consumed": 0, "config": gone})
-    with pytest.warns(UserWarning, match="does not say which tokenizer .* using the byte-level tokenizer"):
-        sample(str(tmp_path / "b"), max_tokens=2, device="cpu")
+    # no tokenizer field: from before datasets came from other tokenizers, so bytes
+    assert sample(str(tmp_path / "a"), max_tokens=2, device="cpu").step == 1
+    with pytest.raises(ConfigError, match=r"gives tokenizers:sha256:\w+, but the checkpoint was trained on tokens of "
+                                          r"bytes"):
+        sample(str(tmp_path / "a"), tokenizer=_word_level(tmp_path)[0], device="cpu")
     bad = {**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "n_layer": 2}}
     save_checkpoint(str(tmp_path / "c"), 1, tensors, {"samples_consumed": 0, "config": bad})
     with pytest.raises(ConfigError, match=r"checkpoint .*step-00000001': its run config's model section: .*n_layer"):
         sample(str(tmp_path / "c"), device="cpu")
+    # the tokenizer is checked before the model is built: a wrong one is what this checkpoint is told
+    with pytest.raises(ConfigError, match=r"trained on tokens of bytes"):
+        sample(str(tmp_path / "c"), tokenizer=_word_level(tmp_path)[0], device="cpu")
 
 
 def test_devices_and_temperatures_that_cannot_sample_are_refused(tmp_path):

@@ -27,15 +27,6 @@ from elixir_ray.errors import ConfigError
 FORMAT = "elixir_ray.tokens/1"
 
 
-def _nearest_directory(path: str) -> str:
-    """The output's directory, or the nearest that exists above it (the same disk, most likely):
-    nothing is created before the dataset is complete."""
-    parent = os.path.dirname(path)
-    while not os.path.isdir(parent):
-        parent = os.path.dirname(parent)
-    return parent
-
-
 class TokenFileWriter:
     """Appends tokens to a scratch file, then writes them as one Arrow record batch (read back
     zero-copy, memory-mapped) under a temporary name and renames it: readers never see a partial
@@ -46,7 +37,9 @@ class TokenFileWriter:
     def __init__(self, out_uri: str, dtype: np.dtype):
         self.out_uri, self.dtype, self.count = out_uri, np.dtype(dtype), 0
         local = storage.local_path(out_uri)
-        self._scratch = tempfile.TemporaryFile(prefix=".tokens-", dir=_nearest_directory(local) if local else None)
+        # beside the output (the same disk, most likely); nothing is created before the dataset is complete
+        where = storage.nearest_existing(os.path.dirname(local)) if local else None
+        self._scratch = tempfile.TemporaryFile(prefix=".tokens-", dir=where)
 
     def append(self, tokens: np.ndarray) -> None:
         self._scratch.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
@@ -59,20 +52,10 @@ class TokenFileWriter:
         table = pa.table({"tokens": pa.array(tokens)})
         table = table.replace_schema_metadata({"format": FORMAT, "num_tokens": str(self.count),
                                                **{k: str(v) for k, v in metadata.items()}})
-        fs, path = storage.resolve(self.out_uri)
-        parent = os.path.dirname(path)
-        if parent:
-            fs.create_dir(parent, recursive=True)
-        tmp = storage.temp_sibling(path)
         try:
-            with fs.open_output_stream(tmp) as out:
+            with storage.atomic_output(*storage.resolve(self.out_uri)) as out:
                 with pa.ipc.new_file(out, table.schema) as writer:
                     writer.write_table(table, max_chunksize=self.count or None)
-            fs.move(tmp, path)
-        except BaseException:
-            if storage.exists(fs, tmp):
-                fs.delete_file(tmp)
-            raise
         finally:
             del table, tokens
             self.discard()
@@ -106,8 +89,13 @@ def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str, as
     if any(os.path.exists(local) and os.path.samefile(local, path) for path in text_files):
         raise ConfigError(f"--out {out_uri!r} is one of the input files: it would be replaced by the dataset; "
                           f"name another file")
-    if not os.access(_nearest_directory(local), os.W_OK):
-        raise ConfigError(f"--out {out_uri!r}: {_nearest_directory(local)!r} is not writable")
+    parent = storage.nearest_existing(os.path.dirname(local))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--out {out_uri!r}: {parent} is a file, not a directory: name a dataset file in a "
+                          f"directory (one that is missing is made)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out_uri!r}: {parent!r} cannot be written by this user (or is on a read-only "
+                          f"filesystem)")
 
 
 def _batches(text_files: list[str], text_field: str, as_bytes: bool, batch_docs: int, piece_bytes: int):
@@ -210,17 +198,23 @@ def read_metadata(uri: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in meta.items()}
 
 
-def tokenizer_of(uri: str) -> str:
-    """Which tokenizer made a dataset (`bytes` for one written before datasets said)."""
-    return read_metadata(uri).get("tokenizer", "bytes")
-
-
 def data_tokenizer(uri: str) -> dict[str, str]:
     """What a checkpoint keeps of the tokenizer its run's data was made with: its identity, which a
     resume and `sample` compare, and its file's name, which their messages show."""
     meta = read_metadata(uri)
     identity = meta.get("tokenizer", "bytes")
     return {"tokenizer": identity, "tokenizer_file": meta.get("tokenizer_file", identity)}
+
+
+def checkpoint_tokenizer_identity(manifest: dict) -> str:
+    """The tokenizer a checkpoint's model was trained on. Checkpoints have said since the version
+    whose `prepare-data` took other tokenizers; every one before that was trained on bytes."""
+    return manifest.get("tokenizer", "bytes")
+
+
+def tokenizer_named(identity: str, file: Optional[str]) -> str:
+    """A tokenizer as the messages show it: its file's name, and the identity that tells it apart."""
+    return f"{file} ({identity})" if file and file != identity else identity
 
 
 def count_tokens(uri: str) -> int:

@@ -256,14 +256,25 @@ def _parquet_segments(path: str, text_field: str, batch_bytes: int):
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
-    meta, column = parquet.metadata, parquet.schema_arrow.get_field_index(text_field)
+    meta = parquet.metadata
+    # the text's own leaf column: Parquet numbers the leaves of nested columns too, so a struct column
+    # before it shifts its index away from the Arrow schema's field index
+    column = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == text_field), None)
     total, reported = os.path.getsize(path), 0
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
-        per_row = group.column(column).total_uncompressed_size / max(1, group.num_rows)
+        size = group.column(column).total_uncompressed_size if column is not None else group.total_byte_size
+        per_row = size / max(1, group.num_rows)
         rows = int(max(1, min(4096, batch_bytes / max(per_row, 1))))
         upto = total * (i + 1) // meta.num_row_groups  # progress by row group: the file's bytes, shared out
-        for batch in parquet.iter_batches(batch_size=rows, row_groups=[i], columns=[text_field]):
+        batches = parquet.iter_batches(batch_size=rows, row_groups=[i], columns=[text_field])
+        while True:
+            try:
+                batch = next(batches, None)
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise ConfigError(f"{path!r}: row group {i} of {meta.num_row_groups} could not be read: {exc}") from None
+            if batch is None:
+                break
             texts = [t for t in batch.column(0).to_pylist() if t]
             yield texts, [True] * len(texts), upto - reported
             reported = upto

@@ -114,10 +114,8 @@ class HFTokenizer:
         if eos_id is None:
             raise ConfigError(f"{where} is not a token of {file!r}: name one of its special tokens with --eos-token")
         self.eos_token, self.eos_id = eos_token, eos_id
-        # what the tokens mean: the tokenizer as it encodes (formatting and saved truncation aside) and the
-        # end-of-document id; a held-out set must have the same
-        canonical = self._tok.to_str().encode("utf-8") + b"\0eos=%d" % eos_id
-        self.identity = "tokenizers:sha256:" + hashlib.sha256(canonical).hexdigest()[:16]
+        # what the tokens mean: the file as it encodes, and the end-of-document id; a held-out set must have the same
+        self.identity = "tokenizers:sha256:" + hashlib.sha256(_canonical(file) + b"\0eos=%d" % eos_id).hexdigest()[:16]
 
     def _configured_eos(self) -> Optional[str]:
         """The eos_token of a tokenizer_config.json beside the file, as transformers saves it."""
@@ -143,6 +141,21 @@ class HFTokenizer:
 
     def decode(self, tokens) -> str:
         return self._tok.decode([int(t) for t in tokens], skip_special_tokens=False)
+
+
+def _canonical(file: str) -> bytes:
+    """The tokenizer file's content in one form whatever wrote it: its JSON with sorted keys, without
+    the saved truncation and padding (turned off here), and BPE merges as "a b" strings (tokenizers
+    0.20 and later save them as pairs). Taken from the file rather than the library's own
+    re-serialisation, which changes between versions: the same file must keep its identity."""
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    data.pop("truncation", None)
+    data.pop("padding", None)
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):
+        model["merges"] = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    return json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def load_tokenizer(spec: str = "bytes", eos_token: Optional[str] = None):

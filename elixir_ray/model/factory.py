@@ -36,13 +36,20 @@ def init_fn_for(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module], None]
     return lambda module: init_gpt_weights(module, n_layers)
 
 
-def init_reference_model(cfg: RunConfig) -> nn.Module:
-    """The initial weights every rank materialises, built the plain way (for references and tests)."""
-    model = build_model(cfg, device="meta").to_empty(device="cpu")
+def empty_model(cfg: RunConfig, device: torch.device | str) -> nn.Module:
+    """The configured model with uninitialised weights on `device`, built without a copy on the host
+    first, its tied weights tied."""
+    model = build_model(cfg, device="meta").to_empty(device=device)
     if cfg.model.hf is not None:
         model.tie_weights()  # to_empty makes a new tensor per module: tie them again
     else:
         model.head.weight = model.wte.weight
+    return model
+
+
+def init_reference_model(cfg: RunConfig) -> nn.Module:
+    """The initial weights every rank materialises, built the plain way (for references and tests)."""
+    model = empty_model(cfg, "cpu")
     torch.manual_seed(cfg.train.seed)
     model.apply(init_fn_for(cfg, model))  # the order the engine materialises modules in
     return model
