@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -162,17 +163,22 @@ def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_pa
     assert "| smoke |" in proc.stdout
 
 
-def test_benchmark_matrix_refuses_unknown_stages_before_running_any(tmp_path):
+def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it_ran(tmp_path):
     out = tmp_path / "matrix"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests", "gpt-4b-32"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown stage: gpt-4b-32" in proc.stdout
     assert not out.exists()
-    proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    # one device call's worth, as a lent GPU machine runs it: the machine recorded, each stage packed
+    packed = tmp_path / "device-out"
+    proc = subprocess.run(["bash", "jobs/gpu_session.sh", "cuda-tests"], capture_output=True, text=True, timeout=600,
+                          env={**env, "OUT": str(packed), "BENCH_DIR": str(out)})
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "== cuda-tests exited 0" in proc.stdout and (out / "cuda-tests" / "log.txt").exists()
+    assert f"torch {torch.__version__}" in (packed / "machine.txt").read_text()
+    with tarfile.open(packed / "cuda-tests.tgz") as archive:
+        assert "cuda-tests/log.txt" in archive.getnames()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
