@@ -157,8 +157,8 @@ def check_data(cfg: RunConfig) -> RunConfig:
         if held_out.tokenizer != dataset.tokenizer:
             raise ConfigError(f"eval.path {eval_uri!r} was tokenised with "
                               f"{tokenizer_named(held_out.tokenizer, held_out.tokenizer_file)} and data.path with "
-                              f"{tokenizer_named(dataset.tokenizer, dataset.tokenizer_file)}: the held-out loss would mean nothing. Prepare both "
-                              f"with the same --tokenizer (and --eos-token)")
+                              f"{tokenizer_named(dataset.tokenizer, dataset.tokenizer_file)}: the held-out loss would "
+                              f"mean nothing. Prepare both with the same --tokenizer (and --eos-token)")
         n = BatchSampler(held_out, shape["seq_len"], cfg.train.seed).n_windows
         if n < cfg.eval.windows:
             warnings.warn(f"eval.path {eval_uri!r} holds {n} window(s) of {shape['seq_len'] + 1} tokens, fewer than "

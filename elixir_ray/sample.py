@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
+from elixir_ray.checkpoint.store import CheckpointError, require_newest_valid
 from elixir_ray.config import RunConfig, config_from_dict, resolve_model_shape
 from elixir_ray.data.dataset import checkpoint_tokenizer_identity, tokenizer_named
 from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -67,15 +67,6 @@ def _load_weights(model: torch.nn.Module, tensors, path: str) -> None:
         done.add(tensor.data_ptr())
 
 
-def _newest_checkpoint(ckpt_uri: str) -> tuple[str, dict, dict]:
-    errors: list = []
-    found = load_newest_valid(ckpt_uri, errors)
-    if found is None:
-        hint = checkpoint_path_hint(ckpt_uri)
-        raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{hint or (f': {errors[-1]}' if errors else '')}")
-    return found
-
-
 def _build_model(cfg: RunConfig, tensors, path: str, device: torch.device) -> torch.nn.Module:
     model = empty_model(cfg, device)
     # buffers a state dict leaves out (a rotary embedding's frequencies) come from the model's own
@@ -92,7 +83,7 @@ def _build_model(cfg: RunConfig, tensors, path: str, device: torch.device) -> to
 def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dict, RunConfig, torch.nn.Module]:
     """The newest valid checkpoint at `ckpt_uri` as (path, manifest, its model's config, the model in
     eval mode on `device`)."""
-    path, manifest, tensors = _newest_checkpoint(ckpt_uri)
+    path, manifest, tensors = require_newest_valid(ckpt_uri)
     cfg = _model_config(manifest, path)
     return path, manifest, cfg, _build_model(cfg, tensors, path, device)
 
@@ -133,7 +124,7 @@ def sample(ckpt_uri: str, prompt: str = "", max_tokens: int = 200, temperature: 
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k {top_k}: keep at least 1 token")
     where = _device(device)
-    path, manifest, tensors = _newest_checkpoint(ckpt_uri)
+    path, manifest, tensors = require_newest_valid(ckpt_uri)
     tok = checkpoint_tokenizer(manifest, tokenizer, eos_token)  # a wrong one refused before the model is built
     cfg = _model_config(manifest, path)
     model = _build_model(cfg, tensors, path, where)

@@ -13,7 +13,7 @@ import numpy as np
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.store import CheckpointError, checkpoint_path_hint, load_newest_valid
+from elixir_ray.checkpoint.store import CheckpointError, require_newest_valid
 from elixir_ray.progress import ByteProgress
 
 
@@ -30,13 +30,7 @@ def export_safetensors(ckpt_uri: str, out_uri: str, progress: Optional[ByteProgr
     if ext.lower() in PICKLE_EXTENSIONS:  # torch.load could not read what is written there
         raise CheckpointError(f"the output {out_uri!r} names a torch pickle, but export writes safetensors: name it "
                               f"{stem}.safetensors (load it with safetensors.torch.load_file)")
-    errors: list = []
-    found = load_newest_valid(ckpt_uri, errors)
-    if found is None:
-        hint = checkpoint_path_hint(ckpt_uri)
-        why = hint or (f": {errors[-1]}" if errors else "")
-        raise CheckpointError(f"no valid checkpoint at {ckpt_uri!r}{why}")
-    path, manifest, tensors = found
+    path, manifest, tensors = require_newest_valid(ckpt_uri)
     names = [k[len("model/"):] for k in tensors if k.startswith("model/")]
     if not names:
         raise CheckpointError(f"checkpoint {path!r} holds no model tensors")

@@ -379,6 +379,17 @@ def load_newest_valid(uri: str, errors: Optional[list] = None) -> Optional[tuple
     return load_first_valid(reversed(candidates), errors)
 
 
+def require_newest_valid(uri: str) -> tuple[str, dict, dict[str, np.ndarray]]:
+    """`load_newest_valid`, or a CheckpointError that says why there is none (a run directory given
+    for its checkpoints, or the last checkpoint's fault)."""
+    errors: list = []
+    found = load_newest_valid(uri, errors)
+    if found is None:
+        hint = checkpoint_path_hint(uri)
+        raise CheckpointError(f"no valid checkpoint at {uri!r}{hint or (f': {errors[-1]}' if errors else '')}")
+    return found
+
+
 def load_first_valid(paths, errors: Optional[list] = None) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
     """The first of `paths` (newest first) that verifies; a corrupt one is skipped with a warning."""
     paths = list(paths)
