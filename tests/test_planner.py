@@ -21,7 +21,9 @@ from elixir_ray.config import config_from_dict
 from elixir_ray.engine.layout import pack
 from elixir_ray.model.factory import build_model
 from elixir_ray.planner.for_config import plan_config
-from elixir_ray.planner.model_profile import checkpointing_variants
+from elixir_ray.planner.api import default_host_budget
+from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
+from elixir_ray.planner.search import plan_search
 from elixir_ray.units import parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -75,12 +77,22 @@ def _min_budget(model, sample, **kw) -> int:
        rows=st.sampled_from([1, 4, 16]), world=st.sampled_from([1, 2, 4]), factor=st.floats(1.05, 20.0),
        more=st.floats(1.0, 8.0))
 def test_plan_properties(widths, rows, world, factor, more):
+    """The search's properties over random models. Each model is traced once, at every checkpointing
+    setting, and searched at three budgets: what `elixir_ray.plan` does per budget (it traces again
+    each time, two thirds of this test's time when it called plan)."""
     with torch.device("meta"):
         model = Stack(widths)
-    sample = _sample(rows)
-    minimum = _min_budget(model, sample, hardware=GPU, world_size=world)
+    profiles = [profile_model(model, _sample(rows), None, v, torch.bfloat16) for v in checkpointing_variants(model)]
+    host = default_host_budget(world)
+
+    def search(budget: int) -> elixir_ray.Plan:
+        return plan_search(profiles, GPU, budget, world, "bfloat16", 2, host_budget=host)
+
+    with pytest.raises(elixir_ray.PlanError) as err:
+        search(1024)
+    minimum = parse_bytes(re.search(r"smallest plan needs ([\d.]+ \w+)", str(err.value)).group(1).replace(" ", ""))
     budget = int(minimum * factor)
-    plan = elixir_ray.plan(model, sample, device_memory=budget, hardware=GPU, world_size=world)
+    plan = search(budget)
     # every parameter is in exactly one chunk
     names = [n for n, _ in model.named_parameters()]
     assert sorted(plan.param_order) == sorted(names)
@@ -97,8 +109,19 @@ def test_plan_properties(widths, rows, world, factor, more):
     # JSON round trip
     assert elixir_ray.Plan.from_json(plan.to_json()) == plan
     # more budget never predicts a slower step
-    richer = elixir_ray.plan(model, sample, device_memory=int(budget * more), hardware=GPU, world_size=world)
+    richer = search(int(budget * more))
     assert richer.predicted_step_seconds <= plan.predicted_step_seconds * (1 + 1e-12)
+
+
+def test_plan_is_the_search_over_the_traced_settings():
+    """What test_plan_properties searches is what `elixir_ray.plan` returns for the same model and budget."""
+    with torch.device("meta"):
+        model = Stack([48, 256])
+    profiles = [profile_model(model, _sample(4), None, v, torch.bfloat16) for v in checkpointing_variants(model)]
+    budget = 3 * _min_budget(model, _sample(4), hardware=GPU, world_size=2)
+    host = 2**30
+    assert (plan_search(profiles, GPU, budget, 2, "bfloat16", 2, host_budget=host)
+            == elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, world_size=2, host_memory=host))
 
 
 def test_too_small_budget_names_the_minimum_and_what_dominates():
