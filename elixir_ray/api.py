@@ -278,19 +278,8 @@ def model_fields_changed(theirs: Optional[dict], cfg: RunConfig) -> list[str]:
 
 
 def _writable_local_dir(uri: str, key: str) -> Optional[str]:
-    """The nearest directory of local `uri` that exists (where its files will land), refused when it
-    is a file or cannot be written (a read-only mount too); None for an object store URI."""
-    path = storage.local_path(uri)
-    if path is None:
-        return None
-    path = storage.nearest_existing(path)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{key} {uri!r}: {path} is a file, not a directory: point {key} at a directory (it is "
-                          f"made if missing)")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {uri!r}: {path} cannot be written by this user (or is on a read-only "
-                          f"filesystem): point {key} at a writable directory")
-    return path
+    return storage.writable_local_dir(uri, f"{key} {uri!r}", f"point {key} at a directory you can write (it is "
+                                                             f"made if missing)")
 
 
 # Where Ray unpacks a job's `--working-dir` upload: a `ray job submit` entrypoint runs in that copy.

@@ -33,6 +33,23 @@ def nearest_existing(path: str) -> str:
     return path
 
 
+def writable_local_dir(uri: str, what: str, fix: str) -> Optional[str]:
+    """The nearest directory of local `uri` that exists (where files made under it will land),
+    refused with a ConfigError (`what`: the setting and its value; `fix`: what to do) when it is a
+    file or cannot be written (a read-only mount too); None for an object store URI."""
+    from elixir_ray.errors import ConfigError
+
+    path = local_path(uri)
+    if path is None:
+        return None
+    path = nearest_existing(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what}: {path} is a file, not a directory: {fix}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: {path} cannot be written by this user (or is on a read-only filesystem): {fix}")
+    return path
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

@@ -89,13 +89,8 @@ def _check_prepare_args(text_files: list[str], out_uri: str, text_field: str, as
     if any(os.path.exists(local) and os.path.samefile(local, path) for path in text_files):
         raise ConfigError(f"--out {out_uri!r} is one of the input files: it would be replaced by the dataset; "
                           f"name another file")
-    parent = storage.nearest_existing(os.path.dirname(local))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"--out {out_uri!r}: {parent} is a file, not a directory: name a dataset file in a "
-                          f"directory (one that is missing is made)")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out_uri!r}: {parent!r} cannot be written by this user (or is on a read-only "
-                          f"filesystem)")
+    storage.writable_local_dir(os.path.dirname(local), f"--out {out_uri!r}",
+                               "name a dataset file in a directory you can write (one that is missing is made)")
 
 
 def _batches(text_files: list[str], text_field: str, as_bytes: bool, batch_docs: int, piece_bytes: int):
