@@ -137,7 +137,9 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
     assert 1 < int(re.search(r"use micro-batch (\d+) or less", str(refused.value)).group(1)) < 64
     minimum = _min_budget(model, sample, hardware=GPU)
     plan = elixir_ray.plan(model, sample, device_memory=int(minimum * 1.03), hardware=GPU)
-    assert plan.activation_checkpointing == [True, True]  # the only way in at the minimum
+    # recomputation is the only way in at the minimum (here recomputing block 0 alone: block 1's
+    # recompute would run while a gradient buffer more is open, at the same activation peak)
+    assert plan.activation_checkpointing[0] is True
     off = _min_budget(model, sample, hardware=GPU, search_checkpointing=False)
     assert off > minimum
 
@@ -156,7 +158,7 @@ def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
     assert plan_config(small, GPU, device_memory="4MiB").plan.predicted_peak_bytes <= 4 * 2**20
     # where even one row does not fit, no micro-batch is named
     with pytest.raises(elixir_ray.PlanError, match=r"even micro-batch 1 does not fit \(a plan at 1 was tried\)"):
-        plan_config(cfg, GPU, device_memory="3MiB")
+        plan_config(cfg, GPU, device_memory="2950KiB")  # the estimate says 1 row fits; the plan at 1 does not
 
 
 def test_a_hugging_face_models_plan_names_the_config_key_that_turns_on_its_checkpointing():

@@ -149,3 +149,92 @@ def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(g
     assert f"Deep Optimizer States updates {said} host chunk on the device" in plan.explain()
     assert "Deep Optimizer States" not in Plan(chunk_size=8, n_blocks=2, param_order=["w"], placements=["host"] * 4,
                                                sharded=[False] * 4, chunk_numels=[8] * 4).explain()
+
+
+def test_gradient_buffer_moments_follow_each_chunk_from_first_gradient_to_hand_off():
+    """Chunk 0 holds parameters 0 and 2, chunk 1 parameter 1; backward gives 2, 1, 0. Moments 2k
+    are after k gradients, 2k+1 as gradient k arrives (its chunk's buffer open, not handed on)."""
+    from elixir_ray.engine.layout import gradient_buffer_moments, open_gradient_chunks
+
+    moments, handed_at = gradient_buffer_moments([2, 1, 0], [0, 1, 0])
+    assert moments == [(0, 0), (1, 0), (1, 0), (2, 0), (1, 1), (1, 1), (0, 2)]
+    assert handed_at == {1: 4, 0: 6}
+    assert open_gradient_chunks([2, 1, 0], [0, 1, 0]) == 2
+    # a parameter that never gets a gradient keeps its chunk open to the end (one rank)
+    moments, handed_at = gradient_buffer_moments([1], [0, 1, 0])
+    assert moments[-1] == (0, 1) and handed_at == {1: 2}
+
+
+def _gpt_layout(checkpointing, chunk_size=4096):
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.model_profile import profile_model
+    from elixir_ray.planner.search import make_layout
+
+    shape = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=211, seq_len=32)
+    with torch.device("meta"):
+        model = build_gpt(shape, checkpointing)
+    profile = profile_model(model, (torch.randint(0, 211, (4, 33)),), None, None, torch.bfloat16)
+    return profile, make_layout(profile, chunk_size, 1)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_memory_samples_cover_the_whole_activation_peak(checkpointing):
+    """The trace's samples (each access and each gradient's arrival) see every activation byte: their
+    largest is the step's activation peak, and each gradient has its sample."""
+    profile, lay = _gpt_layout(checkpointing)
+    trace = profile.trace
+    assert max(high for high, _ in trace.memory_samples) == trace.activation_peak_bytes
+    arrivals = [end for _, end in trace.memory_samples if end % 2 == 1]
+    assert arrivals == [2 * k + 1 for k in range(len(trace.grad_order))]
+    assert trace.memory_samples[-1][1] == 2 * len(trace.grad_order)
+    assert lay.event_activations is not None and len(lay.event_activations) == len(trace.memory_samples)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
+    """The search sums the peaks of every prefix of a ranking at once (running sums); each must be the
+    peak `evaluate` gives that placement alone, part by part. The timeline peak never exceeds the
+    sum of the separate peaks it replaced, and never falls below the activation peak."""
+    import numpy as np
+
+    from elixir_ray.planner.cost import STATE_BYTES
+    from elixir_ray.planner.search import MAX_REDUCTIONS_IN_FLIGHT, _memory_rows
+
+    profile, lay = _gpt_layout(True, chunk_size=2048)
+    rng = np.random.default_rng(seed)
+    n_chunks = len(lay.sizes)
+    ranking = rng.permutation(n_chunks)
+    rank_of = np.empty(n_chunks, dtype=np.int64)
+    rank_of[ranking] = np.arange(n_chunks)
+    prefixes = rank_of[None, :] < np.arange(n_chunks + 1)[:, None]
+    args = (lay, 3, 2 if dos else 0, 2, 1, False, 2, freed)
+    together = _memory_rows(lay, 3, prefixes, *args[2:], ranking=ranking)
+    size = int(lay.sizes.max())
+    for k in range(n_chunks + 1):
+        alone = _memory_rows(lay, 3, prefixes[k:k + 1], *args[2:])
+        assert {p: float(v[k]) for p, v in together.items()} == pytest.approx({p: float(v[0]) for p, v in alone.items()})
+        peak = sum(float(v[k]) for v in together.values())
+        device_state = STATE_BYTES * float(lay.shards[prefixes[k]].sum())
+        in_flight = MAX_REDUCTIONS_IN_FLIGHT if k < n_chunks else 0
+        summed = (3 * size * 2 + device_state + profile.trace.activation_peak_bytes
+                  + (lay.open_grads + in_flight) * size * 4 + in_flight * size * 2 + 4 * size + STATE_BYTES * size)
+        assert profile.trace.activation_peak_bytes <= peak <= summed
+
+
+@pytest.mark.parametrize("budget_mib", [24, 64])
+def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budget_mib):
+    """The plan chart draws, moment by moment, what the planner counts: its highest point is the
+    predicted peak (the pool is full by then), never above it."""
+    import numpy as np
+
+    from elixir_ray.planner.chart import memory_timeline
+    from elixir_ray.planner.search import plan_search
+
+    profile, _ = _gpt_layout(True)
+    hw = HardwareProfile(device="cuda", h2d_gbps=20, d2h_gbps=20, cpu_adam_params_per_s=1e9,
+                         device_adam_params_per_s=5e10, matmul_tflops=100, cpu_threads=8)
+    plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2)
+    t = memory_timeline(plan, profile, 2)
+    total = t["state"] + t["pool"] + t["buffers"] + t["activations"]
+    assert np.isclose(total.max(), plan.predicted_peak_bytes, rtol=1e-9)

@@ -93,6 +93,16 @@ def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int], order
     early keeps its buffer until those have gone. Counted from the traced gradient
     order, since the planner must budget these buffers on the device.
     """
+    return max(opened for opened, _ in gradient_buffer_moments(grad_order, chunk_of_param, ordered)[0])
+
+
+def gradient_buffer_moments(grad_order: list[int], chunk_of_param: list[int],
+                            ordered: bool = False) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """(chunks collecting gradients, chunks handed to their reduction so far) at each moment of a
+    backward: moment 2k is after the first k traced gradients, moment 2k+1 as gradient k arrives
+    (its chunk's buffer open, not yet handed on); and the moment each chunk was handed on (a
+    device chunk's gradient keeps that buffer from then to the step). The gradient-buffer side of
+    backward's memory over time, which the planner sets beside the activations alive then."""
     expected: dict[int, int] = {}
     with_grad = set(grad_order)
     for i, c in enumerate(chunk_of_param):
@@ -101,22 +111,30 @@ def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int], order
     seen: dict[int, int] = {}
     open_now: set[int] = set()
     complete: set[int] = set()
+    handed = 0
     next_turn = max(chunk_of_param, default=-1)  # ordered: the next chunk to reduce, highest first
-    widest = 0
+    moments = [(0, 0)]
+    handed_at: dict[int, int] = {}
     for i in grad_order:
         c = chunk_of_param[i]
         open_now.add(c)
         seen[c] = seen.get(c, 0) + 1
-        widest = max(widest, len(open_now))
+        moments.append((len(open_now), handed))
         if seen[c] == expected[c]:
             if not ordered:
                 open_now.discard(c)
-                continue
-            complete.add(c)
-            while next_turn >= 0 and (next_turn in complete or next_turn not in expected):
-                open_now.discard(next_turn)
-                next_turn -= 1
-    return widest
+                handed += 1
+                handed_at[c] = len(moments)
+            else:
+                complete.add(c)
+                while next_turn >= 0 and (next_turn in complete or next_turn not in expected):
+                    if next_turn in open_now:
+                        open_now.discard(next_turn)
+                        handed += 1
+                        handed_at[next_turn] = len(moments)
+                    next_turn -= 1
+        moments.append((len(open_now), handed))
+    return moments, handed_at
 
 
 def _round_up(n: int, multiple: int) -> int:

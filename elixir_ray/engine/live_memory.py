@@ -24,15 +24,18 @@ def storage_key(t: torch.Tensor) -> int:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of live non-parameter storages made while on (`live`), and their maximum (`peak`);
-    `take_high()` gives the maximum since its last call, so a trace sampled at parameter accesses
-    still sees a peak that falls between two of them."""
+    `take_high(mark)` gives the maximum since its last call with that mark, so a trace sampled at
+    parameter accesses (or at gradient arrivals, another mark) still sees a peak that falls
+    between two samples."""
 
     def __init__(self, excluded_storages: set[int]):
         super().__init__()
         self.excluded = excluded_storages
         self.live = 0
         self.peak = 0
-        self._high = 0
+        # per mark ("event", "sample"): the most bytes alive since its last take_high; plain
+        # attributes, not a dict, since every op of a trace updates them
+        self._high_event = self._high_sample = 0
         self._refs: dict[int, list[int]] = {}  # storage -> [tensors alive on it, bytes]
 
     def _release(self, key: int) -> None:
@@ -56,11 +59,19 @@ class LiveBytes(TorchDispatchMode):
                 self.live += entry[1]
             entry[0] += 1
             weakref.finalize(t, self._release, key)  # a tensor's Python object lives as long as it does
-        self.peak = max(self.peak, self.live)
-        self._high = max(self._high, self.live)
+        live = self.live
+        if live > self.peak:
+            self.peak = live
+        if live > self._high_event:
+            self._high_event = live
+        if live > self._high_sample:
+            self._high_sample = live
         return out
 
-    def take_high(self) -> int:
-        """The most bytes alive since the last call (or the start)."""
-        high, self._high = max(self._high, self.live), self.live
+    def take_high(self, mark: str = "event") -> int:
+        """The most bytes alive since the last call with this mark, "event" or "sample" (or since
+        the start)."""
+        name = f"_high_{mark}"
+        high = max(getattr(self, name), self.live)
+        setattr(self, name, self.live)
         return high

@@ -59,6 +59,11 @@ class AccessTrace:
     forward_flops: int = 0  # of which the forward pass (before backward starts)
     grad_epochs: list[int] = field(default_factory=list)  # per event: gradients accumulated before it
     grad_order: list[int] = field(default_factory=list)  # parameter indices in the order their gradients were final
+    # backward's memory over time, sampled at each event and at each gradient's arrival: (the most
+    # activation bytes alive since the sample before, the moment it ends: 2k after k gradients have
+    # arrived, 2k+1 as gradient k arrives), for the planner to set beside the gradient buffers
+    # held at the same moments (layout.gradient_buffer_moments); the last sample covers the end
+    memory_samples: list[tuple[int, int]] = field(default_factory=list)
     ops: list[OpCall] = field(default_factory=list)  # the distinct kernel calls of the step, with counts
     # the step read values computed from the weights (a learned router): traced with the real weights
     # beside the meta ones, and another step, or another rank, may use other parameters
@@ -310,9 +315,11 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
     saved_storages: dict[int, tuple[int, object]] = {}
 
     grad_order: list[int] = []
+    memory_samples: list[tuple[int, int]] = []
 
     def on_grad(p, i):
         got_grad[i] = True
+        memory_samples.append((live.take_high("sample"), 2 * state["grads"] + 1))
         grad_order.append(i)
         state["grads"] += 1
         p.grad = None  # the engine moves each gradient into its chunk's buffer, counted apart
@@ -325,6 +332,8 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         saved_before.append(state["saved"])
         live_before.append(live.live if live is not None else 0)
         live_high.append(live.take_high() if live is not None else 0)
+        if live is not None:
+            memory_samples.append((live.take_high("sample"), 2 * state["grads"]))
         grad_epochs.append(state["grads"])
         for i in indices:
             if i not in seen:
@@ -394,6 +403,7 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
                 h.remove()
     if live_high:
         live_high[-1] = max(live_high[-1], live.take_high())
+    memory_samples.append((live.take_high("sample"), 2 * state["grads"]))  # what follows the last sample
     order = first_use + [i for i in range(len(params)) if i not in seen]
     ops = recorder.recorded()
     return AccessTrace(order=order, events=events, phases=phases, got_grad=got_grad,
@@ -402,4 +412,4 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
                        forward_flops=sum(op.flops * op.forward_count for op in ops),
                        grad_epochs=grad_epochs, grad_order=grad_order, ops=ops,
                        activation_peak_bytes=live.peak, live_before=live_before, live_high=live_high,
-                       weights_read=with_weights)
+                       memory_samples=memory_samples, weights_read=with_weights)

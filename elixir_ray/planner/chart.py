@@ -7,23 +7,29 @@ import numpy as np
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
-from elixir_ray.planner.search import SAFETY, plan_layout
+from elixir_ray.planner.search import SAFETY, gradients_freed, plan_buffers_by_sample, plan_layout
 from elixir_ray.units import format_bytes
 
 
 def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
-    """Per traced access: bytes of resident optimizer state and buffers, pool blocks, and activations.
+    """Per moment of one step: bytes of resident optimizer state and buffers, pool blocks,
+    gradient and copy buffers, and activations.
 
-    The pool fills as chunks are first used and then stays full (eviction only swaps); activations
-    are the most alive since the access before, as traced (saved ones, backward's gradients,
-    recomputed blocks), so the curve reaches the activation peak even where it falls between two
-    accesses (a GPT's logits and their gradient, after the last parameter is read).
+    The moments are the trace's memory samples (each parameter access and each gradient's arrival),
+    then the optimizer step. The pool fills as chunks are first used and then stays full (eviction
+    only swaps); activations are the most alive since the moment before, as traced (saved ones,
+    backward's gradients, recomputed blocks), so the curve reaches the activation peak even where
+    it falls between two moments (a GPT's logits and their gradient, after the last parameter is
+    read); the buffers are those the planner counts at each moment (`plan_buffers_by_sample`), and
+    at the step every device chunk's gradient with the Deep Optimizer States buffer. A trace
+    without samples (a profile from an older version) is drawn per access, its buffers flat.
     """
     lay = plan_layout(profile, plan)
     trace = profile.trace
     block = int(lay.sizes.max()) * elem_bytes
     device = np.array([p == "device" for p in plan.placements])
-    fixed = float((STATE_BYTES * lay.shards)[device].sum()) + profile.buffer_bytes
+    state = plan.memory.get("optimizer state on device", float((STATE_BYTES * lay.shards)[device].sum()))
+    fixed = float(state) + profile.buffer_bytes
     seen: set[int] = set()
     pool = []
     backward = [i for i, ph in enumerate(trace.phases) if ph != "forward"]
@@ -31,16 +37,31 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     for chunks in lay.events:
         seen.update(chunks)
         pool.append(min(plan.n_blocks, len(seen)) * block)
-    acts = list(trace.live_high or trace.live_before) or [0] * len(lay.events)
-    n = len(lay.events)
-    # what the plan budgets at its peak beside these: gradient staging, the fetch conversion buffer
-    # and the Deep Optimizer States buffer (drawn flat: the budget holds room for them throughout)
-    others = float(sum(plan.memory.get(k, 0) for k in _BUFFER_PARTS))
-    return {"state": np.full(n, fixed), "pool": np.array(pool, dtype=float), "activations": np.array(acts, dtype=float),
-            "buffers": np.full(n, others), "first_backward": np.array([first_backward])}
+    buffers = plan_buffers_by_sample(plan, lay, elem_bytes)
+    if buffers is None or not pool:
+        acts = list(trace.live_high or trace.live_before) or [0] * len(lay.events)
+        n = len(lay.events)
+        others = float(sum(plan.memory.get(k, 0) for k in _BUFFER_PARTS))  # drawn flat
+        return {"state": np.full(n, fixed), "pool": np.array(pool, dtype=float),
+                "activations": np.array(acts, dtype=float), "buffers": np.full(n, others),
+                "first_backward": np.array([first_backward])}
+    # samples at even moments are accesses (all but the last, which covers the end); odd ones gradients
+    ends = np.array([end for _, end in trace.memory_samples])
+    access = np.cumsum((ends % 2 == 0) & (np.arange(len(ends)) < len(ends) - 1)) - 1
+    access = np.clip(access, 0, len(pool) - 1)
+    # at the step: the Deep Optimizer States buffer, and every device chunk's gradient where those
+    # come and go (otherwise they are in the state already)
+    at_step = STATE_BYTES * float(lay.shards.max()) if plan.dos_gap > 0 and not device.all() else 0.0
+    if gradients_freed(plan.host_grads_low, 1):
+        at_step += 4 * float(lay.shards[device].sum())
+    n = len(ends) + 1
+    first = int(np.searchsorted(access, first_backward)) if first_backward < len(pool) else len(ends)
+    return {"state": np.full(n, fixed), "pool": np.append(np.array(pool, dtype=float)[access], pool[-1]),
+            "activations": np.append(lay.event_activations.astype(float), 0.0),
+            "buffers": np.append(buffers.astype(float), at_step), "first_backward": np.array([first])}
 
 
-_BUFFER_PARTS = ("gradient staging", "fetch conversion", "Deep Optimizer States buffer")
+_BUFFER_PARTS = ("gradient staging", "gradients of device chunks", "fetch conversion", "Deep Optimizer States buffer")
 
 
 def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: str) -> None:
@@ -58,15 +79,19 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     x = np.arange(len(t["pool"]))
     ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["buffers"] / gib, t["activations"] / gib,
                  labels=["optimizer state on device + module buffers", "pool blocks",
-                         "gradient staging + copy buffers (room kept)", "activations"],
+                         "gradient and copy buffers, device chunks' gradients", "activations"],
                  colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
     if budget_drawn:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
         ax.axhline(plan.budget_bytes * (1 - SAFETY) / gib, color="black", linestyle=":", linewidth=1,
                    label=f"usable: budget less {SAFETY:.0%} margin")
     ax.axhline(plan.predicted_peak_bytes / gib, color="#c44e52", linestyle=":", linewidth=1, label="predicted peak")
+    total = t["state"] + t["pool"] + t["buffers"] + t["activations"]
+    worst = int(np.argmax(total))  # often one moment wide (backward's first gradients): marked, or it is not seen
+    ax.plot([worst], [total[worst] / gib], marker="v", color="#c44e52", markersize=7, linestyle="none",
+            label="its moment")
     ax.axvline(int(t["first_backward"][0]), color="grey", linestyle=":", linewidth=1, label="backward starts")
-    ax.set_xlabel("traced access (one training step)")
+    ax.set_xlabel("moment of one training step (parameter accesses and gradient arrivals, then the step)")
     ax.set_ylabel(unit)
     off_chart = (f", budget {format_bytes(plan.budget_bytes)} above the chart"
                  if plan.budget_bytes and not budget_drawn else "")

@@ -18,7 +18,7 @@ import numpy as np
 
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.chunks import MAX_REDUCTIONS_IN_FLIGHT
-from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, open_gradient_chunks, pack
+from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
@@ -52,6 +52,15 @@ class Layout:
     min_blocks: int
     param_order: list
     open_grads: int = 1  # most chunks collecting gradients at once in backward (each an fp32 staging buffer)
+    # per memory sample of the trace (`backward_timeline`): activation bytes alive, and (columns: no
+    # reduction in flight, up to MAX_REDUCTIONS_IN_FLIGHT) the most gradient buffers held at once and
+    # how many of those are reductions in flight
+    event_activations: Optional[np.ndarray] = None
+    event_buffers: Optional[np.ndarray] = None
+    event_flying: Optional[np.ndarray] = None
+    # per memory sample and chunk: its gradient handed on by the end of the sample's interval (a
+    # device chunk's gradient then holds that buffer until the step's zero_grad)
+    event_handed: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -86,11 +95,47 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
         replicated = np.zeros(len(sizes), dtype=bool)
     else:
         replicated = np.asarray(replicated, dtype=bool)
+    moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
-                  open_grads=max(1, open_gradient_chunks(profile.trace.grad_order, chunk_of_param, ordered=world > 1)))
+                  open_grads=max(1, max(opened for opened, _ in moments)),
+                  **backward_timeline(profile.trace, moments, handed_at, len(sizes)))
+
+
+def backward_timeline(trace, moments: list[tuple[int, int]], handed_at: dict[int, int], n_chunks: int) -> dict:
+    """Per memory sample of the trace (each event and each gradient's arrival), for the planner's
+    backward peak: the activations alive (the most since the sample before), and the most
+    gradient buffers held at one moment since then (chunks collecting gradients plus reductions
+    still holding theirs) with at most 0 and at most MAX_REDUCTIONS_IN_FLIGHT reductions in flight
+    (no host chunk, some), and how many of them are reductions; and which chunks' gradients were
+    handed on by the end of the interval.
+
+    Activations and gradient buffers peak at different moments (a GPT's activations as backward
+    starts, with one buffer open; its buffers later, when little is saved), so the backward peak
+    is the largest sum at one moment, not the sum of the two peaks: that sum over-predicted the
+    H100's measured peaks by 3 to 9 GiB. Empty for a trace without samples (a profile saved by an
+    older version): the sum of the peaks is used then."""
+    samples = trace.memory_samples
+    if not samples or samples[-1][1] != len(moments) - 1:
+        return {}
+    caps = (0, MAX_REDUCTIONS_IN_FLIGHT)
+    n = len(samples)
+    buffers, flying = np.zeros((n, len(caps)), dtype=np.int64), np.zeros((n, len(caps)), dtype=np.int64)
+    start = 0
+    for s, (_, end) in enumerate(samples):
+        for j, cap in enumerate(caps):
+            for opened, handed in moments[start: end + 1]:
+                buffers[s, j] = max(buffers[s, j], opened + min(cap, handed))
+                flying[s, j] = max(flying[s, j], min(cap, handed))
+        start = end
+    ends = np.array([end for _, end in samples], dtype=np.int64)
+    handed = np.full(n_chunks, np.iinfo(np.int64).max, dtype=np.int64)
+    for c, m in handed_at.items():
+        handed[c] = m
+    return {"event_activations": np.array([high for high, _ in samples], dtype=np.int64), "event_buffers": buffers,
+            "event_flying": flying, "event_handed": handed[None, :] <= ends[:, None]}
 
 
 def pool_candidates(layout: Layout) -> list[int]:
@@ -151,41 +196,97 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
         grad_accum)
-    memory = _memory_parts(lay, choice.n_blocks, int((STATE_BYTES * lay.shards)[dev].sum()),
-                           choice.dos_gap > 0 and bool(host.any()), elem_bytes, world, bool(host.any()), choice.upload,
-                           grad_bytes)
+    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
+                        grad_bytes, gradients_freed(choice.grads_low, grad_accum))
+    memory = {part: int(values[0]) for part, values in rows.items()}
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
 
 
-def _memory_parts(lay: Layout, n_blocks: int, device_state: int, dos: bool, elem_bytes: int, world: int,
-                  has_host: bool, upload: bool, grad_bytes: int = 4) -> dict:
-    """Peak device bytes by part. Backward (activations, gradient buffers, a fetch's conversion
-    buffer) and the optimizer step (the Deep Optimizer States buffer) peak at different times, so
-    only the larger of the two counts. Host gradients in the compute dtype are cast on the device
-    before they leave: each reduction in flight holds that copy too."""
+def gradients_freed(grads_low: bool, grad_accum: int) -> bool:
+    """Whether a device chunk's gradient exists only from its backward to the step's zero_grad:
+    with one backward per step, declared (the plan's host_grads_low rests on the same promise;
+    the engine warns when a step has more). Otherwise a gradient kept from an earlier backward is
+    alive at every moment, and each device element is budgeted at STATE_BYTES."""
+    return grads_low and grad_accum == 1
+
+
+MEMORY_PARTS = ("pool blocks", "optimizer state on device", "gradients of device chunks", "activations",
+                "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
+
+
+def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, elem_bytes: int, world: int,
+                 upload: bool, grad_bytes: int = 4, freed: bool = False,
+                 ranking: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+    """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
+
+    Backward peaks at its worst moment (`backward_timeline`): activations alive, gradient buffers
+    (chunks collecting gradients, reductions in flight, each a whole fp32 chunk), a fetch's
+    conversion buffer, and, where gradients are `freed` (`gradients_freed`), the gradients of
+    the device chunks handed on by then. The optimizer step holds every device gradient and the
+    Deep Optimizer States buffer instead; only the larger of the two counts. Host gradients in
+    the compute dtype are cast on the device before they leave: each reduction in flight holds
+    that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
+    here by running sums instead of a product per row."""
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
-    block = size * elem_bytes
-    in_flight = MAX_REDUCTIONS_IN_FLIGHT if has_host else 0  # host chunks' gradients on their way out
-    cast = shard * grad_bytes if grad_bytes < 4 else 0
+    shards = lay.shards.astype(np.float64)
+    timeline = lay.event_activations is not None and lay.event_handed is not None
+    freed = freed and timeline
+    if ranking is not None:
+        device_elems = np.concatenate([[0.0], np.cumsum(shards[ranking])])
+    else:
+        device_elems = device.astype(np.float64) @ shards
+    has_host = ~device.all(axis=1)
     any_sharded = world > 1 and not bool(lay.replicated.all())
-    staging = (lay.open_grads + in_flight) * size * 4 + in_flight * cast + (shard * 4 if any_sharded else 0)
-    fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
-    if world > 1 and bool(lay.replicated.any()):  # a replicated chunk is fetched as with one rank
-        fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, has_host, upload))
-    trace = lay.profile.trace
-    activations = trace.activation_peak_bytes
-    backward = staging + fetch + activations
-    step = STATE_BYTES * shard if dos else 0
-    return {
-        "pool blocks": n_blocks * block,
-        "optimizer state on device": device_state,
-        "activations": activations if backward >= step else 0,
-        "gradient staging": staging if backward >= step else 0,
-        "fetch conversion": fetch if backward >= step else 0,
-        "Deep Optimizer States buffer": step if step > backward else 0,
-        "buffers": lay.profile.buffer_bytes,
-    }
+    sharded_part = shard * 4 if any_sharded else 0
+    out = {part: np.zeros(len(device)) for part in MEMORY_PARTS}
+    out["pool blocks"][:] = n_blocks * size * elem_bytes
+    out["buffers"][:] = lay.profile.buffer_bytes
+    for host in (False, True):
+        rows = np.flatnonzero(has_host == host)
+        if not len(rows):
+            continue
+        # a plan with every chunk on the device records no host_grads_low, the flag that carries
+        # the promise of one backward per step: its gradients are costed as always alive
+        row_freed = freed and host
+        out["optimizer state on device"][rows] = (STATE_BYTES - 4 if row_freed else STATE_BYTES) * device_elems[rows]
+        in_flight = MAX_REDUCTIONS_IN_FLIGHT if host else 0  # host chunks' gradients on their way out
+        cast = shard * grad_bytes if grad_bytes < 4 else 0
+        fetch = _fetch_buffer(size, shard, elem_bytes, world, host, upload)
+        if world > 1 and bool(lay.replicated.any()):  # a replicated chunk is fetched as with one rank
+            fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, host, upload))
+        device_grads = np.zeros(len(rows))
+        if timeline:
+            column = 1 if in_flight else 0
+            staged = lay.event_buffers[:, column] * size * 4 + lay.event_flying[:, column] * cast
+            at = lay.event_activations + staged
+            if row_freed:  # per sample and row: the device chunks' gradients handed on by then
+                # a later sample holds every gradient an earlier one does: an earlier sample whose
+                # activations and buffers are no more than a later one's is never the worst
+                later = np.concatenate([np.maximum.accumulate(at[::-1])[::-1][1:], [-np.inf]])
+                kept = np.flatnonzero(at > later)
+                held = lay.event_handed[kept] * (4 * shards)
+                grads = (np.concatenate([np.zeros((len(kept), 1)), np.cumsum(held[:, ranking], axis=1)], axis=1)[:, rows]
+                         if ranking is not None else held @ device[rows].T.astype(np.float64))
+                pick = np.argmax(at[kept][:, None] + grads, axis=0)
+                device_grads = grads[pick, np.arange(len(rows))]
+                worst = kept[pick]
+            else:
+                worst = np.full(len(rows), int(np.argmax(at)))
+            activations, staging = lay.event_activations[worst], staged[worst] + sharded_part
+        else:
+            activations = np.full(len(rows), lay.profile.trace.activation_peak_bytes)
+            staging = np.full(len(rows), (lay.open_grads + in_flight) * size * 4 + in_flight * cast + sharded_part)
+        backward = activations + staging + fetch + device_grads
+        dos_buffer = STATE_BYTES * shard if dos_gap > 0 and host else 0
+        at_step = dos_buffer + (4 * device_elems[rows] if row_freed else 0)
+        in_backward = backward >= at_step
+        out["gradients of device chunks"][rows] = np.where(in_backward, device_grads, at_step - dos_buffer)
+        out["activations"][rows] = np.where(in_backward, activations, 0)
+        out["gradient staging"][rows] = np.where(in_backward, staging, 0)
+        out["fetch conversion"][rows] = np.where(in_backward, fetch, 0)
+        out["Deep Optimizer States buffer"][rows] = np.where(in_backward, 0, dos_buffer)
+    return out
 
 
 def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
@@ -234,7 +335,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
                              updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
-            _search_prefixes(lay, n, ranking, state_bytes, host_bytes, costs, parts, elem_bytes, world,
+            _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
 
 
@@ -253,7 +354,7 @@ class _PrefixParts:
     grads_low: bool = False
 
 
-def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.ndarray, host_state: np.ndarray,
+def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
                      costs: ChunkCosts, parts: _PrefixParts, elem_bytes: int, world: int,
                      limit: float, host_budget: Optional[int], best: _Best, smallest: dict) -> None:
     """Every prefix of `ranking` on the device, with each DOS gap, at pool size n."""
@@ -262,7 +363,6 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
     rank_of[ranking] = np.arange(n_chunks)
     ks = np.arange(n_chunks + 1)
     device = rank_of[None, :] < ks[:, None]  # row k: the first k chunks of the ranking on the device
-    device_state = np.concatenate([[0.0], np.cumsum(state_bytes[ranking])])
     host_bytes = host_state.sum() - np.concatenate([[0.0], np.cumsum(host_state[ranking])])
     host_ok = np.ones(len(ks), dtype=bool) if host_budget is None else host_bytes <= host_budget
     host = ~device
@@ -270,11 +370,10 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
     on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
-    # the peak is the device state plus parts that depend only on n, on whether any chunk is on the
-    # host and on whether a DOS buffer exists
     grad_bytes = host_grad_bytes(parts.grads_low)
-    fixed = {(dos, h): sum(_memory_parts(lay, n, 0, dos, elem_bytes, world, h, parts.upload, grad_bytes).values())
-             for dos in (False, True) for h in (False, True)}
+    freed = gradients_freed(parts.grads_low, parts.micro_steps)
+    peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
+                                        freed, ranking).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -284,7 +383,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, state_bytes: np.n
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
                                   dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward,
                                   parts.micro_steps)
-        peaks = device_state + np.where(has_host, fixed[(gap > 0, True)], fixed[(False, False)])
+        peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
         if host_ok.any():  # the first smallest peak within the host limit (a loop here was a third of the search)
@@ -335,7 +434,9 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                     _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
                                    updates_in_backward, upload, grads_low)
     if best.choice is None:
-        raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget))
+        fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
+        raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget,
+                                           fully))
     found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
                            note="searched: fastest predicted step within the budget",
                            updates_in_backward=updates_in_backward, host_budget=host_budget)
@@ -348,6 +449,39 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
 def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
     """The layout a plan was chosen on (its chunk size, ranks and replicated chunks)."""
     return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
+
+
+def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum: int = 1) -> Optional[np.ndarray]:
+    """Per memory sample of the trace, the device bytes beside state, pool and activations that the
+    plan holds at that moment: gradient buffers (open and in flight), the gradients of the device
+    chunks handed on by then, the fetch conversion buffer. None without the trace's samples. For the
+    chart: the same moments `_memory_rows` takes the worst of."""
+    if lay.event_activations is None or lay.event_handed is None:
+        return None
+    device = np.array([p == "device" for p in plan.placements])
+    has_host = not bool(device.all())
+    size, shard = int(lay.sizes.max()), int(lay.shards.max())
+    grad_bytes = host_grad_bytes(plan.host_grads_low)
+    column = 1 if has_host else 0
+    cast = shard * grad_bytes if grad_bytes < 4 else 0
+    staged = lay.event_buffers[:, column] * size * 4 + lay.event_flying[:, column] * cast
+    any_sharded = plan.world_size > 1 and not bool(lay.replicated.all())
+    fetch = _fetch_buffer(size, shard, elem_bytes, plan.world_size, has_host, plan.upload_copies)
+    grads = (lay.event_handed @ (4.0 * lay.shards * device) if gradients_freed(plan.host_grads_low, grad_accum)
+             else np.zeros(len(staged)))
+    return staged + (shard * 4 if any_sharded else 0) + fetch + grads
+
+
+def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: int = 1) -> dict[str, int]:
+    """The peak device bytes by part that this version's cost model predicts for an existing plan
+    (its placement, pool, DOS gap, copies), traced as `profile`: to set a plan measured earlier
+    beside the model as it is now."""
+    lay = plan_layout(profile, plan)
+    device = np.array([p == "device" for p in plan.placements])
+    rows = _memory_rows(lay, plan.n_blocks, device[None, :], plan.dos_gap, elem_bytes, plan.world_size,
+                        plan.upload_copies, host_grad_bytes(plan.host_grads_low),
+                        gradients_freed(plan.host_grads_low, grad_accum))
+    return {part: int(values[0]) for part, values in rows.items()}
 
 
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
@@ -425,8 +559,14 @@ def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int) 
             f"sequences or a smaller model, or give the device more memory")
 
 
+def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
+    return checkpointing is not None and all(m in (True, "full") for m in checkpointing)
+
+
 def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
-                       grad_accum: int, host_budget: Optional[int]) -> str:
+                       grad_accum: int, host_budget: Optional[int], fully_searched: bool = False) -> str:
+    """`fully_searched`: a profile that recomputes every block was among those searched, so more
+    checkpointing is no advice to give (that setting needed more than the smallest plan)."""
     if "choice" not in smallest:
         return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
                 f"state): give the device more memory, add ranks, or free host memory")
@@ -436,9 +576,9 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
     prof = choice.layout.profile
     if part == "activations":
         ckpt = prof.checkpointing
-        if ckpt is not None and any(m == "selective" for m in ckpt):
+        if ckpt is not None and any(m == "selective" for m in ckpt) and not fully_searched:
             hint = "recompute whole blocks: full activation checkpointing, or let the planner choose per block"
-        elif ckpt is not None and not all(m in (True, "full") for m in ckpt):
+        elif ckpt is not None and not _recomputes_every_block(ckpt) and not fully_searched:
             hint = "enable activation checkpointing"
         else:
             hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size)
