@@ -658,7 +658,7 @@ def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(
     (scaling in bf16 would round them again), also in Deep Optimizer States updates."""
     from elixir_ray.engine import optimizer
 
-    monkeypatch.setattr(optimizer, "GRAD_TILE", 100)
+    monkeypatch.setattr(optimizer, "GRAD_TILE_PER_THREAD", 50)
     torch.manual_seed(0)
     base = _Untied()
     data = batches(6, 8)

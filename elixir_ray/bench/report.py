@@ -59,8 +59,31 @@ def prediction_lines(results: list[dict]) -> list[str]:
         if r.get("peak_device_bytes") and r.get("predicted_peak_bytes"):
             line += (f"; predicted peak {format_bytes(r['predicted_peak_bytes'])}, measured "
                      f"{format_bytes(r['peak_device_bytes'])} ({r['peak_device_bytes'] / r['predicted_peak_bytes']:.2f}x)")
+        rates = cpu_adam_rates(r)
+        if rates:
+            line += (f"; CPU AdamW {rates[0] / 1e9:.2f} G params/s in the background, planned at "
+                     f"{rates[1] / 1e9:.2f} G")
         out.append(f"- {line}")
     return out
+
+
+def cpu_adam_rates(r: dict):
+    """(measured, planned) parameters per second of the CPU AdamW of one run's host chunks: the
+    parameters the background thread updates per step (host chunks, less every dos_gap-th one,
+    which the device updates), over the background seconds the breakdown measured and over the
+    plan's "CPU AdamW" seconds. None without both. The rate a plan assumes comes from a short
+    measurement with nothing else running; set beside the rate beside training, it says whether a
+    step's wait on the CPU is a slow kernel or a wrong rate."""
+    plan, seconds = r.get("plan") or {}, (r.get("background") or {}).get("cpu_adam")
+    planned = (plan.get("time") or {}).get("CPU AdamW")
+    if not seconds or not planned or not plan.get("chunk_numels"):
+        return None
+    gap, params, k = plan.get("dos_gap", 0), 0, 0
+    for numel, placement in zip(plan["chunk_numels"], plan["placements"]):
+        if placement == "host":
+            params += 0 if gap > 0 and k % gap == gap - 1 else numel
+            k += 1
+    return (params / seconds, params / planned) if params else None
 
 
 def _categories(results: list[dict]) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_updates import update_threads
-from elixir_ray.engine.optimizer import AdamCall, run_adam
+from elixir_ray.engine.optimizer import AdamCall, TileScratch, run_adam
 
 
 @dataclass
@@ -125,7 +125,8 @@ def _adam_rate(device: torch.device, numel: int, grad_dtype: torch.dtype = torch
     grad = torch.full((numel,), 1e-3, dtype=grad_dtype, device=device)
     call = AdamCall(segments=((0, numel),), step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                     decoupled=True)
-    return numel / _timed(lambda: run_adam([call], master, grad, avg, avg_sq), device, repeats=3)
+    scratch = TileScratch()  # kept between updates, as the engine keeps it
+    return numel / _timed(lambda: run_adam([call], master, grad, avg, avg_sq, scratch=scratch), device, repeats=3)
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
