@@ -22,6 +22,12 @@ from engine_models import Toy, batches, engine_run, param_groups, reference_run 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 STEPS = 12
+# fp32 on CUDA against torch's fused AdamW on CUDA: the engine's matmuls read weights from pool
+# blocks (other addresses, so cuBLAS may pick other kernels or split-K orders) and its gradients
+# are summed in chunk buffers, so the two are not bitwise equal. On the H100 (2026-11-26) 12 steps
+# left the losses 1.1e-5 to 1.7e-5 apart (the CPU equivalence tests hold 1e-5); a missing wait
+# between streams or threads reads stale data and moves them by far more.
+CUDA_FP32_TOL = 5e-5
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -56,8 +62,8 @@ def test_fp32_on_cuda_matches_torch_adamw(case):
     losses = engine_run(model, opt, data, STEPS, accum, device="cuda")
     stats = model.engine_stats()
     assert stats["evictions"] >= STEPS and stats["prefetches"] > 0  # the copy stream was used every step
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_FP32_TOL
+    assert _max_diff(model.state_dict(), ref_state) <= CUDA_FP32_TOL
 
 
 @pytest.mark.parametrize("case", [
@@ -295,12 +301,12 @@ def test_an_evicted_parameter_read_on_cuda_is_an_error_and_the_optimizer_state_i
     with pytest.raises(RuntimeError, match="while its chunk has no copy on the device"):
         model.module.l1.weight.norm()
     losses = engine_run(model, opt, data[1:], STEPS - 1, 1, device="cuda")
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses[1:])) <= 1e-5
-    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[1:])) <= CUDA_FP32_TOL
+    assert _max_diff(model.state_dict(), ref_state) <= CUDA_FP32_TOL
     optim = opt.state_dict()
     assert optim["state"].keys() == ref_optim["state"].keys()
     for i, entry in ref_optim["state"].items():
-        assert _max_diff(optim["state"][i], {k: v.cpu() for k, v in entry.items()}) <= 1e-5
+        assert _max_diff(optim["state"][i], {k: v.cpu() for k, v in entry.items()}) <= CUDA_FP32_TOL
 
 
 def test_parameters_read_between_forward_and_backward_hold_their_values(monkeypatch):
