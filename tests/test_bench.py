@@ -196,3 +196,24 @@ def test_bench_refuses_what_it_cannot_run_before_running_anything(flags, message
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bench").exists()
+
+
+def test_the_memory_model_predicts_the_h100s_measured_peaks_within_ten_percent():
+    """The five runs of docs/gpu_runs/2026-11-26 (GPT 1.5B to 10.3B, 16 to 70 GiB caps) re-costed by
+    jobs/bench_repredict.py with the memory model as it is now: each prediction within 10% of the
+    peak the H100 measured (the planning acceptance bound), so a change to the model that drifts
+    from the hardware fails here, without a GPU."""
+    import glob
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = sorted(glob.glob(os.path.join(root, "docs", "gpu_runs", "2026-11-26", "gpt-*", "elixir_ray.json")))
+    assert len(results) == 5
+    out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), *results],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ratios = [float(x) for x in re.findall(r"\| [\d.]+ [KMG]iB \(([\d.]+)x\) \| [^|]*\|$", out.stdout, re.M)]
+    assert len(ratios) == 5, out.stdout
+    assert all(0.9 <= r <= 1.1 for r in ratios), out.stdout
