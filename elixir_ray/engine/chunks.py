@@ -383,8 +383,10 @@ class ChunkStore:
                 warnings.warn(
                     f"host chunks keep their gradients in {str(self.dtype).replace('torch.', '')} (the plan's "
                     f"host_grads_low, chosen for one backward per step), but this step has several: they now "
-                    f"accumulate in that dtype on the host. Pass accumulation_steps=N to wrap, or plan with "
-                    f"grad_accum=N, to keep them in float32", stacklevel=2)
+                    f"accumulate in that dtype on the host, and the device chunks' gradients stay on the device "
+                    f"from one backward to the next, which the plan's memory did not count. Pass "
+                    f"accumulation_steps=N to wrap, or plan with grad_accum=N, to keep them in float32 and the "
+                    f"device memory planned for it", stacklevel=2)
         if c.grad is None and c.grad_buffer is not None:
             # asynchronous to the host: readers wait for it (grad_ready, or wait_for_copies) first; a
             # previous step's update reading this buffer has finished (settled above)
