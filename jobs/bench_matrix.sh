@@ -10,6 +10,8 @@
 #   ray-gpu     a Ray run on the GPU (NCCL, one worker, gpt-124m at a 2 GiB budget: device and host
 #               chunks, CPU AdamW and Deep Optimizer States), its worker SIGKILLed at step 15 and the
 #               run recovered from the object store (jobs/bench_recovery.py)
+#   host-adam   the engine's CPU AdamW alone and beside a busy training thread, per update thread
+#               count and tile size (jobs/bench_host_adam.py; about 30 s)
 #   compute     the planner's compute prediction against a measured plain step (gpt-1.5b, gpt-4b)
 #   gpt-1.5b    plain PyTorch (uncapped) and elixir_ray capped at 24 GiB
 #   gpt-4b-40   plain PyTorch and elixir_ray, gpt-4b capped at 40 GiB
@@ -42,7 +44,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu compute gpt-1.5b gpt-4b-40 gpt-4b-24 gpt-4b-16 peers-24 plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-4b-40 gpt-4b-24 gpt-4b-16 peers-24 plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -52,6 +54,7 @@ stage_command() {
                      --kill-rank 0 --set cluster.num_workers=1 --set cluster.cpus_per_worker=8 \
                      --set model.size=gpt-124m --set model.vocab_size=257 --set engine.device_memory=2GiB \
                      --out "$dir/recovery.json" ;;
+        host-adam) "$PY" jobs/bench_host_adam.py --out "$dir/host_adam.json" ;;
         compute) "$PY" jobs/bench_compute.py --out "$dir/compute.json" ;;
         gpt-1.5b) "$PY" jobs/bench.py --shape gpt-1.5b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-40) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;

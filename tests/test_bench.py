@@ -181,6 +181,25 @@ def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it
         assert "cuda-tests/log.txt" in archive.getnames()
 
 
+def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp_path):
+    """`jobs/bench_host_adam.py --smoke`: the engine's CPU update from bf16 gradients, timed on a
+    thread of its own alone and beside the training stand-in, for each thread count and tile."""
+    from elixir_ray.bench.host_adam import thread_counts
+
+    out = tmp_path / "host_adam.json"
+    proc = subprocess.run([sys.executable, "jobs/bench_host_adam.py", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {r["beside"] for r in rows} == {"nothing", "training"}
+    assert {r["threads"] for r in rows} == set(thread_counts(result["cpu_threads"]))
+    assert all(r["params_per_s"] > 0 and 0 < r["tile"] <= result["params"] for r in rows)
+    assert len({(r["beside"], r["threads"], r["tile"]) for r in rows}) == len(rows)  # no configuration twice
+    assert "| training |" in proc.stdout
+    assert thread_counts(16) == [15, 14, 8] and thread_counts(1) == [1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("flags,message", [
     ([], "no CUDA device here, and the gpt-4b shape is a GPU benchmark"),

@@ -132,11 +132,12 @@ class TileScratch:
     buffer of tens of megabytes made per update would be a fresh mapping whose pages fault in on
     every update."""
 
-    def __init__(self):
+    def __init__(self, elements: Optional[int] = None):
+        self.elements = elements  # a fixed tile size (benchmarks); None: grad_tile_elements() where it runs
         self._buffer: Optional[torch.Tensor] = None
 
     def get(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        want = min(numel, grad_tile_elements())
+        want = min(numel, self.elements or grad_tile_elements())
         buf = self._buffer
         if buf is None or buf.numel() < want or buf.dtype != like.dtype or buf.device != like.device:
             buf = self._buffer = torch.empty(want, dtype=like.dtype, device=like.device)
