@@ -257,8 +257,7 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
             fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, host, upload))
         device_grads = np.zeros(len(rows))
         if timeline:
-            column = 1 if in_flight else 0
-            staged = lay.event_buffers[:, column] * size * 4 + lay.event_flying[:, column] * cast
+            staged = _staged_by_sample(lay, host, grad_bytes)
             at = lay.event_activations + staged
             if row_freed:  # per sample and row: the device chunks' gradients handed on by then
                 # a later sample holds every gradient an earlier one does: an earlier sample whose
@@ -287,6 +286,16 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         out["fetch conversion"][rows] = np.where(in_backward, fetch, 0)
         out["Deep Optimizer States buffer"][rows] = np.where(in_backward, 0, dos_buffer)
     return out
+
+
+def _staged_by_sample(lay: Layout, has_host: bool, grad_bytes: int) -> np.ndarray:
+    """Per memory sample: the gradient buffers held at its worst moment, each a whole fp32 chunk,
+    with up to MAX_REDUCTIONS_IN_FLIGHT host reductions in flight when some chunk is on the host,
+    each with its cast shard when host gradients travel in the compute dtype."""
+    column = 1 if has_host else 0
+    shard = int(lay.shards.max())
+    cast = shard * grad_bytes if grad_bytes < 4 else 0
+    return lay.event_buffers[:, column] * int(lay.sizes.max()) * 4 + lay.event_flying[:, column] * cast
 
 
 def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
@@ -461,10 +470,7 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
     device = np.array([p == "device" for p in plan.placements])
     has_host = not bool(device.all())
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
-    grad_bytes = host_grad_bytes(plan.host_grads_low)
-    column = 1 if has_host else 0
-    cast = shard * grad_bytes if grad_bytes < 4 else 0
-    staged = lay.event_buffers[:, column] * size * 4 + lay.event_flying[:, column] * cast
+    staged = _staged_by_sample(lay, has_host, host_grad_bytes(plan.host_grads_low))
     any_sharded = plan.world_size > 1 and not bool(lay.replicated.all())
     fetch = _fetch_buffer(size, shard, elem_bytes, plan.world_size, has_host, plan.upload_copies)
     grads = (lay.event_handed @ (4.0 * lay.shards * device) if gradients_freed(plan.host_grads_low, grad_accum)
