@@ -14,6 +14,8 @@
 #               count and tile size (jobs/bench_host_adam.py; about 30 s)
 #   compute     the planner's compute prediction against a measured plain step (gpt-1.5b, gpt-4b)
 #   gpt-1.5b    plain PyTorch (uncapped) and elixir_ray capped at 24 GiB
+#   gpt-1.5b-40 the same capped at 40 GiB, and gpt-1.5b-16 at 16 GiB (the engine's and the
+#               planner's memory acceptance budgets)
 #   gpt-4b-40   plain PyTorch and elixir_ray, gpt-4b capped at 40 GiB
 #   gpt-4b-24   plain PyTorch and elixir_ray, gpt-4b capped at 24 GiB
 #   gpt-4b-16   plain PyTorch and elixir_ray, gpt-4b capped at 16 GiB (the planner's third budget)
@@ -44,7 +46,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-4b-40 gpt-4b-24 gpt-4b-16 peers-24 plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-24 gpt-4b-16 peers-24 plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -57,6 +59,8 @@ stage_command() {
         host-adam) "$PY" jobs/bench_host_adam.py --out "$dir/host_adam.json" ;;
         compute) "$PY" jobs/bench_compute.py --out "$dir/compute.json" ;;
         gpt-1.5b) "$PY" jobs/bench.py --shape gpt-1.5b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
+        gpt-1.5b-40) "$PY" jobs/bench.py --shape gpt-1.5b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;
+        gpt-1.5b-16) "$PY" jobs/bench.py --shape gpt-1.5b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-40) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-16) "$PY" jobs/bench.py --shape gpt-4b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
