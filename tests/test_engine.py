@@ -702,6 +702,37 @@ def test_accumulating_host_gradients_in_the_compute_dtype_warns_once():
         opt.step()
 
 
+@pytest.mark.parametrize("late_zero_grad", [False, True], ids=["zero-grad-before-forward", "zero-grad-after-forward"])
+def test_a_forward_that_starts_with_device_gradients_alive_is_warned_of_once(late_zero_grad):
+    """With one backward per step planned (host_grads_low), the planner counts a device chunk's
+    gradient as gone from zero_grad() to its next backward; a loop that zeroes them only after the
+    next forward holds them through it, beyond the plan: that is said once, before the forward runs.
+    The usual order says nothing."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = _Untied()
+    data = batches(4, 8)
+    plan = manual_plan(m, (data[0],), chunk_size=2048, n_blocks=2, host_grads_low=True)
+    plan.placements = ["device" if i % 2 else "host" for i in range(plan.n_chunks)]
+    model, opt = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sample_inputs=(data[0],), plan=plan,
+                      device="cpu", dtype=torch.bfloat16, accumulation_steps=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for batch in data:
+            if not late_zero_grad:
+                opt.zero_grad()
+            loss = model(batch)
+            if late_zero_grad:
+                opt.zero_grad()
+            loss.backward()
+            opt.step()
+    alive = [w for w in seen if "gradients of the chunks whose state is on the device" in str(w.message)]
+    assert len(alive) == (1 if late_zero_grad else 0)
+    if late_zero_grad:
+        assert "call optimizer.zero_grad() before the forward" in str(alive[0].message)
+
+
 def test_pool_protects_the_chunks_used_just_before_an_access():
     """With keep_recent=1, the chunk used just before an access is kept while it loads what is
     missing, even when the access also touches a resident chunk (here: 1 is resident, 3 is not, so

@@ -163,6 +163,12 @@ def test_gradient_buffer_moments_follow_each_chunk_from_first_gradient_to_hand_o
     # a parameter that never gets a gradient keeps its chunk open to the end (one rank)
     moments, handed_at = gradient_buffer_moments([1], [0, 1, 0])
     assert moments[-1] == (0, 1) and handed_at == {1: 2}
+    # several ranks reduce in a fixed order, highest chunk first: one with no traced gradient is
+    # reduced from zeros when its turn comes (a device chunk keeps them as its gradient)
+    moments, handed_at = gradient_buffer_moments([0], [0, 1, 2], ordered=True)
+    assert moments == [(0, 0), (1, 0), (0, 3)] and handed_at == {2: 2, 1: 2, 0: 2}
+    moments, handed_at = gradient_buffer_moments([2, 0], [0, 1, 2], ordered=True)
+    assert moments == [(0, 0), (1, 0), (0, 2), (1, 2), (0, 3)] and handed_at == {2: 2, 1: 2, 0: 4}
 
 
 def _gpt_layout(checkpointing, chunk_size=4096):

@@ -157,6 +157,10 @@ class ChunkStore:
         host = [c for c in chunks if c.placement != "device"]
         low = dtype != torch.float32
         upload, grads_low = upload_copies and low, host_grads_low and low
+        # the plan then also counts each device chunk's gradient as gone from zero_grad() to that
+        # chunk's next backward (planner.search.gradients_freed): EngineHooks warns when it is not
+        self.device_grads_freed = grads_low
+        self.warned_grads_alive = False
         host_numel = sum(c.shard_len for c in host)
         sizes = {torch.float32: (3 if grads_low else 4) * host_numel}
         if upload or grads_low:

@@ -242,6 +242,26 @@ class EngineHooks:
     def forward(self, *args, **kwargs):
         return self.call(self.module, *args, **kwargs)
 
+    def _warn_if_gradients_alive(self) -> None:
+        """With one backward per step planned (Plan.host_grads_low), the plan counts each device
+        chunk's gradient as gone from optimizer.zero_grad() until its chunk's next backward, so a
+        forward that starts with them alive (zero_grad() called after the forward, or several
+        backwards per step not declared) holds that much more device memory than planned. Said
+        once, here, before the forward's activations pile up on top of them."""
+        store = self.store
+        if not store.device_grads_freed or store.warned_grads_alive:
+            return
+        alive = sum(c.grad.numel() * c.grad.element_size() for c in store.chunks
+                    if c.placement == "device" and c.grad is not None)
+        if alive:
+            store.warned_grads_alive = True
+            warnings.warn(
+                f"this forward starts with {alive / 2**20:,.1f} MiB of gradients of the chunks whose state is on the "
+                f"device, which the plan counted as freed by optimizer.zero_grad() before each forward (one backward "
+                f"per step): call optimizer.zero_grad() before the forward (right after optimizer.step()); for "
+                f"several backwards per step, pass accumulation_steps=N to wrap so that the plan counts them",
+                stacklevel=3)
+
     def call(self, fn, *args, **kwargs):
         """Run `fn` (the module, or one of its methods that calls it, such as a Hugging Face model's
         generate) as the wrapped model's forward: the module may be called inside, and its
@@ -254,6 +274,8 @@ class EngineHooks:
                 "call optimizer.step() to end the step it began, or restore a checkpoint into a newly wrapped model")
         if torch.is_grad_enabled() and (self._backward_open or self._armed):
             self._drop_unfinished_backward()
+        if torch.is_grad_enabled():
+            self._warn_if_gradients_alive()
         self.store.hold_gradients(False)  # resident parameters back to the plain class: no handler per op
         self.phase = "forward"
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed

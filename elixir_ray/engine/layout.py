@@ -128,10 +128,11 @@ def gradient_buffer_moments(grad_order: list[int], chunk_of_param: list[int],
             else:
                 complete.add(c)
                 while next_turn >= 0 and (next_turn in complete or next_turn not in expected):
-                    if next_turn in open_now:
-                        open_now.discard(next_turn)
-                        handed += 1
-                        handed_at[next_turn] = len(moments)
+                    # reduced now: from its buffer, or, with no traced gradient, from zeros (which
+                    # become a device chunk's gradient, or cross like any host chunk's)
+                    open_now.discard(next_turn)
+                    handed += 1
+                    handed_at[next_turn] = len(moments)
                     next_turn -= 1
         moments.append((len(open_now), handed))
     return moments, handed_at
