@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
+from elixir_ray.planner.cost import dos_mask
 from elixir_ray.units import format_bytes
 
 # measured categories first (elixir_ray/engine/timing.py), then the remainder of the step
@@ -78,11 +81,8 @@ def cpu_adam_rates(r: dict):
     planned = (plan.get("time") or {}).get("CPU AdamW")
     if not seconds or not planned or not plan.get("chunk_numels"):
         return None
-    gap, params, k = plan.get("dos_gap", 0), 0, 0
-    for numel, placement in zip(plan["chunk_numels"], plan["placements"]):
-        if placement == "host":
-            params += 0 if gap > 0 and k % gap == gap - 1 else numel
-            k += 1
+    host = np.array([p == "host" for p in plan["placements"]])
+    params = int(np.array(plan["chunk_numels"])[host & ~dos_mask(host, plan.get("dos_gap", 0))].sum())
     return (params / seconds, params / planned) if params else None
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
-from elixir_ray.planner.search import SAFETY, gradients_freed, plan_buffers_by_sample, plan_layout
+from elixir_ray.planner.search import SAFETY, plan_buffers_by_sample, plan_layout
 from elixir_ray.units import format_bytes
 
 
@@ -49,16 +49,11 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     ends = np.array([end for _, end in trace.memory_samples])
     access = np.cumsum((ends % 2 == 0) & (np.arange(len(ends)) < len(ends) - 1)) - 1
     access = np.clip(access, 0, len(pool) - 1)
-    # at the step: the Deep Optimizer States buffer, and every device chunk's gradient where those
-    # come and go (otherwise they are in the state already)
-    at_step = STATE_BYTES * float(lay.shards.max()) if plan.dos_gap > 0 and not device.all() else 0.0
-    if gradients_freed(plan.host_grads_low, 1):
-        at_step += 4 * float(lay.shards[device].sum())
     n = len(ends) + 1
     first = int(np.searchsorted(access, first_backward)) if first_backward < len(pool) else len(ends)
     return {"state": np.full(n, fixed), "pool": np.append(np.array(pool, dtype=float)[access], pool[-1]),
             "activations": np.append(lay.event_activations.astype(float), 0.0),
-            "buffers": np.append(buffers.astype(float), at_step), "first_backward": np.array([first])}
+            "buffers": buffers, "first_backward": np.array([first])}
 
 
 _BUFFER_PARTS = ("gradient staging", "gradients of device chunks", "fetch conversion", "Deep Optimizer States buffer")

@@ -257,9 +257,7 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         out["optimizer state on device"][rows] = (STATE_BYTES - 4 if row_freed else STATE_BYTES) * device_elems[rows]
         in_flight = MAX_REDUCTIONS_IN_FLIGHT if host else 0  # host chunks' gradients on their way out
         cast = shard * grad_bytes if grad_bytes < 4 else 0
-        fetch = _fetch_buffer(size, shard, elem_bytes, world, host, upload)
-        if world > 1 and bool(lay.replicated.any()):  # a replicated chunk is fetched as with one rank
-            fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, host, upload))
+        fetch = _fetch_bytes(lay, elem_bytes, world, host, upload)
         device_grads = np.zeros(len(rows))
         if timeline:
             staged = _staged_by_sample(lay, host, grad_bytes)
@@ -282,8 +280,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
             activations = np.full(len(rows), lay.profile.trace.activation_peak_bytes)
             staging = np.full(len(rows), (lay.open_grads + in_flight) * size * 4 + in_flight * cast + sharded_part)
         backward = activations + staging + fetch + device_grads
-        dos_buffer = STATE_BYTES * shard if dos_gap > 0 and host else 0
-        at_step = dos_buffer + (4 * device_elems[rows] if row_freed else 0)
+        dos_buffer = _dos_buffer_bytes(lay, dos_gap, host)
+        at_step = _step_bytes(lay, dos_gap, host, device_elems[rows], row_freed)
         in_backward = backward >= at_step
         out["gradients of device chunks"][rows] = np.where(in_backward, device_grads, at_step - dos_buffer)
         out["activations"][rows] = np.where(in_backward, activations, 0)
@@ -291,6 +289,29 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         out["fetch conversion"][rows] = np.where(in_backward, fetch, 0)
         out["Deep Optimizer States buffer"][rows] = np.where(in_backward, 0, dos_buffer)
     return out
+
+
+def _fetch_bytes(lay: Layout, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
+    """The fetch conversion buffer of a layout's largest chunk (`_fetch_buffer`); with several
+    ranks and some chunks replicated, the larger of a sharded and a replicated chunk's."""
+    size, shard = int(lay.sizes.max()), int(lay.shards.max())
+    fetch = _fetch_buffer(size, shard, elem_bytes, world, has_host, upload)
+    if world > 1 and bool(lay.replicated.any()):  # a replicated chunk is fetched as with one rank
+        any_sharded = not bool(lay.replicated.all())
+        fetch = max(fetch if any_sharded else 0, _fetch_buffer(size, size, elem_bytes, 1, has_host, upload))
+    return fetch
+
+
+def _dos_buffer_bytes(lay: Layout, dos_gap: int, has_host: bool) -> int:
+    """The Deep Optimizer States buffer: a host chunk's state and gradient on the device at the step."""
+    return STATE_BYTES * int(lay.shards.max()) if dos_gap > 0 and has_host else 0
+
+
+def _step_bytes(lay: Layout, dos_gap: int, has_host: bool, device_elems, freed: bool):
+    """What the optimizer step holds beside the state and the pool: the Deep Optimizer States
+    buffer, and every device chunk's gradient where those come and go (`freed`; otherwise they
+    are in the state already)."""
+    return _dos_buffer_bytes(lay, dos_gap, has_host) + (4 * device_elems if freed else 0)
 
 
 def _staged_by_sample(lay: Layout, has_host: bool, grad_bytes: int) -> np.ndarray:
@@ -466,21 +487,23 @@ def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
 
 
 def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum: int = 1) -> Optional[np.ndarray]:
-    """Per memory sample of the trace, the device bytes beside state, pool and activations that the
-    plan holds at that moment: gradient buffers (open and in flight), the gradients of the device
-    chunks handed on by then, the fetch conversion buffer. None without the trace's samples. For the
-    chart: the same moments `_memory_rows` takes the worst of."""
+    """Per memory sample of the trace, then at the optimizer step, the device bytes beside state,
+    pool and activations that the plan holds: in backward, gradient buffers (open and in flight),
+    the gradients of the device chunks handed on by then and the fetch conversion buffer; at the
+    step, `_step_bytes`. None without the trace's samples. For the chart: the same moments
+    `_memory_rows` takes the worst of."""
     if lay.event_activations is None or lay.event_handed is None:
         return None
     device = np.array([p == "device" for p in plan.placements])
     has_host = not bool(device.all())
-    size, shard = int(lay.sizes.max()), int(lay.shards.max())
     staged = _staged_by_sample(lay, has_host, host_grad_bytes(plan.host_grads_low))
     any_sharded = plan.world_size > 1 and not bool(lay.replicated.all())
-    fetch = _fetch_buffer(size, shard, elem_bytes, plan.world_size, has_host, plan.upload_copies)
-    grads = (lay.event_handed @ (4.0 * lay.shards * device) if gradients_freed(plan.host_grads_low, grad_accum)
-             else np.zeros(len(staged)))
-    return staged + (shard * 4 if any_sharded else 0) + fetch + grads
+    fetch = _fetch_bytes(lay, elem_bytes, plan.world_size, has_host, plan.upload_copies)
+    freed = gradients_freed(plan.host_grads_low, grad_accum)
+    grads = lay.event_handed @ (4.0 * lay.shards * device) if freed else np.zeros(len(staged))
+    in_backward = staged + (int(lay.shards.max()) * 4 if any_sharded else 0) + fetch + grads
+    step = _step_bytes(lay, plan.dos_gap, has_host, float(lay.shards[device].sum()), freed)
+    return np.append(in_backward.astype(float), float(step))
 
 
 def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: int = 1) -> dict[str, int]:
