@@ -25,15 +25,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", help="elixir_ray.json files from elixir-ray bench")
     args = parser.parse_args()
+    results = []
+    for path in args.results:  # every file checked before any model is traced
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except (OSError, ValueError) as exc:
+            parser.error(f"{path}: cannot read it as JSON ({exc})")
+        if not isinstance(result, dict) or not result.get("plan") or not result.get("peak_device_bytes") \
+                or result.get("shape") not in SHAPES:
+            parser.error(f"{path}: not an elixir_ray result of a CUDA run of elixir-ray bench (it needs the plan, "
+                         f"the measured peak and one of the shapes {', '.join(sorted(SHAPES))})")
+        results.append(result)
     print("| shape | cap | measured peak | predicted at the run | predicted now | largest parts now |")
     print("|---|---|---|---|---|---|")
-    for path in args.results:
-        with open(path) as f:
-            result = json.load(f)
-        if not result.get("plan") or not result.get("peak_device_bytes"):
-            print(f"{path}: no plan or no measured peak in it (an elixir_ray result from a CUDA run is needed)",
-                  file=sys.stderr)
-            return 1
+    for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))

@@ -236,3 +236,18 @@ def test_the_memory_model_predicts_the_h100s_measured_peaks_within_ten_percent()
     ratios = [float(x) for x in re.findall(r"\| [\d.]+ [KMG]iB \(([\d.]+)x\) \| [^|]*\|$", out.stdout, re.M)]
     assert len(ratios) == 5, out.stdout
     assert all(0.9 <= r <= 1.1 for r in ratios), out.stdout
+
+
+def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anything(tmp_path):
+    """Every input is checked first: a missing file, or JSON that is not an elixir_ray result of a
+    CUDA run, is one error line naming it (exit 2), and no model is traced for the good ones."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    good = os.path.join(root, "docs", "gpu_runs", "2026-11-26", "gpt-1.5b", "elixir_ray.json")
+    other = tmp_path / "compute.json"
+    other.write_text(json.dumps({"rows": []}))
+    for bad, said in ((str(tmp_path / "missing.json"), "cannot read it as JSON"),
+                      (str(other), "not an elixir_ray result of a CUDA run")):
+        out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), good, bad],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and said in out.stderr and bad in out.stderr, out.stderr
+        assert "| shape |" not in out.stdout  # nothing was costed
