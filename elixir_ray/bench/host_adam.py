@@ -1,32 +1,47 @@
-"""The engine's CPU AdamW beside a busy training thread: which tile size and thread count keep it fast.
+"""The engine's CPU AdamW beside a busy training thread: what slows it, and which setting keeps it fast.
 
 On the H100 machine the update ran at 4.3 G params/s alone and at 1.4 to 1.7 G beside training
-(docs/BENCHMARKS.md, 2026-11-26). Here the same update (`run_adam` from bf16 gradients, on a thread
-of its own with its own intra-op thread count, as `HostUpdates` runs it) is timed alone and beside
-a stand-in for the training thread: a Python loop that launches kernels with a little Python
-between them, as a forward with hooks does, and on a GPU waits for the device every few launches.
-One row per (training thread, update threads, tile elements), so that one short run on the GPU
-machine says which setting the engine should use there.
+(docs/BENCHMARKS.md, 2026-11-26). Here the engine's update job (`run_adam` from bf16 gradients and
+the cast of the master into the upload copy, on a thread of its own with its own intra-op thread
+count, as `HostUpdates` runs it) is timed alone and beside stand-ins for what the training thread
+does, one cause at a time:
+
+- "python+kernels": a Python loop launching kernels with a little Python between them, as a
+  forward with hooks does, waiting on the device every few launches (the GIL, and a spinning core);
+- "device wait": the thread only waits on the device, in `torch.cuda.synchronize` (a spinning core,
+  no GIL held);
+- "copies": pinned host-to-device and device-to-host copies of 256 MiB running all the time (the
+  DMA engines' share of host memory bandwidth);
+
+each per update thread count and tile size (the elements widened to fp32 at a time), and for the
+first stand-in with Python's GIL switch interval cut from 5 ms to 0.2 ms. On a CPU-only machine the
+device stand-ins are left out and "python+kernels" runs tiny tensor ops. The state lives in host
+memory page-locked as the engine's arena is (on CUDA), and one row times ordinary pageable memory.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
+from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements, run_adam
 
 
 @dataclass
 class HostAdamRow:
-    beside: str  # "nothing" or "training"
+    beside: str  # "nothing", "python+kernels", "device wait" or "copies"
     threads: int  # intra-op threads of the update
     tile: int  # elements widened at a time
-    tile_rule: str  # "fixed 1M" (before 2026-11-26) or "1M per thread" (grad_tile_elements)
+    tile_rule: str  # "fixed 1M" (before 2026-11-26), "1M per thread" (grad_tile_elements) or "whole"
+    memory: str  # "page-locked" (the engine's arena on CUDA) or "pageable"
+    switch_interval_ms: float  # Python's GIL switch interval during the timing
     params_per_s: float
 
     def to_dict(self) -> dict:
@@ -34,92 +49,153 @@ class HostAdamRow:
 
 
 def thread_counts(total: int) -> list[int]:
-    """All but one of the process's threads (the engine's default), all but two, and half."""
-    return sorted({max(1, total - 1), max(1, total - 2), max(1, total // 2)}, reverse=True)
+    """All but one of the process's threads (the engine's default), all but two, three quarters and half."""
+    return sorted({max(1, total - 1), max(1, total - 2), max(1, 3 * total // 4), max(1, total // 2)}, reverse=True)
 
 
-def _training_stand_in(stop: threading.Event, device: torch.device) -> None:
-    if device.type == "cuda":
+def stand_ins(device: torch.device) -> list[str]:
+    return ["nothing", "python+kernels"] + (["device wait", "copies"] if device.type == "cuda" else [])
+
+
+def _stand_in(kind: str, stop: threading.Event, device: torch.device) -> None:
+    if kind == "python+kernels" and device.type == "cuda":
         a = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
         while not stop.is_set():
             for _ in range(20):
                 a @ a
                 sum(range(200))  # Python between launches: hooks, module code
-            torch.cuda.synchronize(device)  # a training thread waiting on the device spins a core
-    else:
+            torch.cuda.synchronize(device)
+    elif kind == "python+kernels":
         x = torch.zeros(64)
         while not stop.is_set():
             for _ in range(20):
                 x.add_(1)
                 sum(range(200))
+    elif kind == "device wait":
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        while not stop.is_set():
+            for _ in range(50):
+                a @ a  # about 10 ms of device work, waited for without Python in between
+            torch.cuda.synchronize(device)
+    elif kind == "copies":
+        n = 128 << 20  # 256 MiB of bf16 each way
+        host_in, host_out = torch.empty(n, dtype=torch.bfloat16).pin_memory(), torch.empty(n, dtype=torch.bfloat16).pin_memory()
+        dev_in, dev_out = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
+        up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        while not stop.is_set():
+            with torch.cuda.stream(up):
+                dev_in.copy_(host_in, non_blocking=True)
+            with torch.cuda.stream(down):
+                host_out.copy_(dev_out, non_blocking=True)
+            up.synchronize()
+            down.synchronize()
 
 
-def state_of(numel: int) -> tuple:
-    """fp32 master and moments and a bf16 gradient of `numel` elements, on the host (the pages
-    touched once here, not in the first timing)."""
-    return (*(torch.zeros(numel) for _ in range(3)), torch.full((numel,), 1e-3, dtype=torch.bfloat16))
+class HostState:
+    """fp32 master and moments, a bf16 gradient and a bf16 upload copy of `numel` elements on the
+    host, in one arena per dtype as the engine keeps them (page-locked on CUDA unless `pageable`)."""
+
+    def __init__(self, numel: int, device: torch.device, pageable: bool = False):
+        arena_device = torch.device("cpu") if pageable else device
+        self.arena = HostArena({torch.float32: 3 * numel, torch.bfloat16: 2 * numel}, arena_device)
+        self.master, self.avg, self.avg_sq = (self.arena.take(numel, torch.float32) for _ in range(3))
+        self.grad, self.upload = (self.arena.take(numel, torch.bfloat16) for _ in range(2))
+        self.grad.fill_(1e-3)
 
 
-def measure(state: tuple, threads: int, tile: int, beside_training: bool, device: torch.device,
-            repeats: int = 3) -> float:
-    """Median parameters per second of the update of `state` (`state_of`) from its bf16 gradient."""
-    master, avg, avg_sq, grad = state
-    numel = master.numel()
+def measure(state: HostState, threads: int, tile: int, beside: str, device: torch.device,
+            switch_interval_ms: Optional[float] = None, repeats: int = 3) -> float:
+    """Median parameters per second of the engine's update job over `state`, beside `beside`."""
+    numel = state.master.numel()
     call = AdamCall(segments=((0, numel),), step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                     decoupled=True)
     scratch = TileScratch(elements=tile)
     rates: list[float] = []
     errors: list[BaseException] = []
 
+    def job():
+        run_adam([call], state.master, state.grad, state.avg, state.avg_sq, scratch=scratch)
+        state.upload.copy_(state.master)
+
     def update():
         try:
             torch.set_num_threads(threads)  # this thread's intra-op team, as HostUpdates sets its own
-            run_adam([call], master, grad, avg, avg_sq, scratch=scratch)  # warm-up: pages, the team
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            job()  # warm-up: the team, the scratch buffer
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                run_adam([call], master, grad, avg, avg_sq, scratch=scratch)
+                job()
                 times.append(time.perf_counter() - start)
             rates.append(numel / statistics.median(times))
         except BaseException as exc:  # re-raised on the calling thread
             errors.append(exc)
 
+    old_interval = sys.getswitchinterval()
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1e3)
     stop = threading.Event()
-    trainer = threading.Thread(target=_training_stand_in, args=(stop, device), daemon=True) if beside_training else None
-    if trainer:
-        trainer.start()
-    worker = threading.Thread(target=update, name="elixir-cpu-adam-bench")
-    worker.start()
-    worker.join()
-    stop.set()
-    if trainer:
-        trainer.join()
+    trainer = (threading.Thread(target=_stand_in, args=(beside, stop, device), daemon=True)
+               if beside != "nothing" else None)
+    try:
+        if trainer:
+            trainer.start()
+            time.sleep(0.05)  # the stand-in under way before the clock starts
+        worker = threading.Thread(target=update, name="elixir-cpu-adam-bench")
+        worker.start()
+        worker.join()
+    finally:
+        stop.set()
+        if trainer:
+            trainer.join()
+        sys.setswitchinterval(old_interval)
     if errors:
         raise errors[0]
     return rates[0]
 
 
+def tiles(threads: int, numel: int) -> list[tuple[str, int]]:
+    """The tile rules to try, each a distinct size for `numel` elements."""
+    out, seen = [], set()
+    for rule, tile in (("1M per thread", grad_tile_elements(threads)), ("fixed 1M", 1 << 20), ("whole", numel)):
+        if min(tile, numel) not in seen:
+            seen.add(min(tile, numel))
+            out.append((rule, min(tile, numel)))
+    return out
+
+
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     total = torch.get_num_threads()
-    state = state_of(numel)
-    rows = []
-    for beside in (False, True):
+    state = HostState(numel, device)
+    memory = "page-locked" if state.arena.pinned else "pageable"
+    interval = sys.getswitchinterval() * 1e3
+    rows: list[HostAdamRow] = []
+
+    def add(beside, threads, rule, tile, memory_kind, state_used, switch=None):
+        rate = measure(state_used, threads, tile, beside, device, switch)
+        row = HostAdamRow(beside, threads, tile, rule, memory_kind, interval if switch is None else switch, rate)
+        progress(f"beside {beside}, {threads} thread(s), tile {tile:,} ({rule}), {memory_kind}, "
+                 f"switch {row.switch_interval_ms:g} ms: {rate / 1e9:.2f} G params/s")
+        rows.append(row)
+
+    for beside in stand_ins(device):
         for threads in thread_counts(total):
-            tried = set()
-            for rule, tile in (("fixed 1M", 1 << 20), ("1M per thread", grad_tile_elements(threads))):
-                if min(tile, numel) in tried:  # one thread: the two rules are one tile
-                    continue
-                tried.add(min(tile, numel))
-                rate = measure(state, threads, min(tile, numel), beside, device)
-                row = HostAdamRow("training" if beside else "nothing", threads, min(tile, numel), rule, rate)
-                progress(f"beside {row.beside}, {threads} thread(s), tile {row.tile:,} ({rule}): "
-                         f"{rate / 1e9:.2f} G params/s")
-                rows.append(row)
+            for rule, tile in tiles(threads, numel):
+                add(beside, threads, rule, tile, memory, state)
+    default = thread_counts(total)[0]
+    rule, tile = tiles(default, numel)[0]
+    add("python+kernels", default, rule, tile, memory, state, switch=0.2)
+    if state.arena.pinned:
+        del state
+        add("nothing", default, rule, tile, "pageable", HostState(numel, device, pageable=True))
     return rows
 
 
 def markdown(rows: list[HostAdamRow]) -> str:
-    lines = ["| beside | update threads | tile (elements) | tile rule | G params/s |", "|---|---:|---:|---|---:|"]
+    lines = ["| beside | update threads | tile (elements) | tile rule | memory | GIL switch (ms) | G params/s |",
+             "|---|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.beside} | {r.threads} | {r.tile:,} | {r.tile_rule} | {r.params_per_s / 1e9:.2f} |")
+        lines.append(f"| {r.beside} | {r.threads} | {r.tile:,} | {r.tile_rule} | {r.memory} | "
+                     f"{r.switch_interval_ms:g} | {r.params_per_s / 1e9:.2f} |")
     return "\n".join(lines)

@@ -66,8 +66,37 @@ def prediction_lines(results: list[dict]) -> list[str]:
         if rates:
             line += (f"; CPU AdamW {rates[0] / 1e9:.2f} G params/s in the background, planned at "
                      f"{rates[1] / 1e9:.2f} G")
+        jobs = update_job_rates(r.get("timeline") or [])
+        if jobs:
+            line += (f"; untimed steps' CPU updates {jobs['median'] / 1e9:.2f} G params/s per update (median; "
+                     f"{jobs['while_waited'] / 1e9:.2f} G while the training thread waited for one, "
+                     f"{jobs['while_busy'] / 1e9:.2f} G otherwise)")
         out.append(f"- {line}")
     return out
+
+
+def update_job_rates(timeline: list) -> dict:
+    """Parameters per second of the background CPU updates on a run's timeline (systems.timeline_events):
+    the median over updates, and the rates (elements over seconds) of the updates that overlapped a
+    wait of the training thread for one against those that did not. {} without updates. A slow
+    update while the training thread only waits points at the update itself; slow only beside a
+    busy training thread, at what that thread does."""
+    jobs = [(a, b, n) for c, a, b, _, n in timeline if c == "cpu_adam" and b > a and n > 0]
+    if not jobs:
+        return {}
+    waits = [(a, b) for c, a, b, _, _ in timeline if c == "cpu_adam_wait"]
+
+    def waited(a, b):  # at least half the update's time inside waits
+        return 2 * sum(max(0.0, min(b, wb) - max(a, wa)) for wa, wb in waits) >= b - a
+
+    def rate(group):
+        seconds = sum(b - a for a, b, _ in group)
+        return sum(n for _, _, n in group) / seconds if seconds > 0 else 0.0
+
+    during = [j for j in jobs if waited(j[0], j[1])]
+    busy = [j for j in jobs if not waited(j[0], j[1])]
+    return {"median": float(np.median([n / (b - a) for a, b, n in jobs])), "while_waited": rate(during),
+            "while_busy": rate(busy), "updates": len(jobs)}
 
 
 def cpu_adam_rates(r: dict):

@@ -81,6 +81,9 @@ class SystemResult:
     # elixir_ray only: the plan it ran (layout, predicted memory and time by part, and in its notes the
     # hardware rates the prediction rests on), so a gap between prediction and measurement can be traced
     plan: dict = field(default_factory=dict)
+    # elixir_ray only: the measured steps' events (engine/timing.py), as [category, start s, end s,
+    # chunk, elements] from the first step's start: each CPU update, each wait on one, the marks
+    timeline: list = field(default_factory=list)
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -244,9 +247,16 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
     times, loss = [], None
     for i in range(warmup + steps):
+        if timer is not None and i == warmup:
+            timer.timeline = []  # the measured steps' events, timed without device syncs
+        if timer is not None:
+            timer.mark("step start")
         seconds, loss = _timed_step(step, batch, device)
         if i >= warmup:
             times.append(seconds)
+    if timer is not None:
+        step.settle()  # the last step's updates finish on the timeline, after the measured steps
+    timeline = timeline_events(timer) if timer is not None else []
     seconds = statistics.median(times)
     tokens = shape.micro_batch * shape.seq_len
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -265,7 +275,17 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
+        timeline=timeline,
     )
+
+
+def timeline_events(timer) -> list:
+    """The timer's timeline as lists relative to its first event (microsecond resolution), and off."""
+    events, timer.timeline = timer.timeline or [], None
+    if not events:
+        return []
+    origin = min(e[1] for e in events)
+    return [[c, round(a - origin, 6), round(b - origin, 6), chunk, n] for c, a, b, chunk, n in sorted(events, key=lambda e: e[1])]
 
 
 def _timed_step(step, batch, device: torch.device) -> tuple[float, torch.Tensor]:

@@ -213,7 +213,7 @@ class ChunkStore:
         the copies back of a device update of its host state."""
         if c.update is not None:
             future, c.update = c.update, None
-            self.updates.wait(future)
+            self.updates.wait(future, c.index)
         if c.landed is not None:
             event, c.landed = c.landed, None
             event.synchronize()

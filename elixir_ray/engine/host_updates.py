@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing.util
+import os
 import threading
 import time
 import weakref
@@ -42,9 +43,21 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
+UPDATE_THREADS_ENV = "ELIXIR_RAY_UPDATE_THREADS"
+
+
 def update_threads(threads: Optional[int] = None) -> int:
-    """Intra-op threads for the CPU updates: all but one of this process's (or of `threads`), at least one."""
-    return max(1, (torch.get_num_threads() if threads is None else threads) - 1)
+    """Intra-op threads for the CPU updates: all but one of this process's (or of `threads`), at least
+    one. The environment variable ELIXIR_RAY_UPDATE_THREADS, where set, caps this process's count
+    (a tuning knob: on a machine whose cores are shared, fewer threads can update faster)."""
+    count = max(1, (torch.get_num_threads() if threads is None else threads) - 1)
+    cap = os.environ.get(UPDATE_THREADS_ENV, "").strip()
+    if threads is None and cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ValueError(f"{UPDATE_THREADS_ENV}={cap!r}: expected a whole number of threads, at least 1 "
+                             f"(or unset it for all but one of this process's {torch.get_num_threads()})")
+        count = min(count, int(cap))
+    return count
 
 
 class HostUpdates:
@@ -58,10 +71,12 @@ class HostUpdates:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
-    def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = (), priority: int = 0) -> Future:
+    def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = (), priority: int = 0,
+               elements: int = 0) -> Future:
         """Run `job` on the background thread once the `ready` events have passed (on CUDA: the
         gradient's copy to the host, and any prefetch still reading the chunk's host copy).
-        Queued jobs run lowest `priority` first (the engine passes the chunk index)."""
+        Queued jobs run lowest `priority` first (the engine passes the chunk index); `elements`, the
+        parameters it updates, only labels the job in the timer's timeline."""
         future: Future = Future()
         with self._wakeup:
             if self._thread is None:
@@ -75,24 +90,28 @@ class HostUpdates:
                 # function runs before the interpreter's, with an update perhaps still running
                 multiprocessing.util.Finalize(None, _stop, args=(self._wakeup, self._stopping, self._thread),
                                               exitpriority=10)
-            heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future))
+            heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future, elements))
             self._wakeup.notify()
         return future
 
-    def _run(self, job: Callable[[], None], ready: tuple) -> None:
+    def _run(self, job: Callable[[], None], ready: tuple, priority: int, elements: int) -> None:
         for event in ready:
             event.synchronize()  # these events only: never a whole-device sync from this thread
         start = time.perf_counter()
         job()
-        self.timer.add_background("cpu_adam", time.perf_counter() - start)
+        end = time.perf_counter()
+        self.timer.add_background("cpu_adam", end - start)
+        self.timer.event("cpu_adam", start, end, priority, elements)
 
-    def wait(self, future: Optional[Future]) -> None:
+    def wait(self, future: Optional[Future], chunk: int = -1) -> None:
         """Block until `future`'s job has finished, re-raising its exception; timed as "cpu_adam_wait"."""
         if future is None:
             return
         if not future.done():
+            start = time.perf_counter()
             with self.timer.region("cpu_adam_wait"):
                 future.result()
+            self.timer.event("cpu_adam_wait", start, time.perf_counter(), chunk)
         else:
             future.result()
 
@@ -118,13 +137,13 @@ def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: thread
                 wakeup.wait()
             if stopping.is_set():  # nobody can settle what is still queued any more
                 return
-            _, _, job, ready, future = heapq.heappop(queue)
+            priority, _, job, ready, future, elements = heapq.heappop(queue)
         owner = owner_ref()
         if owner is None:
             return
         if future.set_running_or_notify_cancel():
             try:
-                owner._run(job, ready)
+                owner._run(job, ready, priority, elements)
             except BaseException as exc:  # handed to whoever settles this chunk
                 future.set_exception(exc)
             else:

@@ -365,6 +365,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 f"checkpoint). Call optimizer.step() after every {n} backward() call(s), or pass the right "
                 f"accumulation_steps (None: updates start at step())")
         self.backwards += 1
+        self.store.timer.mark("backward")
 
     def gradient_final(self, c: Chunk) -> None:
         """The chunk's gradient for this backward is complete on this rank: start its update if allowed."""
@@ -441,6 +442,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("elixir_ray's optimizer does not take a closure")
         self.base._opt_called = True  # what torch's LR schedulers look for, to not warn of a step before any
+        self.store.timer.mark("step")
         with self.store.on_device():
             try:
                 self._step()
@@ -539,7 +541,8 @@ class ChunkedAdam(torch.optim.Optimizer):
 
             # not before the gradient has landed, nor while a fetch still reads the state this job writes
             c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.host_read) if e is not None],
-                                                 priority=c.index)  # the next forward needs low indices first
+                                                 priority=c.index,  # the next forward needs low indices first
+                                                 elements=c.shard_len)
         else:
             self.store.make_usable(c)  # a prefetch may still be reading the master this update writes
             with self.store.timer.region("device_adam"):  # device chunks, and DOS chunks with their copies

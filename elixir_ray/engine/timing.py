@@ -16,6 +16,12 @@ backward kernels, hook overhead, gradient clipping), to the step's wall time. Be
 `background()` gives "cpu_adam": the seconds the background thread spent on CPU AdamW. That time
 overlaps the others, so it is not part of the sum; what it failed to hide is "cpu_adam_wait".
 
+`timeline`, when set to a list (it is None by default), also receives one tuple per event, timed
+without any device sync so that steps run as they do in training: ("cpu_adam", start, end, chunk,
+elements) per background update, ("cpu_adam_wait", start, end, chunk, 0) per wait on one, and
+("backward", t, t, -1, 0) / ("step", t, t, -1, 0) marks, all on `time.perf_counter()`'s clock. It says
+which updates ran slowly and what the training thread was doing then.
+
 Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
 attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
 each region synchronizes the device on entry and on exit, because GPU work is asynchronous and
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -50,6 +57,7 @@ class StepTimer:
         self.background_calls = dict.fromkeys(BACKGROUND, 0)
         self._lock = threading.Lock()
         self._open = False  # a region is being timed: nested ones are already inside its time
+        self.timeline: Optional[list] = None  # a list: events appended (see the module's docstring)
 
     def region(self, category: str):
         """A context timing its body under `category` (a no-op when disabled or nested)."""
@@ -58,6 +66,18 @@ class StepTimer:
         if not self.enabled or self._open:
             return _UNTIMED
         return _Region(self, category)
+
+    def event(self, category: str, start: float, end: float, chunk: int = -1, elements: int = 0) -> None:
+        """One timeline event (thread-safe; kept only while `timeline` is a list)."""
+        timeline = self.timeline
+        if timeline is not None:
+            with self._lock:
+                timeline.append((category, start, end, chunk, elements))
+
+    def mark(self, category: str) -> None:
+        if self.timeline is not None:
+            now = time.perf_counter()
+            self.event(category, now, now)
 
     def add_background(self, category: str, seconds: float) -> None:
         """Time spent by a background thread (thread-safe; recorded only while enabled)."""
