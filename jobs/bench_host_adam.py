@@ -19,8 +19,8 @@ from elixir_ray.bench.run import write_json  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--million", type=int, default=256, help="parameters updated per timing, in millions "
-                        "(default 256: 3.6 GB of host memory)")
+    parser.add_argument("--million", type=int, default=128, help="parameters updated per timing, in millions "
+                        "(default 128, about a chunk: 2 GB of host memory)")
     parser.add_argument("--smoke", action="store_true", help="2M parameters (tests)")
     parser.add_argument("--out", default="runs/bench_host_adam.json")
     args = parser.parse_args()
