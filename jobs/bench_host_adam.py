@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from elixir_ray.bench.host_adam import markdown, run  # noqa: E402
 from elixir_ray.bench.run import write_json  # noqa: E402
+from elixir_ray.engine.device import resolve_device  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +27,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.million < 1:
         parser.error("--million must be at least 1")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(None)  # with its index: the update thread makes it current
     numel = 2 * 2**20 if args.smoke else args.million * 10**6
     rows = run(numel, device)
     print(markdown(rows))

@@ -83,7 +83,7 @@ def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():
     from elixir_ray.planner.cost import overlapped_step
 
-    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_first=0.01, dos=0.0)
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_first=0.01)
     in_backward = overlapped_step(**parts, updates_in_backward=True)
     at_step = overlapped_step(**parts, updates_in_backward=False)
     assert in_backward == pytest.approx(0.6 + 0.01)  # 0.45 s of backward and 0.15 s of forward hide it
@@ -93,6 +93,24 @@ def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_th
     # with 3 micro-steps only the last one's backward (0.2 - 0.15 = 0.05 s) hides updates started in it
     three = dict(parts, compute=0.6, forward=0.15)
     assert overlapped_step(**three, updates_in_backward=True, micro_steps=3) == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))
+
+
+def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forward_only():
+    """DOS updates start at step() on their own streams: their copies add to each direction's
+    bytes on the link, the next forward hides up to its length of them (both directions at once),
+    and what it does not hide runs beside the CPU AdamW's remainder, not after it."""
+    from elixir_ray.planner.cost import overlapped_step
+
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+                 updates_in_backward=True)
+    assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
+    assert overlapped_step(**parts, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
+    # the link: 0.45 s of loads and 0.3 s of DOS copies in one direction exceed the compute
+    assert overlapped_step(**{**parts, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75 + 0.15)
+    # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
+    cpu = dict(parts, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
+    assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
+    assert overlapped_step(**cpu, dos_in=0.4, dos_out=0.3) == pytest.approx(0.6 + 0.25)
 
 
 def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks():

@@ -36,6 +36,9 @@ from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
+# Deep Optimizer States buffers (each with its stream on CUDA) in use at once: two, so that one
+# chunk's state comes back while the next one's goes up; the planner budgets this many
+DOS_BUFFERS = 2
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -145,6 +148,9 @@ class ChunkStore:
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # and Deep Optimizer States updates (their copies each way and the device update), off the
+        # compute stream: one stream per DOS buffer, chunks taking them in turn
+        self.dos_streams = [torch.cuda.Stream(device) for _ in range(DOS_BUFFERS)] if device.type == "cuda" else None
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)
         self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad
@@ -247,9 +253,22 @@ class ChunkStore:
 
     # -- compute copies -------------------------------------------------------------------------
 
+    def _settle_for_fill(self, c: Chunk, stream) -> None:
+        """What a fill needs before it reads the chunk's host copy: its CPU update finished (waited
+        for here), and the copies back of a Deep Optimizer States update landed, which `stream` is
+        made to wait for on the device: the training thread goes on queueing work meanwhile."""
+        if c.update is not None:
+            future, c.update = c.update, None
+            self.updates.wait(future, c.index)
+        if c.landed is not None:
+            if stream is None:
+                self.settle(c)
+            else:
+                stream.wait_event(c.landed)  # kept for the host readers, who settle on it
+
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""
-        self.settle(c)
+        self._settle_for_fill(c, torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             try:
@@ -270,7 +289,7 @@ class ChunkStore:
             self.fetch(c)
             self.counts["prefetches"] += 1
             return
-        self.settle(c)
+        self._settle_for_fill(c, self.copy_stream)
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -11,10 +11,13 @@ It models what the engine does, and nothing it does not:
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
-and gradient copies to the host on another, both beside the compute stream; the CPU AdamW runs on
-a background thread from the end of backward (or from the last backward's first final gradient,
-when updates may start in backward) until the next forward needs each chunk, beside the training
-thread's Deep Optimizer States updates. The predicted step is the critical path, not the sum.
+and gradient copies to the host on another, both beside the compute stream; Deep Optimizer States
+updates run on streams of their own from `step()` until the next forward needs each chunk, so
+their copies share the link with the loads and gradients (each direction's bytes add up) and only
+their device update joins the compute stream; the CPU AdamW runs on a background thread from the
+end of backward (or from the last backward's first final gradient, when updates may start in
+backward) until the next forward needs each chunk. The predicted step is the critical path, not
+the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
 measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step). Collectives are assumed to run at the host-to-device rate unless the profile says
@@ -55,7 +58,7 @@ def load_bytes(elem_bytes: int, upload: bool) -> int:
     """Bytes per element a host chunk's load moves over PCIe: its upload copy, or the fp32 master."""
     return min(elem_bytes, 4) if upload else 4
 DOS_COPY_IN = 12  # master and both moments go to the device, and the gradient (its bytes apart)
-DOS_COPY_OUT = 12  # master and both moments come back
+DOS_COPY_OUT = 12  # master and both moments come back (and the upload copy, its bytes apart)
 
 
 @dataclass
@@ -68,7 +71,10 @@ class ChunkCosts:
     reduce_device: np.ndarray
     adam_host: np.ndarray
     adam_device: np.ndarray
-    adam_dos: np.ndarray  # a host chunk updated on the device (Deep Optimizer States)
+    adam_dos: np.ndarray  # a host chunk updated on the device (Deep Optimizer States): the three below
+    dos_in: np.ndarray  # its copies to the device
+    dos_out: np.ndarray  # its copies back
+    dos_update: np.ndarray  # its update on the device
 
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
@@ -78,6 +84,9 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
     spread = (world - 1) / world if world > 1 else 0.0
     gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
     reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
+    dos_in = shards * (DOS_COPY_IN + grad_bytes) / h2d
+    dos_out = shards * (DOS_COPY_OUT + (elem_bytes if upload and elem_bytes < 4 else 0)) / d2h
+    dos_update = shards / hw.device_adam_params_per_s
     return ChunkCosts(
         load_host=shards * load_bytes(elem_bytes, upload) / h2d + gather,
         load_device=gather,
@@ -85,8 +94,7 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         reduce_device=reduce_comm,
         adam_host=shards / hw.cpu_adam_rate(low_grads=grad_bytes < 4),
         adam_device=shards / hw.device_adam_params_per_s,
-        adam_dos=shards * (DOS_COPY_IN + grad_bytes) / h2d + shards * DOS_COPY_OUT / d2h
-        + shards / hw.device_adam_params_per_s,
+        adam_dos=dos_in + dos_out + dos_update, dos_in=dos_in, dos_out=dos_out, dos_update=dos_update,
     )
 
 
@@ -102,23 +110,27 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
     return compute_seconds(profile.trace.flops, hw), compute_seconds(profile.trace.forward_flops, hw)
 
 
-def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, dos, updates_in_backward: bool,
-                    micro_steps: int = 1):
+def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, updates_in_backward: bool,
+                    micro_steps: int = 1, dos_in=0.0, dos_out=0.0):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
     micro-step's forward (updates start only in the last micro-step's backward);
-    on_stream: other work on the compute stream (collectives, device AdamW); h2d, d2h: side-stream
-    copies; cpu_adam: the background thread's CPU AdamW; cpu_first: the CPU update of the first host
-    chunk the next forward needs, which nothing can hide; dos: Deep Optimizer States updates on the
-    training thread at step().
+    on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
+    Deep Optimizer States); h2d, d2h: the side streams' copies (loads, gradients); cpu_adam: the
+    background thread's CPU AdamW; cpu_first: the CPU update of the first host chunk the next
+    forward needs, which nothing can hide; dos_in, dos_out: the Deep Optimizer States copies each
+    way. Those start at `step()` and share the link with the loads and gradients, so they add to
+    each direction's total, and what of them the next forward does not hide (their two streams
+    move the two directions at once) adds to the step, as the CPU AdamW's remainder does: the
+    forward waits for whichever of the two is later.
     """
-    streams = np.maximum(compute + on_stream, np.maximum(h2d, d2h))
+    streams = np.maximum(compute + on_stream, np.maximum(h2d + dos_in, d2h + dos_out))
     last_backward = np.maximum(compute / micro_steps - forward, 0.0) if updates_in_backward else 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
-    left = np.maximum(left - dos, 0.0)  # the training thread's DOS updates run beside it
-    exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
-    return streams + dos + exposed
+    cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
+    dos_exposed = np.maximum(np.maximum(dos_in, dos_out) - forward, 0.0)
+    return streams + np.maximum(cpu_exposed, dos_exposed)
 
 
 def dos_mask(host: np.ndarray, gap: int) -> np.ndarray:

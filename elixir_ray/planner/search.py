@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import MAX_REDUCTIONS_IN_FLIGHT
+from elixir_ray.engine.chunks import DOS_BUFFERS, MAX_REDUCTIONS_IN_FLIGHT
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
@@ -33,7 +33,7 @@ from elixir_ray.units import format_bytes
 # anchor rates); with only 2, 3, 4 and 8 the search missed up to 4.6% of predicted step time (GPT
 # 1.5B and 4.2B, 47 to 48 budgets each). Each gap is one vectorised pass per pool size and ranking;
 # with the smallest-peak pick below done without a loop, a 10B GPT's search takes no longer.
-DOS_GAPS = (0, *range(2, 17))
+DOS_GAPS = (0, *range(1, 17))
 # fraction of the budget kept free for the allocator's fragmentation and short-lived buffers. 8%
 # until the memory model became exact (2026-11-26): before, its peaks were 15-32% above the H100's
 # measured ones, and that hid headroom the caching allocator uses (it reserved 1.2-1.5x the bytes
@@ -197,10 +197,10 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     }
     seconds = overlapped_step(
         time["compute"], forward,
-        time["all-gather"] + time["gradient reduce"] + time["device AdamW"],
+        time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum()),
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
-        float(_first_cost(costs.adam_host, plain_host)), time["Deep Optimizer States"], updates_in_backward,
-        grad_accum)
+        float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
+        float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -303,8 +303,10 @@ def _fetch_bytes(lay: Layout, elem_bytes: int, world: int, has_host: bool, uploa
 
 
 def _dos_buffer_bytes(lay: Layout, dos_gap: int, has_host: bool) -> int:
-    """The Deep Optimizer States buffer: a host chunk's state and gradient on the device at the step."""
-    return STATE_BYTES * int(lay.shards.max()) if dos_gap > 0 and has_host else 0
+    """The Deep Optimizer States buffers: a host chunk's state and gradient on the device, in each
+    of the engine's DOS_BUFFERS (one chunk's state comes back while the next one's goes up), from
+    the step into the next forward."""
+    return DOS_BUFFERS * STATE_BYTES * int(lay.shards.max()) if dos_gap > 0 and has_host else 0
 
 
 def _step_bytes(lay: Layout, dos_gap: int, has_host: bool, device_elems, freed: bool):
@@ -414,10 +416,11 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
             continue
         dos = dos_mask(host, gap)
         plain = host & ~dos
-        seconds = overlapped_step(parts.compute, parts.forward, on_stream, h2d, d2h,
+        dosf = dos.astype(np.float64)
+        seconds = overlapped_step(parts.compute, parts.forward, on_stream + dosf @ costs.dos_update, h2d, d2h,
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
-                                  dos.astype(np.float64) @ costs.adam_dos, parts.updates_in_backward,
-                                  parts.micro_steps)
+                                  parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
+                                  dosf @ costs.dos_out)
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
