@@ -90,6 +90,8 @@ def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
     def slow_adam(calls, master, *args):
         if master.device.type == "cpu":
             time.sleep(0.01)
+        else:  # a device update: on a Deep Optimizer States stream, which the next fetch must wait for
+            torch.cuda._sleep(5_000_000)
         real_adam(calls, master, *args)
 
     monkeypatch.setattr(chunks.ChunkStore, "_fill", slowed(chunks.ChunkStore._fill))

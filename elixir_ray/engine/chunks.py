@@ -207,7 +207,8 @@ class ChunkStore:
 
         A device-to-host copy with non_blocking=True returns before the data has arrived, so the
         host must not read host-placed gradients (norm, overflow check, CPU AdamW) before this.
-        Both streams: a prefetch may still be reading a host master the CPU is about to update.
+        Every stream: a prefetch may still be reading a host master the CPU is about to update, and
+        a Deep Optimizer States update's copies back may still be landing.
         """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -260,11 +261,8 @@ class ChunkStore:
         if c.update is not None:
             future, c.update = c.update, None
             self.updates.wait(future, c.index)
-        if c.landed is not None:
-            if stream is None:
-                self.settle(c)
-            else:
-                stream.wait_event(c.landed)  # kept for the host readers, who settle on it
+        if c.landed is not None:  # only ever set on CUDA, where there is a stream to make wait
+            stream.wait_event(c.landed)  # kept for the host readers, who settle on it
 
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""

@@ -5,7 +5,8 @@ schedule that edits them works), and the update is torch's own Adam functional: 
 device for device chunks; fused on the CPU for host chunks, on a background thread
 (host_updates.py) so that it overlaps what the training thread does next. With Deep Optimizer
 States (`dos_gap=k`), every k-th host chunk is instead copied to the compute device, updated there
-by the training thread while the background thread updates the others, and copied back.
+and copied back, on side streams of their own (`_update_dos`), while the background thread updates
+the others.
 
 When the update of a chunk starts:
 - at `step()`, in chunk order (the order the next forward needs them), for every chunk by default;
@@ -15,7 +16,8 @@ When the update of a chunk starts:
   needs every gradient). `step()` then starts only what is left.
 Either way the result is exactly that of one torch AdamW step: what a chunk's update uses (its
 gradient, step counts, hyper-parameters) is fixed when it starts, and nothing reads or writes a
-chunk's state before its update has finished (`ChunkStore.settle`).
+chunk's state before its update has finished (`ChunkStore.settle`; a fetch waits for a device
+update's copies back on the device, `ChunkStore._settle_for_fill`).
 
 A parameter that received no gradient since the last `zero_grad` is not updated and its step count
 does not advance, exactly as torch skips parameters whose `.grad` is None.
@@ -494,15 +496,19 @@ class ChunkedAdam(torch.optim.Optimizer):
         # host chunks first, in chunk order, so that the background thread starts at once; then the
         # device chunks on this thread, beside it, and the DOS chunks queued on their own stream
         pending = [c for c in self.store.chunks if c.grad is not None and not c.updated]
-        on_host = [c for c in pending if self._runs_on_host(c)]
-        dos = []
-        for c in on_host + [c for c in pending if not self._runs_on_host(c)]:
-            work = self._start(c)
-            if work is not None:
-                dos.append(work)
+        for c in pending:
+            if self._runs_on_host(c):
+                self._start(c)
+        # the DOS copies before the device chunks' updates: their streams start after what the
+        # compute stream holds when they are queued, and those updates need not come first
+        dos = [work for work in (self._start(c) for c in pending if c.placement == "host" and not self._runs_on_host(c))
+               if work is not None]
         if dos:
             with self.store.timer.region("device_adam"):
                 self._update_dos(dos)
+        for c in pending:
+            if c.placement == "device":
+                self._start(c)
 
     def _runs_on_host(self, c: Chunk) -> bool:
         return c.placement == "host" and c.index not in self.dos_chunks
@@ -583,12 +589,14 @@ class ChunkedAdam(torch.optim.Optimizer):
         n = max(c.shard_len for c, _, _ in work)
         lanes = [(torch.empty(4, n, dtype=torch.float32, device=dev),  # master, exp_avg, exp_avg_sq, gradient
                   stream) for _, stream in zip(range(min(DOS_BUFFERS, len(work))), store.dos_streams or [None] * DOS_BUFFERS)]
-        for _, stream in lanes:
+        for buf, stream in lanes:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(dev))  # the buffers' earlier users are done
+                buf.record_stream(stream)  # now, so that an error below cannot free it under queued copies
         for i, (c, calls, factor) in enumerate(work):
             buf, stream = lanes[i % len(lanes)]
-            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), \
+                    self._landed_after(c, stream):
                 k = c.shard_len
                 master, m, v, grad = (buf[j, :k] for j in range(4))
                 if stream is not None:
@@ -614,9 +622,15 @@ class ChunkedAdam(torch.optim.Optimizer):
                     cast = buf[3].view(c.upload.dtype)[:k]
                     cast.copy_(master)  # on the device: half the bytes cross
                     c.upload.copy_(cast, non_blocking=True)
-                if stream is not None:
-                    c.landed = torch.cuda.Event(blocking=True)
-                    c.landed.record(stream)
-        for buf, stream in lanes:
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _landed_after(c: Chunk, stream):
+        """Record the chunk's `landed` event on `stream` after what the block queued there, even when
+        it raised partway: a copy already queued must still be waited for by the chunk's readers."""
+        try:
+            yield
+        finally:
             if stream is not None:
-                buf.record_stream(stream)
+                c.landed = torch.cuda.Event(blocking=True)
+                c.landed.record(stream)

@@ -163,10 +163,13 @@ def time_run_kernels(module: nn.Module, sample_inputs: Union[tuple, dict, Sample
 
 
 def quick_hardware(device: torch.device, device_memory=None) -> HardwareProfile:
-    """A short measurement for `wrap` without a plan (a second or so on a GPU, less on a CPU).
+    """A short measurement for `wrap` without a plan (a few seconds on a GPU, less on a CPU).
 
-    On a GPU its buffers stay within a quarter of `device_memory` (the budget wrap was given): the
-    budget bounds everything the engine does on the device, measuring included."""
+    On a GPU its device buffers stay within a quarter of `device_memory` (the budget wrap was
+    given): the budget bounds everything the engine does on the device, measuring included. The
+    CPU AdamW is still timed over a full-size host job (128M parameters, 2 GiB of host memory):
+    over 16M, which the host's caches nearly hold, it ran at twice the rate of the engine's real
+    jobs on the H100 machine, and the plan costed on it left the step waiting on the CPU."""
     if device.type == "cuda":
         quarter = budget_bytes(device_memory, device) // 4
         side = int((quarter / 6) ** 0.5) // 256 * 256  # three square bf16 matrices

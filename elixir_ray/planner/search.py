@@ -66,6 +66,9 @@ class Layout:
     # per memory sample and chunk: its gradient handed on by the end of the sample's interval (a
     # device chunk's gradient then holds that buffer until the step's zero_grad)
     event_handed: Optional[np.ndarray] = None
+    # how many of the first memory samples are the forward's (Deep Optimizer States buffers from
+    # the step before may still be held then)
+    forward_samples: int = 0
 
 
 @dataclass
@@ -139,8 +142,11 @@ def backward_timeline(trace, moments: list[tuple[int, int]], handed_at: dict[int
     handed = np.full(n_chunks, np.iinfo(np.int64).max, dtype=np.int64)
     for c, m in handed_at.items():
         handed[c] = m
+    forward = 0
+    while forward < len(trace.phases) and trace.phases[forward] == "forward":
+        forward += 1  # one sample per event, and none for a gradient before backward
     return {"event_activations": np.array([high for high, _ in samples], dtype=np.int64), "event_buffers": buffers,
-            "event_flying": flying, "event_handed": handed[None, :] <= ends[:, None]}
+            "event_flying": flying, "event_handed": handed[None, :] <= ends[:, None], "forward_samples": forward}
 
 
 def pool_candidates(layout: Layout) -> list[int]:
@@ -229,7 +235,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     (chunks collecting gradients, reductions in flight, each a whole fp32 chunk), a fetch's
     conversion buffer, and, where gradients are `freed` (`gradients_freed`), the gradients of
     the device chunks handed on by then. The optimizer step holds every device gradient and the
-    Deep Optimizer States buffer instead; only the larger of the two counts. Host gradients in
+    Deep Optimizer States buffers instead, and those buffers may still be held through the next
+    forward (its moments are the trace's first `forward_samples`); the largest counts. Host gradients in
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
     here by running sums instead of a product per row."""
@@ -259,9 +266,13 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         cast = shard * grad_bytes if grad_bytes < 4 else 0
         fetch = _fetch_bytes(lay, elem_bytes, world, host, upload)
         device_grads = np.zeros(len(rows))
+        dos_buffer = _dos_buffer_bytes(lay, dos_gap, host)
+        dos_held = np.zeros(len(rows))
         if timeline:
             staged = _staged_by_sample(lay, host, grad_bytes)
-            at = lay.event_activations + staged
+            forward_dos = np.zeros(len(staged))
+            forward_dos[:lay.forward_samples] = dos_buffer  # the step's DOS updates may still run
+            at = lay.event_activations + staged + forward_dos
             if row_freed:  # per sample and row: the device chunks' gradients handed on by then
                 # a later sample holds every gradient an earlier one does: an earlier sample whose
                 # activations and buffers are no more than a later one's is never the worst
@@ -276,18 +287,18 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
             else:
                 worst = np.full(len(rows), int(np.argmax(at)))
             activations, staging = lay.event_activations[worst], staged[worst] + sharded_part
+            dos_held = forward_dos[worst]
         else:
             activations = np.full(len(rows), lay.profile.trace.activation_peak_bytes)
             staging = np.full(len(rows), (lay.open_grads + in_flight) * size * 4 + in_flight * cast + sharded_part)
-        backward = activations + staging + fetch + device_grads
-        dos_buffer = _dos_buffer_bytes(lay, dos_gap, host)
+        backward = activations + staging + fetch + device_grads + dos_held
         at_step = _step_bytes(lay, dos_gap, host, device_elems[rows], row_freed)
         in_backward = backward >= at_step
         out["gradients of device chunks"][rows] = np.where(in_backward, device_grads, at_step - dos_buffer)
         out["activations"][rows] = np.where(in_backward, activations, 0)
         out["gradient staging"][rows] = np.where(in_backward, staging, 0)
         out["fetch conversion"][rows] = np.where(in_backward, fetch, 0)
-        out["Deep Optimizer States buffer"][rows] = np.where(in_backward, 0, dos_buffer)
+        out["Deep Optimizer States buffer"][rows] = np.where(in_backward, dos_held, dos_buffer)
     return out
 
 
@@ -505,6 +516,7 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
     freed = gradients_freed(plan.host_grads_low, grad_accum)
     grads = lay.event_handed @ (4.0 * lay.shards * device) if freed else np.zeros(len(staged))
     in_backward = staged + (int(lay.shards.max()) * 4 if any_sharded else 0) + fetch + grads
+    in_backward[:lay.forward_samples] += _dos_buffer_bytes(lay, plan.dos_gap, has_host)  # the next forward's
     step = _step_bytes(lay, plan.dos_gap, has_host, float(lay.shards[device].sum()), freed)
     return np.append(in_backward.astype(float), float(step))
 
