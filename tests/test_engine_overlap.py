@@ -225,6 +225,52 @@ def test_queued_updates_run_lowest_chunk_first():
     assert order == [0, 1, 3, 4, 5]
 
 
+class _Gate:
+    """What a queued update waits for, as a CUDA event is (`query`, `synchronize`), opened by the test."""
+
+    def __init__(self):
+        self.opened = threading.Event()
+
+    def query(self) -> bool:
+        return self.opened.is_set()
+
+    def synchronize(self) -> None:
+        self.opened.wait()
+
+
+def test_an_update_whose_gradient_has_not_landed_does_not_hold_up_ready_ones():
+    """Lowest chunk first among the updates that can run: chunk 0's gradient lands last (a tied
+    embedding), and the thread must not sit waiting for it while later chunks' updates could run."""
+    updates = HostUpdates(StepTimer(torch.device("cpu")))
+    hold, order = threading.Event(), []
+    updates.submit(hold.wait)  # holds the thread while the others queue up
+    landed = _Gate()
+    first = updates.submit(lambda: order.append(0), ready=[landed], priority=0)
+    others = [updates.submit(lambda i=i: order.append(i), priority=i) for i in (3, 2)]
+    hold.set()
+    try:
+        for f in others:
+            f.result(timeout=20)  # a thread sitting on chunk 0's gradient would never get here
+    finally:
+        landed_later = not first.done()
+        landed.opened.set()
+    assert order[:2] == [2, 3] and landed_later  # ran while chunk 0 still waited for its gradient
+    updates.wait(first)
+    assert order == [2, 3, 0]
+    # and with nothing ready, the thread waits for the oldest one's copy, then runs the lowest ready
+    hold2, late, early = threading.Event(), _Gate(), _Gate()
+    updates.submit(hold2.wait)
+    done = [updates.submit(lambda: order.append(10), ready=[early], priority=10),
+            updates.submit(lambda: order.append(5), ready=[late], priority=5)]
+    hold2.set()
+    early.opened.set()
+    done[0].result(timeout=20)
+    assert order[-1] == 10 and not done[1].done()
+    late.opened.set()
+    updates.wait(done[1])
+    assert order[-2:] == [10, 5]
+
+
 def test_the_background_thread_stops_when_its_engine_is_collected():
     """No thread that ran torch code may outlive its engine: one alive at process exit can abort it."""
     import gc

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -245,19 +244,11 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
-    times, loss = [], None
-    for i in range(warmup + steps):
-        if timer is not None and i == warmup:
-            timer.timeline = []  # the measured steps' events, timed without device syncs
-        if timer is not None:
-            timer.mark("step start")
-        seconds, loss = _timed_step(step, batch, device)
-        if i >= warmup:
-            times.append(seconds)
-    if timer is not None:
-        step.settle()  # the last step's updates finish on the timeline, after the measured steps
+    loss = None
+    for _ in range(warmup):
+        _, loss = _timed_step(step, batch, device)
+    seconds, loss = _timed_window(step, batch, device, steps, timer)
     timeline = timeline_events(timer) if timer is not None else []
-    seconds = statistics.median(times)
     tokens = shape.micro_batch * shape.seq_len
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
@@ -286,6 +277,31 @@ def timeline_events(timer) -> list:
         return []
     origin = min(e[1] for e in events)
     return [[c, round(a - origin, 6), round(b - origin, 6), chunk, n] for c, a, b, chunk, n in sorted(events, key=lambda e: e[1])]
+
+
+def _timed_window(step, batch, device: torch.device, steps: int, timer=None) -> tuple[float, torch.Tensor]:
+    """Mean seconds per step over `steps` steps run back to back, as a training loop runs them:
+    the device is synced before the first and after the last, not between them, so work a system
+    leaves running into the next step (elixir_ray's Deep Optimizer States copies, on their own
+    streams beside the next forward; its CPU updates on their thread) overlaps it there instead of
+    being waited for at every step. elixir_ray's last updates are waited for (`step.settle`)
+    before the clock stops: they belong to the measured steps. Until 2026-11-26 every step was
+    synced and timed alone (the median taken), which made elixir_ray's DOS copies count whole.
+    With `timer` (elixir_ray's), the steps' events go on its timeline."""
+    if timer is not None:
+        timer.timeline = []  # the measured steps' events, timed without device syncs
+    _sync(device)
+    start = time.perf_counter()
+    loss = None
+    for _ in range(steps):
+        if timer is not None:
+            timer.mark("step start")
+        loss = step(batch)
+    settle = getattr(step, "settle", None)
+    if settle is not None:
+        settle()
+    _sync(device)
+    return (time.perf_counter() - start) / steps, loss
 
 
 def _timed_step(step, batch, device: torch.device) -> tuple[float, torch.Tensor]:

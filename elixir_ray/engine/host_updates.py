@@ -10,7 +10,12 @@ the GIL and uses the intra-op thread pool, so the update really runs beside the 
 
 Jobs run lowest chunk index first, not first come first served: backward finishes chunks in
 reverse order, and the next forward needs chunk 0 first, so a queue in arrival order would make
-that forward wait for every update.
+that forward wait for every update. Among the jobs whose gradients have landed, that is: a job
+still waiting for its gradient's copy does not hold up one that could run. On the H100 the
+thread picked chunk 0 (the tied embedding, whose gradient is final last) at every `step()` and
+sat 60 ms waiting for its copy with other updates ready, on a step the CPU updates bound. When
+no queued job is ready, the thread waits for the oldest one's copy (copies to the host land in
+the order they were queued), then looks again.
 
 The thread runs torch's intra-op work on one thread fewer than the process has
 (`update_threads`): the training thread keeps a core busy (launching kernels, or spinning in a
@@ -74,7 +79,8 @@ class HostUpdates:
     def submit(self, job: Callable[[], None], ready: Sequence[torch.cuda.Event] = (), priority: int = 0,
                elements: int = 0) -> Future:
         """Run `job` on the background thread once the `ready` events have passed (on CUDA: the
-        gradient's copy to the host, and any prefetch still reading the chunk's host copy).
+        gradient's copy to the host, and any prefetch still reading the chunk's host copy; any
+        object with CUDA events' `query()` and `synchronize()` will do).
         Queued jobs run lowest `priority` first (the engine passes the chunk index); `elements`, the
         parameters it updates, only labels the job in the timer's timeline."""
         future: Future = Future()
@@ -125,6 +131,17 @@ def _stop(wakeup: threading.Condition, stopping: threading.Event, thread: thread
         thread.join(timeout=30)
 
 
+def _take_ready(queue: list):
+    """Under the lock: remove and return the lowest-priority queued entry whose ready events have all
+    passed (`query`, which does not block), or None when none has."""
+    for entry in sorted(queue):  # (priority, sequence, ...): the sequence is unique, so nothing further is compared
+        if all(event.query() for event in entry[3]):
+            queue.remove(entry)
+            heapq.heapify(queue)
+            return entry
+    return None
+
+
 def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: threading.Event,
            device: torch.device, threads: int) -> None:
     """The background thread: run queued jobs until told to stop."""
@@ -137,7 +154,13 @@ def _serve(owner_ref, wakeup: threading.Condition, queue: list, stopping: thread
                 wakeup.wait()
             if stopping.is_set():  # nobody can settle what is still queued any more
                 return
-            priority, _, job, ready, future, elements = heapq.heappop(queue)
+            entry = _take_ready(queue)
+            oldest = min(queue, key=lambda e: e[1])[3] if entry is None else ()
+        if entry is None:
+            for event in oldest:  # the first copy queued lands first; then look again
+                event.synchronize()
+            continue
+        priority, _, job, ready, future, elements = entry
         owner = owner_ref()
         if owner is None:
             return
