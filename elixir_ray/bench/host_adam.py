@@ -1,7 +1,7 @@
 """The engine's CPU AdamW beside a busy training thread: what slows it, and which setting keeps it fast.
 
 On the H100 machine the update ran at 4.3 G params/s alone and at 1.4 to 1.7 G beside training
-(docs/BENCHMARKS.md, 2026-11-26). Here the engine's update job (`run_adam` from bf16 gradients and
+(docs/BENCHMARKS.md, 2026-11-26). Here the engine's update job (`host_update`: `run_adam` from bf16 gradients and
 the cast of the master into the upload copy, on a thread of its own with its own intra-op thread
 count, as `HostUpdates` runs it) is timed alone and beside stand-ins for what the training thread
 does, one cause at a time:
@@ -30,8 +30,8 @@ from typing import Optional
 
 import torch
 
-from elixir_ray.engine.host_memory import HostArena
-from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements, run_adam
+from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements
+from elixir_ray.planner.hardware import HostChunkState
 
 
 @dataclass
@@ -91,19 +91,7 @@ def _stand_in(kind: str, stop: threading.Event, device: torch.device) -> None:
             down.synchronize()
 
 
-class HostState:
-    """fp32 master and moments, a bf16 gradient and a bf16 upload copy of `numel` elements on the
-    host, in one arena per dtype as the engine keeps them (page-locked on CUDA unless `pageable`)."""
-
-    def __init__(self, numel: int, device: torch.device, pageable: bool = False):
-        arena_device = torch.device("cpu") if pageable else device
-        self.arena = HostArena({torch.float32: 3 * numel, torch.bfloat16: 2 * numel}, arena_device)
-        self.master, self.avg, self.avg_sq = (self.arena.take(numel, torch.float32) for _ in range(3))
-        self.grad, self.upload = (self.arena.take(numel, torch.bfloat16) for _ in range(2))
-        self.grad.fill_(1e-3)
-
-
-def measure(state: HostState, threads: int, tile: int, beside: str, device: torch.device,
+def measure(state: HostChunkState, threads: int, tile: int, beside: str, device: torch.device,
             switch_interval_ms: Optional[float] = None, repeats: int = 3) -> float:
     """Median parameters per second of the engine's update job over `state`, beside `beside`."""
     numel = state.master.numel()
@@ -114,8 +102,7 @@ def measure(state: HostState, threads: int, tile: int, beside: str, device: torc
     errors: list[BaseException] = []
 
     def job():
-        run_adam([call], state.master, state.grad, state.avg, state.avg_sq, scratch=scratch)
-        state.upload.copy_(state.master)
+        state.update(call, scratch)
 
     def update():
         try:
@@ -167,7 +154,7 @@ def tiles(threads: int, numel: int) -> list[tuple[str, int]]:
 
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     total = torch.get_num_threads()
-    state = HostState(numel, device)
+    state = HostChunkState(numel, torch.bfloat16, torch.bfloat16, device)
     memory = "page-locked" if state.arena.pinned else "pageable"
     interval = sys.getswitchinterval() * 1e3
     rows: list[HostAdamRow] = []
@@ -188,7 +175,8 @@ def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     add("python+kernels", default, rule, tile, memory, state, switch=0.2)
     if state.arena.pinned:
         del state
-        add("nothing", default, rule, tile, "pageable", HostState(numel, device, pageable=True))
+        add("nothing", default, rule, tile, "pageable",
+            HostChunkState(numel, torch.bfloat16, torch.bfloat16, torch.device("cpu")))  # not page-locked
     return rows
 
 

@@ -218,9 +218,7 @@ class ChunkStore:
     def settle(self, c: Chunk) -> None:
         """Wait for the chunk's CPU update, if one is queued or running (re-raising its error), and for
         the copies back of a device update of its host state."""
-        if c.update is not None:
-            future, c.update = c.update, None
-            self.updates.wait(future, c.index)
+        self._finish_update(c)
         if c.landed is not None:
             event, c.landed = c.landed, None
             event.synchronize()
@@ -254,13 +252,17 @@ class ChunkStore:
 
     # -- compute copies -------------------------------------------------------------------------
 
+    def _finish_update(self, c: Chunk) -> None:
+        """Wait for the chunk's CPU update, if one is queued or running (re-raising its error)."""
+        if c.update is not None:
+            future, c.update = c.update, None
+            self.updates.wait(future, c.index)
+
     def _settle_for_fill(self, c: Chunk, stream) -> None:
         """What a fill needs before it reads the chunk's host copy: its CPU update finished (waited
         for here), and the copies back of a Deep Optimizer States update landed, which `stream` is
         made to wait for on the device: the training thread goes on queueing work meanwhile."""
-        if c.update is not None:
-            future, c.update = c.update, None
-            self.updates.wait(future, c.index)
+        self._finish_update(c)
         if c.landed is not None:  # only ever set on CUDA, where there is a stream to make wait
             stream.wait_event(c.landed)  # kept for the host readers, who settle on it
 

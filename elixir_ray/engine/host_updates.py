@@ -35,7 +35,6 @@ code is still alive while the process tears down (a live one can abort the exit)
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import multiprocessing.util
 import os
@@ -70,7 +69,7 @@ class HostUpdates:
 
     def __init__(self, timer, device: torch.device = torch.device("cpu")):
         self.timer, self.device = timer, device
-        self._queue: list = []  # heap of (priority, sequence, job, ready events, future)
+        self._queue: list = []  # (priority, sequence, job, ready events, future, elements), taken by _take_ready
         self._sequence = itertools.count()
         self._wakeup = threading.Condition()
         self._thread: Optional[threading.Thread] = None
@@ -96,7 +95,7 @@ class HostUpdates:
                 # function runs before the interpreter's, with an update perhaps still running
                 multiprocessing.util.Finalize(None, _stop, args=(self._wakeup, self._stopping, self._thread),
                                               exitpriority=10)
-            heapq.heappush(self._queue, (priority, next(self._sequence), job, tuple(ready), future, elements))
+            self._queue.append((priority, next(self._sequence), job, tuple(ready), future, elements))
             self._wakeup.notify()
         return future
 
@@ -137,7 +136,6 @@ def _take_ready(queue: list):
     for entry in sorted(queue):  # (priority, sequence, ...): the sequence is unique, so nothing further is compared
         if all(event.query() for event in entry[3]):
             queue.remove(entry)
-            heapq.heapify(queue)
             return entry
     return None
 

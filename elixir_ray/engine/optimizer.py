@@ -177,6 +177,16 @@ def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, grad_fact
                 _adam(call, [master[start:end]], [wide], [exp_avg[start:end]], [exp_avg_sq[start:end]])
 
 
+def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload: Optional[torch.Tensor] = None,
+                grad_factor: float = 1.0, scratch: Optional[TileScratch] = None) -> None:
+    """The background thread's whole job for one host chunk: the update (`run_adam`), then the new
+    master cast into its upload copy (`upload`, with a compute dtype narrower than fp32). The
+    hardware profile and the host-adam benchmark time this same function."""
+    run_adam(calls, master, grad, exp_avg, exp_avg_sq, grad_factor, scratch)
+    if upload is not None:
+        upload.copy_(master)
+
+
 def _adam(call: AdamCall, masters: list, grads: list, avgs: list, avg_sqs: list) -> None:
     # one step tensor per tensor (fused Adam increments each in place); torch.full, not torch.tensor,
     # so that on a GPU no blocking host-to-device copy stalls the training thread
@@ -551,9 +561,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             master, grad, m, v, upload, scratch = c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.upload, self._scratch
 
             def job():
-                run_adam(calls, master, grad, m, v, factor, scratch)
-                if upload is not None:
-                    upload.copy_(master)
+                host_update(calls, master, grad, m, v, upload, factor, scratch)
 
             # not before the gradient has landed, nor while a fetch still reads the state this job writes
             c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.host_read) if e is not None],
@@ -587,8 +595,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         dev = store.device
         n = max(c.shard_len for c, _, _ in work)
-        lanes = [(torch.empty(4, n, dtype=torch.float32, device=dev),  # master, exp_avg, exp_avg_sq, gradient
-                  stream) for _, stream in zip(range(min(DOS_BUFFERS, len(work))), store.dos_streams or [None] * DOS_BUFFERS)]
+        streams = (store.dos_streams or [None] * DOS_BUFFERS)[:len(work)]
+        lanes = [(torch.empty(4, n, dtype=torch.float32, device=dev), stream)  # master, exp_avg, exp_avg_sq, gradient
+                 for stream in streams]
         for buf, stream in lanes:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(dev))  # the buffers' earlier users are done

@@ -19,7 +19,7 @@ import torch
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import update_threads
-from elixir_ray.engine.optimizer import AdamCall, TileScratch, run_adam
+from elixir_ray.engine.optimizer import AdamCall, TileScratch, host_update, run_adam
 
 
 @dataclass
@@ -133,33 +133,37 @@ def _adam_rate(device: torch.device, numel: int) -> float:
     return numel / _timed(lambda: run_adam([call], master, grad, avg, avg_sq), device, repeats=3)
 
 
+class HostChunkState:
+    """One host chunk's state as the engine keeps it: fp32 master and moments, the gradient in
+    `grad_dtype` and, where `upload_dtype` is narrower than fp32, the upload copy, in a
+    `HostArena` (page-locked for `pin_for` when that is a GPU). For timing the engine's job."""
+
+    def __init__(self, numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
+                 pin_for: torch.device):
+        low = upload_dtype is not None and upload_dtype != torch.float32
+        sizes: dict = {torch.float32: 3 * numel}
+        for dtype in [grad_dtype] + ([upload_dtype] if low else []):
+            sizes[dtype] = sizes.get(dtype, 0) + numel
+        self.arena = HostArena(sizes, pin_for)
+        self.master, self.avg, self.avg_sq = (self.arena.take(numel, torch.float32) for _ in range(3))
+        self.grad = self.arena.take(numel, grad_dtype)
+        self.grad.fill_(1e-3)
+        self.upload = self.arena.take(numel, upload_dtype) if low else None
+
+    def update(self, call: AdamCall, scratch: TileScratch) -> None:
+        """The engine's job over this state (`host_update`)."""
+        host_update([call], self.master, self.grad, self.avg, self.avg_sq, self.upload, scratch=scratch)
+
+
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
                       pin_for: torch.device) -> float:
     """The background thread's whole job for one host chunk of `numel` parameters, as the engine
-    runs it: its state in a `HostArena` (page-locked for `pin_for` when that is a GPU), the update
-    from a gradient in `grad_dtype`, then the master cast into the upload copy (`upload_dtype`,
-    when the compute dtype is lower than fp32). The update alone over small fresh tensors ran at
+    runs it (`HostChunkState`, `host_update`). The update alone over small fresh tensors ran at
     4.0 to 4.3 G params/s on the H100 machine while the engine's jobs ran at 2.0 to 2.5 G
     (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs."""
-    low = upload_dtype is not None and upload_dtype != torch.float32
-    sizes = {torch.float32: 3 * numel}
-    for dtype in ([grad_dtype] if grad_dtype != torch.float32 else []) + ([upload_dtype] if low else []):
-        sizes[dtype] = sizes.get(dtype, 0) + numel
-    if grad_dtype == torch.float32:
-        sizes[torch.float32] += numel
-    arena = HostArena(sizes, pin_for)
-    master, avg, avg_sq = (arena.take(numel, torch.float32) for _ in range(3))
-    grad = arena.take(numel, grad_dtype)
-    grad.fill_(1e-3)
-    upload = arena.take(numel, upload_dtype) if low else None
+    state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
-
-    def job():
-        run_adam([call], master, grad, avg, avg_sq, scratch=scratch)
-        if upload is not None:
-            upload.copy_(master)
-
-    return numel / _timed(job, torch.device("cpu"), repeats=3)
+    return numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
