@@ -185,8 +185,9 @@ def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it
 
 def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp_path):
     """`jobs/bench_host_adam.py --smoke`: the engine's CPU update from bf16 gradients, timed on a
-    thread of its own alone and beside the training stand-in, for each thread count and tile."""
+    thread of its own alone and beside the training stand-in, for each thread count and kernel."""
     from elixir_ray.bench.host_adam import thread_counts
+    from elixir_ray.engine.host_kernel import host_adam_kernel
 
     out = tmp_path / "host_adam.json"
     proc = subprocess.run([sys.executable, "jobs/bench_host_adam.py", "--smoke", "--out", str(out)],
@@ -197,8 +198,13 @@ def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp
     assert {r["beside"] for r in rows} == {"nothing", "python+kernels"}  # no device stand-ins on a CPU
     assert {r["threads"] for r in rows} == set(thread_counts(result["cpu_threads"]))
     assert all(r["params_per_s"] > 0 and 0 < r["tile"] <= result["params"] for r in rows)
-    assert len({(r["beside"], r["threads"], r["tile"], r["memory"], r["switch_interval_ms"]) for r in rows}) == len(rows)
-    assert "| python+kernels |" in proc.stdout and any(r["tile_rule"] == "whole" for r in rows)
+    assert len({(r["beside"], r["kernel"], r["threads"], r["memory"], r["switch_interval_ms"]) for r in rows}) == len(rows)
+    assert "| python+kernels |" in proc.stdout
+    # each stand-in and thread count through torch's passes, and through the C kernel where it builds
+    kernels = {"c", "torch"} if host_adam_kernel() is not None else {"torch"}
+    for beside in ("nothing", "python+kernels"):
+        assert {r["kernel"] for r in rows if r["beside"] == beside} == kernels
+    assert all((r["tile_rule"] == "one pass") == (r["kernel"] == "c") for r in rows)
     assert thread_counts(16) == [15, 14, 12, 8] and thread_counts(1) == [1]
 
 

@@ -1,10 +1,11 @@
 """The engine's CPU AdamW beside a busy training thread: what slows it, and which setting keeps it fast.
 
 On the H100 machine the update ran at 4.3 G params/s alone and at 1.4 to 1.7 G beside training
-(docs/BENCHMARKS.md, 2026-11-26). Here the engine's update job (`host_update`: `run_adam` from bf16 gradients and
-the cast of the master into the upload copy, on a thread of its own with its own intra-op thread
-count, as `HostUpdates` runs it) is timed alone and beside stand-ins for what the training thread
-does, one cause at a time:
+(docs/BENCHMARKS.md, 2026-11-26). Here the engine's update job (`host_update`: the update from bf16
+gradients and the cast of the master into the upload copy, on a thread of its own with its own
+thread count, as `HostUpdates` runs it) is timed alone and beside stand-ins for what the training
+thread does, one cause at a time, through the one-pass C kernel (host_kernel.py) and through
+torch's three passes:
 
 - "python+kernels": a Python loop launching kernels with a little Python between them, as a
   forward with hooks does, waiting on the device every few launches (the GIL, and a spinning core);
@@ -13,7 +14,7 @@ does, one cause at a time:
 - "copies": pinned host-to-device and device-to-host copies of 256 MiB running all the time (the
   DMA engines' share of host memory bandwidth);
 
-each per update thread count and tile size (the elements widened to fp32 at a time), and for the
+each per update thread count (torch's passes at the engine's tile of 1M elements per thread), and for the
 first stand-in with Python's GIL switch interval cut from 5 ms to 0.2 ms. On a CPU-only machine the
 device stand-ins are left out and "python+kernels" runs tiny tensor ops. The state lives in host
 memory page-locked as the engine's arena is (on CUDA), and one row times ordinary pageable memory.
@@ -30,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements
 from elixir_ray.planner.hardware import HostChunkState
 
@@ -37,9 +39,10 @@ from elixir_ray.planner.hardware import HostChunkState
 @dataclass
 class HostAdamRow:
     beside: str  # "nothing", "python+kernels", "device wait" or "copies"
-    threads: int  # intra-op threads of the update
-    tile: int  # elements widened at a time
-    tile_rule: str  # "fixed 1M" (before 2026-11-26), "1M per thread" (grad_tile_elements) or "whole"
+    kernel: str  # "c" (the one-pass kernel, host_kernel.py) or "torch" (widen, fused Adam, cast)
+    threads: int  # threads of the update
+    tile: int  # elements widened at a time (torch's path; the C kernel makes one pass over the chunk)
+    tile_rule: str  # "fixed 1M" (before 2026-11-26), "1M per thread" (grad_tile_elements), "whole" or "one pass"
     memory: str  # "page-locked" (the engine's arena on CUDA) or "pageable"
     switch_interval_ms: float  # Python's GIL switch interval during the timing
     params_per_s: float
@@ -92,8 +95,9 @@ def _stand_in(kind: str, stop: threading.Event, device: torch.device) -> None:
 
 
 def measure(state: HostChunkState, threads: int, tile: int, beside: str, device: torch.device,
-            switch_interval_ms: Optional[float] = None, repeats: int = 3) -> float:
-    """Median parameters per second of the engine's update job over `state`, beside `beside`."""
+            switch_interval_ms: Optional[float] = None, repeats: int = 3, kernel: Optional[HostAdamKernel] = None) -> float:
+    """Median parameters per second of the engine's update job over `state`, beside `beside`:
+    through `kernel` (the one-pass C kernel), or torch's passes where it is None."""
     numel = state.master.numel()
     call = AdamCall(segments=((0, numel),), step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                     decoupled=True)
@@ -102,7 +106,7 @@ def measure(state: HostChunkState, threads: int, tile: int, beside: str, device:
     errors: list[BaseException] = []
 
     def job():
-        state.update(call, scratch)
+        state.update(call, scratch, kernel)
 
     def update():
         try:
@@ -153,37 +157,44 @@ def tiles(threads: int, numel: int) -> list[tuple[str, int]]:
 
 
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
+    """Each stand-in and thread count, through the one-pass C kernel (where it builds here) and
+    through torch's passes at the engine's tile (the other tile rules were measured on the H100 on
+    2026-11-26 and left behind); then the C kernel (else torch) with a short GIL switch interval, and
+    over pageable memory."""
     total = torch.get_num_threads()
     state = HostChunkState(numel, torch.bfloat16, torch.bfloat16, device)
     memory = "page-locked" if state.arena.pinned else "pageable"
     interval = sys.getswitchinterval() * 1e3
     rows: list[HostAdamRow] = []
+    c_kernel = host_adam_kernel()
+    kernels = ([("c", c_kernel)] if c_kernel is not None else []) + [("torch", None)]
 
-    def add(beside, threads, rule, tile, memory_kind, state_used, switch=None):
-        rate = measure(state_used, threads, tile, beside, device, switch)
-        row = HostAdamRow(beside, threads, tile, rule, memory_kind, interval if switch is None else switch, rate)
-        progress(f"beside {beside}, {threads} thread(s), tile {tile:,} ({rule}), {memory_kind}, "
+    def add(beside, name, kernel, threads, memory_kind, state_used, switch=None):
+        rule, tile = ("one pass", numel) if kernel is not None else tiles(threads, numel)[0]
+        rate = measure(state_used, threads, tile, beside, device, switch, kernel=kernel)
+        row = HostAdamRow(beside, name, threads, tile, rule, memory_kind, interval if switch is None else switch, rate)
+        progress(f"beside {beside}, {name}, {threads} thread(s), tile {tile:,} ({rule}), {memory_kind}, "
                  f"switch {row.switch_interval_ms:g} ms: {rate / 1e9:.2f} G params/s")
         rows.append(row)
 
     for beside in stand_ins(device):
         for threads in thread_counts(total):
-            for rule, tile in tiles(threads, numel):
-                add(beside, threads, rule, tile, memory, state)
+            for name, kernel in kernels:
+                add(beside, name, kernel, threads, memory, state)
     default = thread_counts(total)[0]
-    rule, tile = tiles(default, numel)[0]
-    add("python+kernels", default, rule, tile, memory, state, switch=0.2)
+    name, kernel = kernels[0]
+    add("python+kernels", name, kernel, default, memory, state, switch=0.2)
     if state.arena.pinned:
         del state
-        add("nothing", default, rule, tile, "pageable",
+        add("nothing", name, kernel, default, "pageable",
             HostChunkState(numel, torch.bfloat16, torch.bfloat16, torch.device("cpu")))  # not page-locked
     return rows
 
 
 def markdown(rows: list[HostAdamRow]) -> str:
-    lines = ["| beside | update threads | tile (elements) | tile rule | memory | GIL switch (ms) | G params/s |",
-             "|---|---:|---:|---|---|---:|---:|"]
+    lines = ["| beside | kernel | update threads | tile (elements) | tile rule | memory | GIL switch (ms) | G params/s |",
+             "|---|---|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.beside} | {r.threads} | {r.tile:,} | {r.tile_rule} | {r.memory} | "
+        lines.append(f"| {r.beside} | {r.kernel} | {r.threads} | {r.tile:,} | {r.tile_rule} | {r.memory} | "
                      f"{r.switch_interval_ms:g} | {r.params_per_s / 1e9:.2f} |")
     return "\n".join(lines)

@@ -5,8 +5,9 @@ on 16 cores against 0.4 s of backward on an H100), so running it inside `optimiz
 the GPU wait. Here each host chunk's update is a job on one background thread: it starts as soon
 as the chunk's gradient is final (during the last backward when the engine knows it is the last,
 otherwise at `step()`), and whoever next touches that chunk's state (the next forward's fetch,
-a gradient reduction, a checkpoint) waits for that chunk alone. torch's fused CPU Adam releases
-the GIL and uses the intra-op thread pool, so the update really runs beside the training thread.
+a gradient reduction, a checkpoint) waits for that chunk alone. The update (the C kernel of
+host_kernel.py, or torch's fused CPU Adam) releases the GIL and runs on threads of its own, so it
+really runs beside the training thread.
 
 Jobs run lowest chunk index first, not first come first served: backward finishes chunks in
 reverse order, and the next forward needs chunk 0 first, so a queue in arrival order would make
@@ -17,8 +18,8 @@ sat 60 ms waiting for its copy with other updates ready, on a step the CPU updat
 no queued job is ready, the thread waits for the oldest one's copy (copies to the host land in
 the order they were queued), then looks again.
 
-The thread runs torch's intra-op work on one thread fewer than the process has
-(`update_threads`): the training thread keeps a core busy (launching kernels, or spinning in a
+The thread sets torch's intra-op count, which the C kernel takes as its thread count too, to one
+fewer than the process has (`update_threads`): the training thread keeps a core busy (launching kernels, or spinning in a
 CUDA wait), and an OpenMP team with a member descheduled waits at every barrier for it. On the
 2-core VM with one core taken, the update ran at 0.70 G params/s on two threads and 0.90 on one.
 The thread count is torch's process-wide setting, so a thread that starts using torch after this

@@ -150,9 +150,11 @@ class HostChunkState:
         self.grad.fill_(1e-3)
         self.upload = self.arena.take(numel, upload_dtype) if low else None
 
-    def update(self, call: AdamCall, scratch: TileScratch) -> None:
-        """The engine's job over this state (`host_update`)."""
-        host_update([call], self.master, self.grad, self.avg, self.avg_sq, self.upload, scratch=scratch)
+    def update(self, call: AdamCall, scratch: TileScratch, kernel="auto") -> None:
+        """The engine's job over this state (`host_update`; `kernel` as there: the one-pass C kernel
+        where it builds, or None for torch's passes)."""
+        host_update([call], self.master, self.grad, self.avg, self.avg_sq, self.upload, scratch=scratch,
+                    kernel=kernel)
 
 
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
