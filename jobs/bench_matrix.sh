@@ -11,7 +11,7 @@
 #               chunks, CPU AdamW and Deep Optimizer States), its worker SIGKILLed at step 15 and the
 #               run recovered from the object store (jobs/bench_recovery.py)
 #   host-adam   the engine's CPU AdamW alone and beside a busy training thread, per update thread
-#               count and tile size (jobs/bench_host_adam.py; about 30 s)
+#               count, through the one-pass C kernel and torch's passes (jobs/bench_host_adam.py; about 30 s)
 #   compute     the planner's compute prediction against a measured plain step (gpt-1.5b, gpt-4b)
 #   gpt-1.5b    plain PyTorch (uncapped) and elixir_ray capped at 24 GiB
 #   gpt-1.5b-40 the same capped at 40 GiB, and gpt-1.5b-16 at 16 GiB (the engine's and the
