@@ -262,3 +262,39 @@ def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anyt
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and said in out.stderr and bad in out.stderr, out.stderr
         assert "| shape |" not in out.stdout  # nothing was costed
+
+
+def test_the_timeline_summaries_say_how_fast_updates_ran_and_how_far_the_device_trailed():
+    """`update_job_rates` and `device_lag` over a made-up timeline of two steps: the rates of the
+    updates inside a wait against the others, and per step the host's and the device's forward and
+    backward and the device's lag at step() (the device's marks come from CUDA events on a GPU)."""
+    from elixir_ray.bench.report import device_lag, update_job_rates
+
+    timeline = [
+        ["step start", 0.0, 0.0, -1, 0], ["device step start", 0.0, 0.0, -1, 0],
+        ["cpu_adam_wait", 0.01, 0.05, 0, 0], ["cpu_adam", 0.0, 0.05, 0, 100_000_000],  # 2 G/s, waited for
+        ["backward", 0.10, 0.10, -1, 0], ["device backward", 0.12, 0.12, -1, 0],
+        ["cpu_adam", 0.15, 0.35, 3, 100_000_000],  # 0.5 G/s beside a busy training thread
+        ["step", 0.30, 0.30, -1, 0], ["device step", 0.42, 0.42, -1, 0],
+        ["step start", 0.31, 0.31, -1, 0], ["device step start", 0.43, 0.43, -1, 0],
+        ["backward", 0.45, 0.45, -1, 0], ["device backward", 0.57, 0.57, -1, 0],
+        ["step", 0.65, 0.65, -1, 0], ["device step", 0.80, 0.80, -1, 0],
+    ]
+    jobs = update_job_rates(timeline)
+    assert jobs["updates"] == 2 and jobs["while_waited"] == pytest.approx(2e9) and jobs["while_busy"] == pytest.approx(0.5e9)
+    lag = device_lag(timeline)
+    assert lag["steps"] == 2
+    assert lag["host_forward"] == pytest.approx((0.10 + 0.14) / 2) and lag["host_backward"] == pytest.approx((0.20 + 0.20) / 2)
+    assert lag["device_forward"] == pytest.approx((0.12 + 0.14) / 2) and lag["device_backward"] == pytest.approx((0.30 + 0.23) / 2)
+    assert lag["behind_at_step"] == pytest.approx((0.12 + 0.15) / 2)
+    assert device_lag([e for e in timeline if not e[0].startswith("device")]) == {}  # a CPU run: no device marks
+
+
+def test_off_cuda_a_mark_records_no_device_event():
+    from elixir_ray.engine.timing import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    timer.mark("step")  # timeline off: nothing at all
+    timer.timeline = []
+    timer.mark("step")
+    assert [e[0] for e in timer.timeline] == ["step"] and timer.device_marks == [] and timer.device_timeline() == []

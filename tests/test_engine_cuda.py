@@ -352,3 +352,27 @@ def test_a_failed_page_lock_leaves_no_cuda_error_for_the_next_kernel():
     with pytest.raises(RuntimeError, match="could not page-lock"):
         again._register(device)
     assert (torch.ones(4, device=device) * 2).sum().item() == 8.0
+
+
+def test_the_device_marks_place_each_step_on_the_device_clock():
+    """With the timeline on, each mark records an event on the compute stream: the device's marks
+    come back in the host's order, each at or after the host's (a kernel cannot run before it is
+    queued), forward before backward before step on the device too."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1)
+    data = batches(4, 8)
+    engine_run(model, opt, data[:1], 1, 1, device="cuda")  # warm
+    timer = model.store.timer
+    torch.cuda.synchronize()
+    timer.timeline = []
+    for x in data[1:]:
+        timer.mark("step start")
+        model(x.to("cuda")).backward()
+        opt.step()
+        opt.zero_grad()
+    device = timer.device_timeline()
+    host = [e for e in timer.timeline if e[0] in ("step start", "backward", "step")]
+    timer.timeline = None
+    assert [e[0] for e in device] == ["device " + e[0] for e in host] and len(device) == 9
+    assert all(d[1] >= h[1] - 1e-3 for d, h in zip(device, host))  # the first is the anchor: equal
+    assert [d[1] for d in device] == sorted(d[1] for d in device)

@@ -71,8 +71,40 @@ def prediction_lines(results: list[dict]) -> list[str]:
             line += (f"; untimed steps' CPU updates {jobs['median'] / 1e9:.2f} G params/s per update (median; "
                      f"{jobs['while_waited'] / 1e9:.2f} G while the training thread waited for one, "
                      f"{jobs['while_busy'] / 1e9:.2f} G otherwise)")
+        lag = device_lag(r.get("timeline") or [])
+        if lag:
+            line += (f"; forward {lag['device_forward'] * 1e3:.0f} ms on the device ({lag['host_forward'] * 1e3:.0f} on "
+                     f"the host), backward {lag['device_backward'] * 1e3:.0f} ms ({lag['host_backward'] * 1e3:.0f}), "
+                     f"the device {lag['behind_at_step'] * 1e3:.0f} ms behind the host at step() (medians; near 0: "
+                     f"the device waited for the host)")
         out.append(f"- {line}")
     return out
+
+
+def device_lag(timeline: list) -> dict:
+    """From a run's timeline with the device's marks (CUDA): per measured step, how long forward
+    (step start to backward) and backward (to step()) took on the host and on the device, and how
+    far the device trailed the host when the host called step(); medians. A device that trails by
+    little and takes as long as the host was fed no faster than the host's Python ran (hooks, the
+    pool's waits): there the host is the bottleneck, not the kernels. {} without device marks."""
+    def times(category):
+        return [a for c, a, _, _, _ in timeline if c == category]
+
+    host = [times(c) for c in ("step start", "backward", "step")]
+    device = [times("device " + c) for c in ("step start", "backward", "step")]
+    n = min(len(x) for x in host + device)
+    if n == 0:
+        return {}
+
+    def median(values):
+        return float(np.median(values))
+
+    return {"steps": n,
+            "host_forward": median([host[1][i] - host[0][i] for i in range(n)]),
+            "host_backward": median([host[2][i] - host[1][i] for i in range(n)]),
+            "device_forward": median([device[1][i] - device[0][i] for i in range(n)]),
+            "device_backward": median([device[2][i] - device[1][i] for i in range(n)]),
+            "behind_at_step": median([device[2][i] - host[2][i] for i in range(n)])}
 
 
 def update_job_rates(timeline: list) -> dict:

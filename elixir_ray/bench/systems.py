@@ -271,8 +271,9 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
 
 
 def timeline_events(timer) -> list:
-    """The timer's timeline as lists relative to its first event (microsecond resolution), and off."""
-    events, timer.timeline = timer.timeline or [], None
+    """The timer's timeline as lists relative to its first event (microsecond resolution), and off;
+    on CUDA with the device's marks beside the host's (`StepTimer.device_timeline`)."""
+    events, timer.timeline = (timer.timeline or []) + timer.device_timeline(), None
     if not events:
         return []
     origin = min(e[1] for e in events)

@@ -21,7 +21,10 @@ overlaps the others, so it is not part of the sum; what it failed to hide is "cp
 without any device sync so that steps run as they do in training: ("cpu_adam", start, end, chunk,
 elements) per background update, ("cpu_adam_wait", start, end, chunk, 0) per wait on one, and
 ("backward", t, t, -1, 0) / ("step", t, t, -1, 0) marks, all on `time.perf_counter()`'s clock. It says
-which updates ran slowly and what the training thread was doing then.
+which updates ran slowly and what the training thread was doing then. On CUDA each mark also
+records an event on the compute stream (`device_marks`), so that `device_timeline()` can say when
+the device got there: a device that reaches each mark right after the host does was waiting for
+the host (Python, hooks, waits on copies); one far behind it was busy.
 
 Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
 attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
@@ -59,6 +62,7 @@ class StepTimer:
         self._lock = threading.Lock()
         self._open = False  # a region is being timed: nested ones are already inside its time
         self.timeline: Optional[list] = None  # a list: events appended (see the module's docstring)
+        self.device_marks: list = []  # (category, host time, CUDA event) per mark while the timeline is on
 
     def region(self, category: str):
         """A context timing its body under `category` (a no-op when disabled or nested)."""
@@ -79,6 +83,24 @@ class StepTimer:
         if self.timeline is not None:
             now = time.perf_counter()
             self.event(category, now, now)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(self.device))
+                self.device_marks.append((category, now, event))
+
+    def device_timeline(self) -> list:
+        """("device " + category, t, t, -1, 0) per mark: when the compute stream reached it, on the
+        host clock, and forget the marks. The first mark is taken to have run on the device when the
+        host recorded it (the benchmark marks the first step's start right after a device sync, when
+        the stream is idle); later ones are placed by their events' elapsed times from it. Syncs
+        the device (for after the timed steps); [] off CUDA or without marks."""
+        marks, self.device_marks = self.device_marks, []
+        if not marks:
+            return []
+        self._sync()
+        _, origin, first = marks[0]
+        return [("device " + category, at, at, -1, 0)
+                for category, _, event in marks for at in (origin + first.elapsed_time(event) / 1e3,)]
 
     def add_background(self, category: str, seconds: float) -> None:
         """Time spent by a background thread (thread-safe; recorded only while enabled)."""
