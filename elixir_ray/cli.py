@@ -117,6 +117,8 @@ def _cmd_plan(args) -> int:
           f"CPU AdamW {hardware.cpu_adam_params_per_s / 1e6:,.0f} M params/s"
           + (f" ({hardware.cpu_adam_low_grad_params_per_s / 1e6:,.0f} M from bf16 gradients)"
              if hardware.cpu_adam_low_grad_params_per_s else "")
+          + (f", x{hardware.cpu_adam_beside_copies:.2f} beside the device's copies"
+             if hardware.cpu_adam_beside_copies else "")
           + f", matmul {hardware.matmul_tflops:.3g} TFLOPS")
     print(_host_memory_line(args, hardware, result.host_budget))
     print(result.plan.explain())

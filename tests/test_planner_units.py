@@ -42,6 +42,7 @@ def test_profile_hardware_measures_positive_rates():
     slow = HardwareProfile.slowest([hw, HardwareProfile(**{**json.loads(hw.to_json()), "h2d_gbps": 0.5})])
     assert slow.h2d_gbps == min(0.5, hw.h2d_gbps)
     assert hw.cpu_adam_low_grad_params_per_s > 0  # the engine's update from bf16 gradients, timed apart
+    assert hw.cpu_adam_beside_copies == 0.0  # no device copies to run beside it on a CPU
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -50,6 +51,7 @@ def test_profile_hardware_measures_positive_rates():
     ("cpu_adam_params_per_s", -1, "cpu_adam_params_per_s must be a positive number"),
     ("d2h_gbps", True, "d2h_gbps must be a positive number"),
     ("collective_gbps", float("nan"), "collective_gbps must be a non-negative number"),
+    ("cpu_adam_beside_copies", -0.5, "cpu_adam_beside_copies must be a non-negative number"),
     ("device", "", "device must name a torch device"),
 ])
 def test_a_hardware_profile_with_a_rate_that_is_not_a_positive_number_is_refused(field, value, message):
@@ -78,6 +80,15 @@ def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():
     assert np.allclose(adam_host(measured, 4), 2**20 / 4e9) and np.allclose(adam_host(measured, 2), 2**20 / 2e9)
     older = HardwareProfile(**rates)  # a profile without the bf16 rate: the fp32 one stands in
     assert np.allclose(adam_host(older, 2), 2**20 / 4e9)
+    # measured beside pinned copies both ways (the engine's loads and gradient copies), the job
+    # kept 0.7 of its rate: both rates are costed at that share; 0 (not measured) keeps them whole
+    contended = HardwareProfile(**rates, cpu_adam_low_grad_params_per_s=2e9, cpu_adam_beside_copies=0.7)
+    assert np.allclose(adam_host(contended, 4), 2**20 / 2.8e9) and np.allclose(adam_host(contended, 2), 2**20 / 1.4e9)
+    assert "x0.70 beside copies" in contended.rates() and "beside copies" not in measured.rates()
+    both = HardwareProfile.slowest([contended, measured, HardwareProfile(**rates, cpu_adam_beside_copies=0.9)])
+    assert both.cpu_adam_beside_copies == 0.7  # the lowest measured share; an unmeasured one does not count
+    assert HardwareProfile.slowest([measured, older]).cpu_adam_beside_copies == 0.0
+    assert HardwareProfile.from_json(contended.to_json()) == contended
 
 
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():

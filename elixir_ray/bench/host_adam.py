@@ -33,7 +33,7 @@ import torch
 
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements
-from elixir_ray.planner.hardware import HostChunkState
+from elixir_ray.planner.hardware import HostChunkState, PinnedCopies
 
 
 @dataclass
@@ -80,18 +80,9 @@ def _stand_in(kind: str, stop: threading.Event, device: torch.device) -> None:
             for _ in range(50):
                 a @ a  # about 10 ms of device work, waited for without Python in between
             torch.cuda.synchronize(device)
-    elif kind == "copies":
-        n = 128 << 20  # 256 MiB of bf16 each way
-        host_in, host_out = torch.empty(n, dtype=torch.bfloat16).pin_memory(), torch.empty(n, dtype=torch.bfloat16).pin_memory()
-        dev_in, dev_out = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
-        up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        while not stop.is_set():
-            with torch.cuda.stream(up):
-                dev_in.copy_(host_in, non_blocking=True)
-            with torch.cuda.stream(down):
-                host_out.copy_(dev_out, non_blocking=True)
-            up.synchronize()
-            down.synchronize()
+    elif kind == "copies":  # the profile's own stand-in for the engine's loads and gradient copies
+        with PinnedCopies(device):
+            stop.wait()
 
 
 def measure(state: HostChunkState, threads: int, tile: int, beside: str, device: torch.device,

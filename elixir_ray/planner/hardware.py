@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -37,14 +38,19 @@ class HardwareProfile:
     # pass and twice the parallel regions, so it need not run at the fp32 rate; 0: not measured
     # (a profile from an older version), taken as cpu_adam_params_per_s
     cpu_adam_low_grad_params_per_s: float = 0.0
+    # the share of those rates the CPU job keeps while pinned copies run both ways, as the engine's
+    # chunk loads and gradient copies run beside its updates (on the H100 machine the job alone ran
+    # at 3.1 G params/s and inside training at 2.0 to 2.5 G); measured on a GPU, 0: not measured
+    # (a CPU device, or a profile from an older version), taken as 1
+    cpu_adam_beside_copies: float = 0.0
 
     def __post_init__(self):
         """A profile is often hand-edited JSON: a rate that is not a positive number would plan with a
         zero division or a negative time, so it is refused here, by name."""
         for name in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
-                     "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s"):
+                     "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies"):
             value = getattr(self, name)
-            optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s")  # 0: not measured
+            optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not optional):
                 raise ValueError(f"{name} must be a {'non-negative' if optional else 'positive'} number, got {value!r}")
@@ -52,10 +58,12 @@ class HardwareProfile:
             raise ValueError(f"device must name a torch device such as 'cuda' or 'cpu', got {self.device!r}")
 
     def cpu_adam_rate(self, low_grads: bool) -> float:
-        """Parameters per second the CPU updates from fp32 gradients, or from bf16 ones."""
+        """Parameters per second the CPU updates from fp32 gradients, or from bf16 ones, with the
+        device's copies running beside it (`cpu_adam_beside_copies`, where measured)."""
+        rate = self.cpu_adam_params_per_s
         if low_grads and self.cpu_adam_low_grad_params_per_s > 0:
-            return self.cpu_adam_low_grad_params_per_s
-        return self.cpu_adam_params_per_s
+            rate = self.cpu_adam_low_grad_params_per_s
+        return rate * (self.cpu_adam_beside_copies or 1.0)
 
     def rates(self) -> str:
         """One line of the rates a prediction rests on, for a plan's notes: set beside a run's
@@ -64,7 +72,9 @@ class HardwareProfile:
                if self.cpu_adam_low_grad_params_per_s > 0 else "")
         return (f"rates ({self.device_name or self.device}): host->device {self.h2d_gbps:.1f} GB/s, "
                 f"device->host {self.d2h_gbps:.1f} GB/s, CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G "
-                f"params/s{low} ({self.cpu_threads} CPU threads), device AdamW "
+                f"params/s{low} ({self.cpu_threads} CPU threads"
+                + (f"; x{self.cpu_adam_beside_copies:.2f} beside copies" if self.cpu_adam_beside_copies else "")
+                + "), device AdamW "
                 f"{self.device_adam_params_per_s / 1e9:.1f} G params/s, matmul {self.matmul_tflops:.3g} TFLOPS"
                 + (f", between ranks {self.collective_gbps:.1f} GB/s" if self.collective_gbps else ""))
 
@@ -85,6 +95,8 @@ class HardwareProfile:
                 "cpu_adam_low_grad_params_per_s")},
             cpu_threads=min(p.cpu_threads for p in profiles),
             collective_gbps=min(p.collective_gbps for p in profiles),
+            cpu_adam_beside_copies=min((p.cpu_adam_beside_copies for p in profiles if p.cpu_adam_beside_copies),
+                                       default=0.0),
             device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
         )
 
@@ -157,15 +169,70 @@ class HostChunkState:
                     kernel=kernel)
 
 
+class PinnedCopies:
+    """Pinned host-to-device and device-to-host copies of 256 MiB each way, back to back on two
+    streams of their own, on a thread, while the context is open: the host memory traffic of the
+    engine's chunk loads and gradient copies, beside which its CPU updates run."""
+
+    def __init__(self, device: torch.device, elements: int = 128 << 20):
+        self.device, self.elements = device, elements
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._error: list = []
+
+    def _run(self) -> None:
+        try:
+            torch.cuda.set_device(self.device)
+            n = self.elements
+            host_in = torch.empty(n, dtype=torch.bfloat16).pin_memory()
+            host_out = torch.empty(n, dtype=torch.bfloat16).pin_memory()
+            dev_in = torch.empty(n, dtype=torch.bfloat16, device=self.device)
+            dev_out = torch.empty(n, dtype=torch.bfloat16, device=self.device)
+            up, down = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            self._started.set()
+            while not self._stop.is_set():
+                with torch.cuda.stream(up):
+                    dev_in.copy_(host_in, non_blocking=True)
+                with torch.cuda.stream(down):
+                    host_out.copy_(dev_out, non_blocking=True)
+                up.synchronize()
+                down.synchronize()
+        except BaseException as exc:  # re-raised on the measuring thread
+            self._error.append(exc)
+            self._started.set()
+
+    def __enter__(self):
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elixir-profile-copies", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error:
+            raise self._error[0]
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if self._error and exc[0] is None:
+            raise self._error[0]
+        return False
+
+
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
-                      pin_for: torch.device) -> float:
+                      pin_for: torch.device, beside_copies: bool = False) -> tuple[float, float]:
     """The background thread's whole job for one host chunk of `numel` parameters, as the engine
     runs it (`HostChunkState`, `host_update`). The update alone over small fresh tensors ran at
     4.0 to 4.3 G params/s on the H100 machine while the engine's jobs ran at 2.0 to 2.5 G
-    (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs."""
+    (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs.
+    Returns (alone, beside copies): the second with `PinnedCopies` running (0.0 unless asked)."""
     state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
-    return numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
+    alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
+    if not beside_copies:
+        return alone, 0.0
+    with PinnedCopies(pin_for):
+        beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
+    return alone, beside
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -189,8 +256,9 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     torch.set_num_threads(update_threads())  # as many as the engine's update thread takes
     try:
         host_numel = host_adam_numel or (128 * 2**20 if on_gpu else adam_numel)
-        cpu_adam = _host_update_rate(host_numel, torch.float32, dtype, device)
-        cpu_adam_low = _host_update_rate(host_numel, torch.bfloat16, dtype, device)
+        cpu_adam, _ = _host_update_rate(host_numel, torch.float32, dtype, device)
+        # from bf16 gradients, as GPU plans update, also beside copies both ways: the share it keeps
+        cpu_adam_low, beside = _host_update_rate(host_numel, torch.bfloat16, dtype, device, beside_copies=on_gpu)
     finally:
         torch.set_num_threads(threads)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
@@ -202,4 +270,5 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
                            cpu_threads=torch.get_num_threads(), device_name=device_name(device),
-                           cpu_adam_low_grad_params_per_s=cpu_adam_low)
+                           cpu_adam_low_grad_params_per_s=cpu_adam_low,
+                           cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0)
