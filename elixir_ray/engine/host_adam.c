@@ -121,6 +121,34 @@ static void *run_thread(void *arg) {
 #define MAX_THREADS 256
 #define MIN_PER_THREAD 65536  /* below this a thread costs more than it saves */
 
+/* How many threads `numel` elements get: `threads`, but no more than one per MIN_PER_THREAD. */
+static int team_size(int64_t numel, int threads) {
+    int64_t want = numel / MIN_PER_THREAD;
+    int n = threads < 1 ? 1 : threads;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (want < n) n = want < 1 ? 1 : (int)want;
+    return n;
+}
+
+/* Runs `fn` on each of `n` jobs laid `stride` bytes apart: jobs 1.. on threads of their own, job 0
+ * on this one; a job whose thread could not start runs here afterwards. Returns how many could
+ * not start. */
+static int run_team(int n, void *(*fn)(void *), void *jobs, size_t stride) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int failed = 0;
+    for (int t = 1; t < n; t++) {
+        started[t] = pthread_create(&ids[t], NULL, fn, (char *)jobs + t * stride) == 0;
+        failed += !started[t];
+    }
+    fn(jobs);
+    for (int t = 1; t < n; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else fn((char *)jobs + t * stride);
+    }
+    return failed;
+}
+
 /* One Adam(W) step over `segments` ranges of one chunk's shard (bounds: lo, hi pairs), the
  * elements shared evenly among up to `threads` threads (this one included). `step` counts this
  * update, 1 at the first. Returns 0, or the number of threads that could not be started (their
@@ -135,31 +163,16 @@ int elixir_host_adam(float *master, const void *grad, int grad_bf16, float *exp_
                 (float)grad_factor};
     int64_t numel = 0;
     for (int k = 0; k < segments; k++) numel += bounds[2 * k + 1] - bounds[2 * k];
-    int64_t want = numel / MIN_PER_THREAD;
-    int n = threads < 1 ? 1 : threads;
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    if (want < n) n = want < 1 ? 1 : (int)want;
+    int n = team_size(numel, threads);
     Share shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t per = (numel + n - 1) / n;
     per = (per + 15) & ~(int64_t)15;  /* whole cache lines of fp32 per thread, where segments allow */
-    int failed = 0;
     for (int t = 0; t < n; t++) {
         Share share = {base, bounds, segments, (int64_t)t * per < numel ? (int64_t)t * per : numel,
                        (int64_t)(t + 1) * per < numel ? (int64_t)(t + 1) * per : numel};
         shares[t] = share;
-        if (t > 0 && share.from < share.to) {
-            started[t] = pthread_create(&ids[t], NULL, run_thread, &shares[t]) == 0;
-            failed += !started[t];
-        }
     }
-    run_share(&shares[0]);
-    for (int t = 1; t < n; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else if (shares[t].from < shares[t].to) run_share(&shares[t]);
-    }
-    return failed;
+    return run_team(n, run_thread, shares, sizeof(Share));
 }
 
 /* The sum of squares of a host gradient, for the global norm that clipping needs: done on the
@@ -203,26 +216,16 @@ static void *sum_squares_range(void *arg) {
 }
 
 double elixir_sum_squares(const void *x, int bf16, int64_t numel, int threads) {
-    int64_t want = numel / MIN_PER_THREAD;
-    int n = threads < 1 ? 1 : threads;
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    if (want < n) n = want < 1 ? 1 : (int)want;
+    int n = team_size(numel, threads);
     SquaresJob jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t per = (numel + n - 1) / n;
     for (int t = 0; t < n; t++) {
         SquaresJob job = {x, bf16, (int64_t)t * per < numel ? (int64_t)t * per : numel,
                           (int64_t)(t + 1) * per < numel ? (int64_t)(t + 1) * per : numel, 0.0};
         jobs[t] = job;
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, sum_squares_range, &jobs[t]) == 0;
     }
-    sum_squares_range(&jobs[0]);
-    double total = jobs[0].sum;
-    for (int t = 1; t < n; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else sum_squares_range(&jobs[t]);
-        total += jobs[t].sum;
-    }
+    run_team(n, sum_squares_range, jobs, sizeof(SquaresJob));
+    double total = 0.0;
+    for (int t = 0; t < n; t++) total += jobs[t].sum;
     return total;
 }
