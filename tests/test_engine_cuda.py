@@ -85,7 +85,7 @@ def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
             return fn(self, *args, **kwargs)
         return run
 
-    real_adam = optimizer.run_adam
+    real_adam, real_host_update = optimizer.run_adam, optimizer.host_update
 
     def slow_adam(calls, master, *args):
         if master.device.type == "cpu":
@@ -94,9 +94,14 @@ def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
             torch.cuda._sleep(5_000_000)
         real_adam(calls, master, *args)
 
+    def slow_host_update(*args, **kwargs):  # the background thread's job (the C kernel, or torch's passes)
+        time.sleep(0.01)
+        real_host_update(*args, **kwargs)
+
     monkeypatch.setattr(chunks.ChunkStore, "_fill", slowed(chunks.ChunkStore._fill))
     monkeypatch.setattr(chunks.ChunkStore, "_reduce_into", slowed(chunks.ChunkStore._reduce_into))
     monkeypatch.setattr(optimizer, "run_adam", slow_adam)
+    monkeypatch.setattr(optimizer, "host_update", slow_host_update)
     test_fp32_on_cuda_matches_torch_adamw(case)
 
 
