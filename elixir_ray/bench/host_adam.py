@@ -137,16 +137,6 @@ def measure(state: HostChunkState, threads: int, tile: int, beside: str, device:
     return rates[0]
 
 
-def tiles(threads: int, numel: int) -> list[tuple[str, int]]:
-    """The tile rules to try, each a distinct size for `numel` elements."""
-    out, seen = [], set()
-    for rule, tile in (("1M per thread", grad_tile_elements(threads)), ("fixed 1M", 1 << 20), ("whole", numel)):
-        if min(tile, numel) not in seen:
-            seen.add(min(tile, numel))
-            out.append((rule, min(tile, numel)))
-    return out
-
-
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     """Each stand-in and thread count, through the one-pass C kernel (where it builds here) and
     through torch's passes at the engine's tile (the other tile rules were measured on the H100 on
@@ -161,7 +151,8 @@ def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     kernels = ([("c", c_kernel)] if c_kernel is not None else []) + [("torch", None)]
 
     def add(beside, name, kernel, threads, memory_kind, state_used, switch=None):
-        rule, tile = ("one pass", numel) if kernel is not None else tiles(threads, numel)[0]
+        rule, tile = ("one pass", numel) if kernel is not None else \
+            ("1M per thread", min(grad_tile_elements(threads), numel))  # the engine's tile
         rate = measure(state_used, threads, tile, beside, device, switch, kernel=kernel)
         row = HostAdamRow(beside, name, threads, tile, rule, memory_kind, interval if switch is None else switch, rate)
         progress(f"beside {beside}, {name}, {threads} thread(s), tile {tile:,} ({rule}), {memory_kind}, "

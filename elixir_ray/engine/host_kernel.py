@@ -87,7 +87,6 @@ class HostAdamKernel:
                  int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                  int(bool(decoupled)), float(grad_factor), int(threads))
 
-
     def sum_of_squares(self, x: torch.Tensor, threads: int) -> float:
         """Sum of squares of a contiguous bf16 or fp32 host tensor, each element squared and summed in
         double (a gradient's share of the global norm)."""

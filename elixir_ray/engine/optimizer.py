@@ -158,9 +158,8 @@ def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, grad_fact
     since fused Adam wants one dtype: the host reads 2 gradient bytes per element, not 4.
     `grad_factor` (clipping) is applied to the widened tile, for such gradients only.
     """
+    _check_grad_factor(master, grad, grad_factor)
     if grad.dtype == master.dtype:
-        if grad_factor != 1.0:
-            raise ValueError("grad_factor is for low-precision gradients; scale an fp32 gradient in place")
         for call in calls:
             segs = call.segments
             _adam(call, [master[lo:hi] for lo, hi in segs], [grad[lo:hi] for lo, hi in segs],
@@ -179,6 +178,11 @@ def run_adam(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, grad_fact
                 _adam(call, [master[start:end]], [wide], [exp_avg[start:end]], [exp_avg_sq[start:end]])
 
 
+def _check_grad_factor(master, grad, grad_factor: float) -> None:
+    if grad.dtype == master.dtype and grad_factor != 1.0:
+        raise ValueError("grad_factor is for low-precision gradients; scale an fp32 gradient in place")
+
+
 def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload: Optional[torch.Tensor] = None,
                 grad_factor: float = 1.0, scratch: Optional[TileScratch] = None,
                 kernel: Union[HostAdamKernel, None, str] = "auto") -> None:
@@ -195,8 +199,7 @@ def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload
         if upload is not None:
             upload.copy_(master)
         return
-    if grad.dtype == master.dtype and grad_factor != 1.0:
-        raise ValueError("grad_factor is for low-precision gradients; scale an fp32 gradient in place")
+    _check_grad_factor(master, grad, grad_factor)
     threads = torch.get_num_threads()  # the update thread's intra-op count (HostUpdates sets it)
     for call in calls:
         kernel.update(master, grad, exp_avg, exp_avg_sq, upload, call.segments, call.step + 1, call.lr, call.beta1,

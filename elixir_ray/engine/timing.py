@@ -99,8 +99,11 @@ class StepTimer:
             return []
         self._sync()
         _, origin, first = marks[0]
-        return [("device " + category, at, at, -1, 0)
-                for category, _, event in marks for at in (origin + first.elapsed_time(event) / 1e3,)]
+        out = []
+        for category, _, event in marks:
+            at = origin + first.elapsed_time(event) / 1e3
+            out.append(("device " + category, at, at, -1, 0))
+        return out
 
     def add_background(self, category: str, seconds: float) -> None:
         """Time spent by a background thread (thread-safe; recorded only while enabled)."""
