@@ -11,6 +11,7 @@ import copy
 import os
 import sys
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -172,6 +173,74 @@ def test_prefetch_loads_ahead_without_changing_results_or_adding_loads(ckpt):
     p, a = plain.engine_stats(), ahead.engine_stats()
     assert p["prefetches"] == 0 and a["prefetches"] > 0
     assert a["fetches"] <= p["fetches"]  # a prefetch only evicts what is needed later than what it loads
+
+
+class Stack(torch.nn.Module):
+    """Twelve layers, three to a chunk: each chunk is several accesses long, as a GPT block's is."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(12))
+        self.head = torch.nn.Linear(d, 64)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, 64), x[:, 1:].reshape(-1))
+
+
+def _stack_engine(base, prefetch):
+    data = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(1))
+    plan = manual_plan(base, (data,), chunk_size=3 * (32 * 32 + 32), n_blocks=3)
+    model, opt = wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2), sample_inputs=(data,), plan=plan,
+                      device="cpu", prefetch=prefetch)
+    return model, opt, data
+
+
+def test_the_next_chunk_is_prefetched_at_the_first_access_of_the_chunk_before_it():
+    """On CUDA a prefetch's copy waits for the compute queued before it, so one access ahead it
+    overlapped one module's compute; issued at the first access of the chunk before, it overlaps
+    that whole chunk's. Loads and results stay those of the pool without prefetch."""
+    torch.manual_seed(0)
+    base = Stack()
+    runs = {}
+    for depth in (0, 1):
+        model, opt, data = _stack_engine(copy.deepcopy(base), depth)
+        losses = []
+        for _ in range(4):
+            loss = model(data)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[depth] = (losses, model.state_dict(), model.engine_stats())
+    assert runs[0][0] == runs[1][0] and _max_diff(runs[0][1], runs[1][1]) == 0.0
+    none, ahead = runs[0][2], runs[1][2]
+    assert ahead["fetches"] <= none["fetches"] and ahead["prefetches"] > 0
+    assert ahead["prefetch_lead"] / ahead["prefetches"] >= 2.5  # three layers a chunk: about 3 accesses ahead
+
+
+def test_a_chunk_whose_cpu_update_is_still_running_is_not_prefetched_until_it_has_finished():
+    """Prefetching it would make the training thread wait for the update before it has queued the
+    compute the load is to overlap. The access that needs it waits instead, as without prefetch."""
+    torch.manual_seed(0)
+    model, opt, data = _stack_engine(Stack(), 1)
+    per_step, delayed = [], Future()
+    for step in range(3):
+        before = model.engine_stats()["prefetches"]
+        model(data).backward()
+        opt.step()  # host chunks' updates start on the background thread
+        if step == 1:  # the next forward finds chunk 2's update still running for a while
+            chunk = model.store.chunks[2]
+            real = chunk.update
+            threading.Timer(0.3, lambda: (real is None or real.result(), delayed.set_result(None))).start()
+            chunk.update = delayed
+        opt.zero_grad()
+        per_step.append(model.engine_stats()["prefetches"] - before)
+    assert delayed.done()  # the forward that needed chunk 2 waited for its update
+    assert per_step[2] < per_step[1]  # and loaded it then, not ahead
 
 
 def test_low_precision_host_copy_is_the_master_cast():

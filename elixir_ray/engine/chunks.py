@@ -142,7 +142,7 @@ class ChunkStore:
                  upload_copies: bool = False, host_grads_low: bool = False):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "blocks_over_plan": 0,
-                       "untraced_accesses": 0}
+                       "untraced_accesses": 0, "prefetch_lead": 0}
         self.timer = StepTimer(device)
         self.updates = HostUpdates(self.timer, device)
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host

@@ -7,12 +7,18 @@ the access being served and those recomputed for the checkpointed region whose b
 are never evicted; the most recently used ones are passed over while another can go. A step that
 needs more chunks at once than the trace did goes over n_blocks (warned once, counted).
 
-Prefetch: after serving an access, the pool looks `prefetch_depth` accesses ahead in the trace
-(never past the end of the step: the next step's weights are not updated yet) and loads what they
-need that is not resident, evicting only a chunk whose next use comes later than the prefetched
-chunk's, so prefetching never costs a load the plain Belady pool would not make. On CUDA the copy
-runs on a side stream and overlaps the compute of the access just served; on a CPU it is done at
-once (same result, no overlap), which is how the bookkeeping is tested without a GPU.
+Prefetch: after serving an access, the pool loads the next `prefetch_depth` chunks the trace needs
+that this access does not (never past the end of the step: the next step's weights are not updated
+yet), evicting only a chunk whose next use comes later than the prefetched chunk's, so prefetching
+never costs a load the plain Belady pool would not make. Chunks, not accesses: a chunk holds
+several modules, and the next chunk's load is issued at the first access of the chunk before it,
+so on CUDA the copy (on a side stream, which first waits for the compute queued so far) overlaps
+that whole chunk's compute; one access ahead, it overlapped one module's and mostly waited. On a
+CPU it is done at once (same result, no overlap), which is how the bookkeeping is tested without a
+GPU. A chunk whose CPU update is still running is not prefetched until it has finished (the
+training thread would wait for it before queueing the compute the load is to overlap); the access
+that needs it waits if it must. `counts["prefetch_lead"]` sums the accesses between each prefetch
+and the use it is for.
 """
 
 from __future__ import annotations
@@ -26,6 +32,30 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore
 from elixir_ray.units import format_bytes
+
+
+def chunks_ahead(events: list[tuple[int, ...]], depth: int) -> list[tuple[tuple[int, int], ...]]:
+    """For each traced access, the next `depth` chunks the step needs that it does not (with any
+    others first needed by the same access as the last of them), each as (the access that first
+    needs it, chunk). Worked out once, from the end of the step backwards."""
+    ahead: list[tuple[tuple[int, int], ...]] = [()] * len(events)
+    if depth <= 0:
+        return ahead
+    width = max((len(ev) for ev in events), default=1)
+    upcoming: list[tuple[int, int]] = []  # distinct chunks after the access at hand, by first use
+    for i in range(len(events) - 1, -1, -1):
+        ev = events[i]
+        taken: list[tuple[int, int]] = []
+        for j, cid in upcoming:
+            if cid in ev:
+                continue
+            if len(taken) >= depth and j != taken[-1][0]:
+                break
+            taken.append((j, cid))
+        ahead[i] = tuple(taken)
+        upcoming = [(i, cid) for cid in dict.fromkeys(ev)] + [x for x in upcoming if x[1] not in ev]
+        del upcoming[2 * (depth + width):]
+    return ahead
 
 
 class ChunkPool:
@@ -43,6 +73,7 @@ class ChunkPool:
         self.keep_recent = keep_recent
         self.pinned: set[int] = set()  # recomputed chunks whose saved views are still needed
         self.warned_overflow = False
+        self.ahead = chunks_ahead(events, prefetch_depth)
 
     @property
     def resident(self) -> list[Chunk]:
@@ -137,32 +168,36 @@ class ChunkPool:
         self.recent.pop(victim.index, None)
 
     def _prefetch(self, serving: tuple[int, ...]) -> None:
-        """Load the chunks of the next traced accesses of this step, where it costs no extra load."""
+        """Load the next chunks this step's trace needs, where it costs no extra load."""
         if self.prefetch_depth <= 0 or self.cursor < 0:
             return
-        end = min(len(self.events), self.cursor + 1 + self.prefetch_depth)
-        window = [cid for j in range(self.cursor + 1, end) for cid in self.events[j]]
-        if all(self.store.chunks[cid].resident for cid in window):
+        window = self.ahead[self.cursor]
+        chunks = self.store.chunks
+        if all(chunks[cid].resident for _, cid in window):
             return  # the common case, checked first: this runs on every access
         # the last two accessed chunks too: one autograd node may have unpacked parameters from both
         protected = self._protected(serving) | set(list(self.recent)[-2:])
         resident = self.resident
-        for j in range(self.cursor + 1, end):
-            for cid in self.events[j]:
-                chunk = self.store.chunks[cid]
-                if chunk.resident:
-                    protected.add(cid)
-                    continue
-                if len(resident) >= self.n_blocks:
-                    later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
-                    if not later:
-                        return  # nothing may go without costing a load: give up, as a plain pool would wait
-                    victim = max(later, key=lambda c: self.next_use(c.index))
-                    self._evict(victim)
-                    resident.remove(victim)
-                self.store.prefetch(chunk)
-                resident.append(chunk)
+        for j, cid in window:
+            chunk = chunks[cid]
+            if chunk.resident:
                 protected.add(cid)
+                continue
+            if chunk.update is not None and not chunk.update.done():
+                # its CPU update is still running: waiting for it here would stall the training
+                # thread before it has queued the rest of this chunk's compute; a later access tries again
+                return
+            if len(resident) >= self.n_blocks:
+                later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
+                if not later:
+                    return  # nothing may go without costing a load: give up, as a plain pool would wait
+                victim = max(later, key=lambda c: self.next_use(c.index))
+                self._evict(victim)
+                resident.remove(victim)
+            self.store.prefetch(chunk)
+            self.store.counts["prefetch_lead"] += j - self.cursor
+            resident.append(chunk)
+            protected.add(cid)
 
     def release_pins(self) -> None:
         self.pinned.clear()

@@ -431,7 +431,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     ModelOutput's), else what `loss_fn(output)` returns.
     `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
     host chunks start their CPU update during the N-th backward (see docs/engine.md); `prefetch`
-    is how many traced accesses ahead the pool loads chunks (0: only on demand).
+    is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py).
     """
     check_optimizer(optimizer)
     check_not_wrapped(module)
@@ -442,7 +442,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
                          f"or None, got {accumulation_steps!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0 (traced accesses to load ahead), got {prefetch!r}")
+        raise ValueError(f"prefetch must be an int >= 0 (chunks to load ahead), got {prefetch!r}")
     device = resolve_device(device)
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
