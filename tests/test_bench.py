@@ -60,6 +60,9 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     plan = Plan.from_dict(ex["plan"])  # the plan it ran, with the rates its prediction rests on
     assert plan.predicted_step_seconds == ex["predicted_step_seconds"]
     assert any(n.startswith("rates (") and "CPU AdamW" in n for n in plan.notes)
+    pool = ex["pool"]  # the pool's loads per timed step: every step loads every chunk it uses again
+    assert pool["fetches"] >= plan.n_chunks and 0 <= pool["prefetches"] <= pool["fetches"]
+    assert not rows["reference"]["pool"]
     for system in rows:  # each system's whole output, beside the report
         log = (out / f"{system}.log").read_text()
         assert log.startswith("$ ") and "--system " + system in log and "# exit 0" in log
@@ -69,7 +72,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert "| reference |" in md
     assert md.count("| elixir_ray |") == 2 and "| compute_and_waits |" in md  # main table and breakdown
     assert "| cpu_adam (background) |" in md
-    assert "- elixir_ray: predicted step" in md
+    assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md
     assert "| reference |" in capsys.readouterr().out
 
 

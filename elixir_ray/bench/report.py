@@ -71,6 +71,11 @@ def prediction_lines(results: list[dict]) -> list[str]:
             line += (f"; untimed steps' CPU updates {jobs['median'] / 1e9:.2f} G params/s per update (median; "
                      f"{jobs['while_waited'] / 1e9:.2f} G while the training thread waited for one, "
                      f"{jobs['while_busy'] / 1e9:.2f} G otherwise)")
+        pool = r.get("pool") or {}
+        if pool.get("fetches"):
+            line += (f"; {pool['fetches']:.0f} chunk loads per step, {pool['prefetches']:.0f} of them prefetched")
+            if pool["prefetches"]:
+                line += f" {pool.get('prefetch_lead', 0) / pool['prefetches']:.1f} accesses ahead on average"
         lag = device_lag(r.get("timeline") or [])
         if lag:
             line += (f"; forward {lag['device_forward'] * 1e3:.0f} ms on the device ({lag['host_forward'] * 1e3:.0f} on "

@@ -83,6 +83,10 @@ class SystemResult:
     # elixir_ray only: the measured steps' events (engine/timing.py), as [category, start s, end s,
     # chunk, elements] from the first step's start: each CPU update, each wait on one, the marks
     timeline: list = field(default_factory=list)
+    # elixir_ray only: the pool's counts per timed step (engine_stats: fetches, prefetches, evictions,
+    # prefetch_lead, untraced_accesses; blocks_over_plan as it ended), to tell prefetched loads from
+    # loads made on demand
+    pool: dict = field(default_factory=dict)
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -212,6 +216,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             wopt.zero_grad()
             return loss
         step.plan = wrapped.plan
+        step.pool_counts = lambda: dict(wrapped.store.counts)
         step.settle = wrapped.store.settle_all  # waits for the background thread's CPU updates
         return step, params, wrapped.store.timer
 
@@ -247,7 +252,10 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     loss = None
     for _ in range(warmup):
         _, loss = _timed_step(step, batch, device)
+    counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     seconds, loss = _timed_window(step, batch, device, steps, timer)
+    pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
+            for k, v in step.pool_counts().items()} if counts_before else {}
     timeline = timeline_events(timer) if timer is not None else []
     tokens = shape.micro_batch * shape.seq_len
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -266,7 +274,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
-        timeline=timeline,
+        timeline=timeline, pool=pool,
     )
 
 
