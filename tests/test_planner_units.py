@@ -122,6 +122,10 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
     cpu = dict(parts, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
     assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
     assert overlapped_step(**cpu, dos_in=0.4, dos_out=0.3) == pytest.approx(0.6 + 0.25)
+    # the next forward's own loads go up the link beside the DOS copies in: together they exceed it
+    assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12, forward_loads=0.1) == pytest.approx(0.6 + 0.05)
+    # without DOS the forward's loads are in `h2d`, which the link term already holds
+    assert overlapped_step(**parts, forward_loads=0.3) == pytest.approx(0.6)
 
 
 def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks():

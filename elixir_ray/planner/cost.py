@@ -111,7 +111,7 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
 
 
 def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, updates_in_backward: bool,
-                    micro_steps: int = 1, dos_in=0.0, dos_out=0.0):
+                    micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
@@ -123,13 +123,15 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     way. Those start at `step()` and share the link with the loads and gradients, so they add to
     each direction's total, and what of them the next forward does not hide (their two streams
     move the two directions at once) adds to the step, as the CPU AdamW's remainder does: the
-    forward waits for whichever of the two is later.
+    forward waits for whichever of the two is later. forward_loads: the next forward's own loads
+    of host chunks (one each), which go up the link in that same window as the DOS copies in.
     """
     streams = np.maximum(compute + on_stream, np.maximum(h2d + dos_in, d2h + dos_out))
     last_backward = np.maximum(compute / micro_steps - forward, 0.0) if updates_in_backward else 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
     cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
-    dos_exposed = np.maximum(np.maximum(dos_in, dos_out) - forward, 0.0)
+    shared_in = dos_in + np.where(np.asarray(dos_in) > 0, forward_loads, 0.0)  # without DOS, `streams` has them
+    dos_exposed = np.maximum(np.maximum(shared_in, dos_out) - forward, 0.0)
     return streams + np.maximum(cpu_exposed, dos_exposed)
 
 

@@ -206,7 +206,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum()),
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
-        float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()))
+        float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
+        float((costs.load_host - costs.load_device)[host].sum()))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -417,6 +418,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     has_host = host.any(axis=1)
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
+    forward_loads = hostf @ (costs.load_host - costs.load_device)  # one load of each host chunk
     on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
@@ -431,7 +433,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         seconds = overlapped_step(parts.compute, parts.forward, on_stream + dosf @ costs.dos_update, h2d, d2h,
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                  dosf @ costs.dos_out)
+                                  dosf @ costs.dos_out, forward_loads)
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
