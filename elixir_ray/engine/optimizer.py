@@ -213,9 +213,10 @@ def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload
 
 
 def _adam(call: AdamCall, masters: list, grads: list, avgs: list, avg_sqs: list) -> None:
-    # one step tensor per tensor (fused Adam increments each in place); torch.full, not torch.tensor,
-    # so that on a GPU no blocking host-to-device copy stalls the training thread
-    steps = [torch.full((), float(call.step), dtype=torch.float32, device=masters[0].device) for _ in masters]
+    # one step tensor per tensor (fused Adam increments each in place): views of one, so that a GPU
+    # runs one fill for a chunk rather than one per parameter; torch.full, not torch.tensor, so
+    # that no blocking host-to-device copy stalls the training thread
+    steps = list(torch.full((len(masters),), float(call.step), dtype=torch.float32, device=masters[0].device).unbind())
     adam_functional(
         masters, grads, avgs, avg_sqs, [], steps, fused=True, amsgrad=False, beta1=call.beta1, beta2=call.beta2,
         lr=call.lr, weight_decay=call.weight_decay, eps=call.eps, maximize=False,
