@@ -103,6 +103,9 @@ class Chunk:
     upload: Optional[torch.Tensor] = field(default=None, repr=False)
     # fp32 [size] on the compute device: gradients collected during backward
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
+    # ids of the slots whose gradient is in `staging`: a first gradient is copied in, not added to
+    # zeros, and what no gradient wrote (padding, parameters without one) is zeroed at the reduction
+    staged: set = field(default_factory=set, repr=False)
     pending: int = 0  # gradient-bearing slots still to report in this backward
     reduced: bool = True  # already reduced in the backward under way
     # its CPU AdamW update, queued or running on the background thread
@@ -356,11 +359,31 @@ class ChunkStore:
     # -- gradients ------------------------------------------------------------------------------
 
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> Chunk:
+        """Into the chunk's fp32 staging buffer: copied (widened) at the slot's first gradient in it,
+        added after; one pass over the gradient's bytes instead of a zero fill and an add."""
         c = self.chunks[slot.chunk]
         if c.staging is None:
-            c.staging = torch.zeros(c.size, dtype=torch.float32, device=self.device)
-        c.staging[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+            c.staging = torch.empty(c.size, dtype=torch.float32, device=self.device)
+            c.staged = set()
+        part = c.staging[slot.offset: slot.offset + slot.numel]
+        if id(slot) in c.staged:
+            part.add_(grad.reshape(-1))
+        else:
+            part.copy_(grad.reshape(-1))
+            c.staged.add(id(slot))
         return c
+
+    def _zero_unstaged(self, c: Chunk, full: torch.Tensor) -> None:
+        """Zero what no gradient wrote in the staging buffer (padding, parameters without a gradient
+        in this backward): the reduction, the norm and the updates read the whole buffer."""
+        end = 0
+        for slot in sorted(c.slots, key=lambda s: s.offset):
+            if id(slot) in c.staged:
+                if slot.offset > end:
+                    full[end:slot.offset].zero_()
+                end = max(end, slot.offset + slot.numel)
+        if end < c.size:
+            full[end:].zero_()
 
     def reduce(self, c: Chunk) -> None:
         """Average the chunk's gradient over ranks and add this rank's part to its gradient shard."""
@@ -370,8 +393,12 @@ class ChunkStore:
 
     def _reduce(self, c: Chunk) -> None:
         self.settle(c)  # its gradient may still be read by last step's update
-        full = c.staging if c.staging is not None else torch.zeros(c.size, dtype=torch.float32, device=self.device)
-        c.staging = None
+        if c.staging is not None:
+            full = c.staging
+            self._zero_unstaged(c, full)
+        else:
+            full = torch.zeros(c.size, dtype=torch.float32, device=self.device)
+        c.staging, c.staged = None, set()
         where = self.state_device(c)
         if where.type == "cpu" and self.reduce_stream is not None:
             # off the compute stream, so backward goes on while the gradient crosses to the host
