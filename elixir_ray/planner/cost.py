@@ -8,6 +8,11 @@ It models what the engine does, and nothing it does not:
 - each chunk's gradient is reduced (reduce-scatter when sharded, all-reduce when replicated) and,
   for a host chunk, copied to the host, once per micro-step (in bf16 with bf16 compute and one
   micro-step per step: `host_grads_low_applies`);
+- the engine's own kernels move device memory beside the model's (`engine kernels`, costed at the
+  device AdamW's memory rate and put on the compute stream, whose memory-bound kernels they slow
+  wherever they run): each load of a device chunk casts its fp32 master into the block, and each
+  micro-step copies every gradient into its chunk's fp32 buffer (and casts a host chunk's to the
+  compute dtype before it goes down);
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
@@ -57,6 +62,10 @@ def host_state_bytes(elem_bytes: int, upload: bool, grad_bytes: int = 4) -> int:
 def load_bytes(elem_bytes: int, upload: bool) -> int:
     """Bytes per element a host chunk's load moves over PCIe: its upload copy, or the fp32 master."""
     return min(elem_bytes, 4) if upload else 4
+# bytes of device memory a device AdamW update moves per element (fp32 master, gradient and both
+# moments read, master and moments written): the profile's device AdamW rate times this is the
+# rate the engine's own memory-bound kernels are costed at
+DEVICE_ADAM_BYTES = 28
 DOS_COPY_IN = 12  # master and both moments go to the device, and the gradient (its bytes apart)
 DOS_COPY_OUT = 12  # master and both moments come back (and the upload copy, its bytes apart)
 
@@ -75,6 +84,10 @@ class ChunkCosts:
     dos_in: np.ndarray  # its copies to the device
     dos_out: np.ndarray  # its copies back
     dos_update: np.ndarray  # its update on the device
+    # the engine's own device kernels (beside the model's), at the device's memory rate:
+    fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
+    stage: np.ndarray  # per micro-step, every chunk: its gradients copied (widened) into the fp32 staging buffer
+    stage_host: np.ndarray  # per micro-step, a host chunk with low-precision gradients: the cast before the copy down
 
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
@@ -87,6 +100,7 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
     dos_in = shards * (DOS_COPY_IN + grad_bytes) / h2d
     dos_out = shards * (DOS_COPY_OUT + (elem_bytes if upload and elem_bytes < 4 else 0)) / d2h
     dos_update = shards / hw.device_adam_params_per_s
+    memory_rate = hw.device_adam_params_per_s * DEVICE_ADAM_BYTES
     return ChunkCosts(
         load_host=shards * load_bytes(elem_bytes, upload) / h2d + gather,
         load_device=gather,
@@ -95,6 +109,9 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         adam_host=shards / hw.cpu_adam_rate(low_grads=grad_bytes < 4),
         adam_device=shards / hw.device_adam_params_per_s,
         adam_dos=dos_in + dos_out + dos_update, dos_in=dos_in, dos_out=dos_out, dos_update=dos_update,
+        fill_device=shards * (4 + elem_bytes) / memory_rate,
+        stage=sizes * (elem_bytes + 4) / memory_rate,
+        stage_host=shards * ((4 + grad_bytes) if grad_bytes < 4 else 0) / memory_rate,
     )
 
 

@@ -191,6 +191,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     reduce_comm = float(costs.reduce_device.sum())
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
     micro_step, forward = micro_step_compute(lay.profile, hw)
+    engine_kernels = grad_accum * float((loads * costs.fill_device)[dev].sum() + costs.stage.sum()
+                                        + costs.stage_host[host].sum())
     time = {
         "compute": grad_accum * micro_step,
         "copies host->device": grad_accum * copies_in,
@@ -200,10 +202,12 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "CPU AdamW": float(costs.adam_host[plain_host].sum()),
         "device AdamW": float(costs.adam_device[dev].sum()),
         "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
+        "engine kernels": engine_kernels,
     }
     seconds = overlapped_step(
         time["compute"], forward,
-        time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum()),
+        time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
+        + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
@@ -375,14 +379,17 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
     compute = grad_accum * micro_step
     for n in pool_candidates(lay):
         loads = loads_at(lay, n)
-        host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host) + costs.adam_host
-        dev_cost = grad_accum * (loads * costs.load_device + costs.reduce_device) + costs.adam_device
+        host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host + costs.stage_host) + costs.adam_host
+        dev_cost = grad_accum * (loads * (costs.load_device + costs.fill_device) + costs.reduce_device) + costs.adam_device
         benefit = host_cost - dev_cost
         by_benefit = np.argsort(-(benefit / state_bytes), kind="stable")
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
                              grad_accum * (costs.reduce_host - costs.reduce_device),
-                             grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
-                             updates_in_backward, upload, grad_accum, grads_low)
+                             grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())
+                                           + float(costs.stage.sum())),
+                             updates_in_backward, upload, grad_accum, grads_low,
+                             device_fill=grad_accum * loads * costs.fill_device,
+                             host_cast=grad_accum * costs.stage_host)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
@@ -396,11 +403,13 @@ class _PrefixParts:
     forward: float
     h2d: np.ndarray  # per chunk, per step, when its state is on the host
     d2h: np.ndarray
-    collectives: float
+    collectives: float  # the fixed compute-stream work: collectives and the gradient staging copies
     updates_in_backward: bool
     upload: bool
     micro_steps: int
     grads_low: bool = False
+    device_fill: Optional[np.ndarray] = None  # per chunk, per step, when its state is on the device: the casts of its loads
+    host_cast: Optional[np.ndarray] = None  # per chunk, per step, when on the host: its gradients' casts before the copy down
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
@@ -419,7 +428,9 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
     forward_loads = hostf @ (costs.load_host - costs.load_device)  # one load of each host chunk
-    on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device
+    on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device  # collectives holds the staging copies
+    if parts.device_fill is not None:
+        on_stream = on_stream + device.astype(np.float64) @ parts.device_fill + hostf @ parts.host_cast
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
