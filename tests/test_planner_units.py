@@ -91,6 +91,24 @@ def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():
     assert HardwareProfile.from_json(contended.to_json()) == contended
 
 
+def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
+    """At the device AdamW's rate times its 28 bytes per element: a device chunk's fill casts its
+    fp32 master (4 + 2 bytes in bf16), every gradient is copied into an fp32 buffer (2 + 4), and a
+    host chunk's is cast back to bf16 before it goes down (4 + 2; nothing with fp32 gradients)."""
+    import numpy as np
+
+    from elixir_ray.planner.cost import chunk_costs
+
+    hw = HardwareProfile(device="cuda:0", h2d_gbps=50.0, d2h_gbps=50.0, cpu_adam_params_per_s=4e9,
+                         device_adam_params_per_s=1e9, matmul_tflops=500.0, cpu_threads=16)
+    sizes = np.array([2**20, 2**21])
+    low = chunk_costs(sizes, sizes, np.ones(2, dtype=bool), 1, 2, hw, grad_bytes=2)
+    assert np.allclose(low.fill_device, sizes * 6 / 28e9) and np.allclose(low.stage, sizes * 6 / 28e9)
+    assert np.allclose(low.stage_host, sizes * 6 / 28e9)
+    wide = chunk_costs(sizes, sizes, np.ones(2, dtype=bool), 1, 4, hw, grad_bytes=4)
+    assert np.allclose(wide.fill_device, sizes * 8 / 28e9) and np.allclose(wide.stage_host, 0.0)
+
+
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():
     from elixir_ray.planner.cost import overlapped_step
 
