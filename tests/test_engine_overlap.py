@@ -208,13 +208,7 @@ def test_the_next_chunk_is_prefetched_at_the_first_access_of_the_chunk_before_it
     runs = {}
     for depth in (0, 1):
         model, opt, data = _stack_engine(copy.deepcopy(base), depth)
-        losses = []
-        for _ in range(4):
-            loss = model(data)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = engine_run(model, opt, [data] * 4, 4, 1)
         runs[depth] = (losses, model.state_dict(), model.engine_stats())
     assert runs[0][0] == runs[1][0] and _max_diff(runs[0][1], runs[1][1]) == 0.0
     none, ahead = runs[0][2], runs[1][2]
