@@ -208,7 +208,10 @@ def test_the_next_chunk_is_prefetched_at_the_first_access_of_the_chunk_before_it
     runs = {}
     for depth in (0, 1):
         model, opt, data = _stack_engine(copy.deepcopy(base), depth)
-        losses = engine_run(model, opt, [data] * 4, 4, 1)
+        losses = []
+        for _ in range(4):
+            losses += engine_run(model, opt, [data], 1, 1)
+            model.store.settle_all()  # no prefetch put off by an update still running (the next test)
         runs[depth] = (losses, model.state_dict(), model.engine_stats())
     assert runs[0][0] == runs[1][0] and _max_diff(runs[0][1], runs[1][1]) == 0.0
     none, ahead = runs[0][2], runs[1][2]
@@ -226,11 +229,10 @@ def test_a_chunk_whose_cpu_update_is_still_running_is_not_prefetched_until_it_ha
         before = model.engine_stats()["prefetches"]
         model(data).backward()
         opt.step()  # host chunks' updates start on the background thread
+        model.store.settle_all()  # all finished: no prefetch waits for a real one by chance
         if step == 1:  # the next forward finds chunk 2's update still running for a while
-            chunk = model.store.chunks[2]
-            real = chunk.update
-            threading.Timer(0.3, lambda: (real is None or real.result(), delayed.set_result(None))).start()
-            chunk.update = delayed
+            threading.Timer(0.3, lambda: delayed.set_result(None)).start()
+            model.store.chunks[2].update = delayed
         opt.zero_grad()
         per_step.append(model.engine_stats()["prefetches"] - before)
     assert delayed.done()  # the forward that needed chunk 2 waited for its update
