@@ -377,7 +377,7 @@ class ChunkStore:
         """Zero what no gradient wrote in the staging buffer (padding, parameters without a gradient
         in this backward): the reduction, the norm and the updates read the whole buffer."""
         end = 0
-        for slot in sorted(c.slots, key=lambda s: s.offset):
+        for slot in c.slots:  # in offset order, as packed
             if id(slot) in c.staged:
                 if slot.offset > end:
                     full[end:slot.offset].zero_()
@@ -398,7 +398,7 @@ class ChunkStore:
             self._zero_unstaged(c, full)
         else:
             full = torch.zeros(c.size, dtype=torch.float32, device=self.device)
-        c.staging, c.staged = None, set()
+        c.staging = None  # `staged` is reset when the next buffer is made
         where = self.state_device(c)
         if where.type == "cpu" and self.reduce_stream is not None:
             # off the compute stream, so backward goes on while the gradient crosses to the host

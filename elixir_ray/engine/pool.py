@@ -9,8 +9,10 @@ needs more chunks at once than the trace did goes over n_blocks (warned once, co
 
 Prefetch: after serving an access, the pool loads the next `prefetch_depth` chunks the trace needs
 that this access does not (never past the end of the step: the next step's weights are not updated
-yet), evicting only a chunk whose next use comes later than the prefetched chunk's, so prefetching
-never costs a load the plain Belady pool would not make. Chunks, not accesses: a chunk holds
+yet), evicting only a chunk whose next use comes later than the prefetched chunk's. It does not evict
+the two chunks used last either (an autograd node may unpack parameters of both), so where Belady
+would have evicted one of them instead (a tied embedding, used at both ends of the forward) a
+prefetch can cost a load the plain pool would not make. Chunks, not accesses: a chunk holds
 several modules, and the next chunk's load is issued at the first access of the chunk before it,
 so on CUDA the copy (on a side stream, which first waits for the compute queued so far) overlaps
 that whole chunk's compute; one access ahead, it overlapped one module's and mostly waited. On a

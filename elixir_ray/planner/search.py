@@ -384,12 +384,11 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
         benefit = host_cost - dev_cost
         by_benefit = np.argsort(-(benefit / state_bytes), kind="stable")
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
-                             grad_accum * (costs.reduce_host - costs.reduce_device),
+                             grad_accum * (costs.reduce_host - costs.reduce_device), grad_accum * costs.stage_host,
+                             grad_accum * loads * costs.fill_device,
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())
                                            + float(costs.stage.sum())),
-                             updates_in_backward, upload, grad_accum, grads_low,
-                             device_fill=grad_accum * loads * costs.fill_device,
-                             host_cast=grad_accum * costs.stage_host)
+                             updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
                              limit, host_budget, best, smallest)
@@ -403,13 +402,13 @@ class _PrefixParts:
     forward: float
     h2d: np.ndarray  # per chunk, per step, when its state is on the host
     d2h: np.ndarray
+    host_cast: np.ndarray  # per chunk, per step, when on the host: its gradients' casts before the copy down
+    device_fill: np.ndarray  # per chunk, per step, when its state is on the device: the casts of its loads
     collectives: float  # the fixed compute-stream work: collectives and the gradient staging copies
     updates_in_backward: bool
     upload: bool
     micro_steps: int
     grads_low: bool = False
-    device_fill: Optional[np.ndarray] = None  # per chunk, per step, when its state is on the device: the casts of its loads
-    host_cast: Optional[np.ndarray] = None  # per chunk, per step, when on the host: its gradients' casts before the copy down
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
@@ -428,9 +427,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
     forward_loads = hostf @ (costs.load_host - costs.load_device)  # one load of each host chunk
-    on_stream = parts.collectives + device.astype(np.float64) @ costs.adam_device  # collectives holds the staging copies
-    if parts.device_fill is not None:
-        on_stream = on_stream + device.astype(np.float64) @ parts.device_fill + hostf @ parts.host_cast
+    on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_fill)
+                 + hostf @ parts.host_cast)
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
