@@ -1,6 +1,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,7 +118,10 @@ def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_th
     at_step = overlapped_step(**parts, updates_in_backward=False)
     assert in_backward == pytest.approx(0.6 + 0.01)  # 0.45 s of backward and 0.15 s of forward hide it
     assert at_step == pytest.approx(0.6 + (0.5 - 0.15))  # only the next forward hides it
-    assert overlapped_step(**{**parts, "h2d": 0.9}, updates_in_backward=True) == pytest.approx(0.9 + 0.01)
+    # bound by the link: 0.9 s of loads, a third of them the forward's (0.15 s of it waited for
+    # beyond the forward's compute), the rest beside the 0.45 s of recompute and backward
+    assert overlapped_step(**{**parts, "h2d": 0.9}, updates_in_backward=True, forward_loads=0.3) \
+        == pytest.approx(0.15 + 0.15 + 0.6)
     assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=False) == pytest.approx(0.6)
     # with 3 micro-steps only the last one's backward (0.2 - 0.15 = 0.05 s) hides updates started in it
     three = dict(parts, compute=0.6, forward=0.15)
@@ -134,16 +138,40 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
                  updates_in_backward=True)
     assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
     assert overlapped_step(**parts, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
-    # the link: 0.45 s of loads and 0.3 s of DOS copies in one direction exceed the compute
-    assert overlapped_step(**{**parts, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75 + 0.15)
+    # the link: 0.45 s of backward's loads and 0.3 s of DOS copies in one direction exceed the
+    # compute; the step is the link's 0.75 s, the DOS copies counted once (in the forward's wait)
+    assert overlapped_step(**{**parts, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
     # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
     cpu = dict(parts, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
     assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
     assert overlapped_step(**cpu, dos_in=0.4, dos_out=0.3) == pytest.approx(0.6 + 0.25)
     # the next forward's own loads go up the link beside the DOS copies in: together they exceed it
     assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12, forward_loads=0.1) == pytest.approx(0.6 + 0.05)
-    # without DOS the forward's loads are in `h2d`, which the link term already holds
-    assert overlapped_step(**parts, forward_loads=0.3) == pytest.approx(0.6)
+    # without DOS, loads shorter than the forward are hidden by it; longer ones are waited for
+    assert overlapped_step(**parts, forward_loads=0.1) == pytest.approx(0.6)
+    assert overlapped_step(**{**parts, "h2d": 0.3}, forward_loads=0.2) == pytest.approx(0.6 + 0.05)
+
+
+def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
+    """The forward and the rest of the step each last as long as their longest stream; so the
+    step is never shorter than the compute, than either direction's copies, or than the parts of
+    one phase, and never longer than every part one after another."""
+    from elixir_ray.planner.cost import overlapped_step
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        compute, h2d, d2h, cpu, dos_in, dos_out, on_stream = rng.uniform(0.0, 1.0, 7)
+        forward = compute * rng.uniform(0.1, 0.5)
+        forward_loads = h2d * rng.uniform(0.0, 1.0)
+        micro = int(rng.integers(1, 4))
+        kw = dict(compute=compute, forward=forward, on_stream=on_stream, h2d=h2d, d2h=d2h, cpu_adam=cpu,
+                  cpu_first=cpu * 0.1, micro_steps=micro, dos_in=dos_in, dos_out=dos_out,
+                  forward_loads=forward_loads)
+        for in_backward in (False, True):
+            step = float(overlapped_step(**kw, updates_in_backward=in_backward))
+            assert step >= max(compute + on_stream, h2d + dos_in, d2h + dos_out, forward_loads + dos_in) - 1e-12
+            assert step <= compute + on_stream + h2d + d2h + cpu + dos_in + dos_out + 1e-12
+        assert overlapped_step(**kw, updates_in_backward=True) <= overlapped_step(**kw, updates_in_backward=False)
 
 
 def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks():

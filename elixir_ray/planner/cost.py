@@ -18,11 +18,11 @@ It models what the engine does, and nothing it does not:
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
 and gradient copies to the host on another, both beside the compute stream; Deep Optimizer States
 updates run on streams of their own from `step()` until the next forward needs each chunk, so
-their copies share the link with the loads and gradients (each direction's bytes add up) and only
-their device update joins the compute stream; the CPU AdamW runs on a background thread from the
-end of backward (or from the last backward's first final gradient, when updates may start in
-backward) until the next forward needs each chunk. The predicted step is the critical path, not
-the sum.
+their copies share the link with the next forward's loads and only their device update joins the
+compute stream; the CPU AdamW runs on a background thread from the end of backward (or from the
+last backward's first final gradient, when updates may start in backward) until the next forward
+needs each chunk. The predicted step is the critical path of its two phases, the forward and the
+rest, not the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
 measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step). Collectives are assumed to run at the host-to-device rate unless the profile says
@@ -134,22 +134,30 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
     micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
-    Deep Optimizer States); h2d, d2h: the side streams' copies (loads, gradients); cpu_adam: the
-    background thread's CPU AdamW; cpu_first: the CPU update of the first host chunk the next
-    forward needs, which nothing can hide; dos_in, dos_out: the Deep Optimizer States copies each
-    way. Those start at `step()` and share the link with the loads and gradients, so they add to
-    each direction's total, and what of them the next forward does not hide (their two streams
-    move the two directions at once) adds to the step, as the CPU AdamW's remainder does: the
-    forward waits for whichever of the two is later. forward_loads: the next forward's own loads
-    of host chunks (one each), which go up the link in that same window as the DOS copies in.
+    Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
+    gradients); cpu_adam: the background thread's CPU AdamW; cpu_first: the CPU update of the first
+    host chunk the next forward needs, which nothing can hide; dos_in, dos_out: the Deep Optimizer
+    States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
+    a part of `h2d`.
+
+    A step is two phases, because nothing crosses `step()` but the updates: the forward, which
+    the host chunks' updates must reach (the pool is cold after a step, and a host chunk is loaded
+    only once its update is done), and the rest (recomputation, backward, the other micro-steps),
+    whose loads and gradient copies overlap its compute on the side streams. In the forward the
+    link carries the forward's loads and the DOS copies started at `step()` (their two streams move
+    the two directions at once); the forward waits for whichever is later, the link or the CPU
+    AdamW's remainder. Each phase lasts as long as its longest stream, so a step bound by the link
+    in its backward is not charged again for the DOS copies the forward already waited for.
     """
-    streams = np.maximum(compute + on_stream, np.maximum(h2d + dos_in, d2h + dos_out))
-    last_backward = np.maximum(compute / micro_steps - forward, 0.0) if updates_in_backward else 0.0
+    rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
+    if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
+        last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
+    else:
+        last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
     cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
-    shared_in = dos_in + np.where(np.asarray(dos_in) > 0, forward_loads, 0.0)  # without DOS, `streams` has them
-    dos_exposed = np.maximum(np.maximum(shared_in, dos_out) - forward, 0.0)
-    return streams + np.maximum(cpu_exposed, dos_exposed)
+    link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
+    return forward + np.maximum(cpu_exposed, link_exposed) + rest
 
 
 def dos_mask(host: np.ndarray, gap: int) -> np.ndarray:
