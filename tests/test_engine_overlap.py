@@ -62,6 +62,47 @@ def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
     assert torch.equal(model.state_dict()["unused.weight"], base.state_dict()["unused.weight"])
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_deep_optimizer_states_start_in_the_last_backward_a_tile_at_a_time_and_match_torch(monkeypatch, accum):
+    """Where updates may start in backward, a Deep Optimizer States chunk's starts there too, once its
+    gradient is final, and goes through the buffers a tile at a time: here tiles of 24 elements,
+    which cut through the DOS chunks' parameters (32 and 64 elements) and across two of them in
+    one. The result is still torch's."""
+    from elixir_ray.engine import optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "DOS_TILE", 24)
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(STEPS * accum, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, accum, None)
+    model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=accum, dos_gap=2)
+    dos = sorted(opt.dos_chunks)
+    tiles: dict[int, list] = {}
+    tile_update = opt._update_dos_tile
+
+    def record_tile(c, calls, factor, buf, lo, hi):
+        assert buf.shape == (4, 24)
+        tiles.setdefault(c.index, []).append((lo, hi))
+        tile_update(c, calls, factor, buf, lo, hi)
+
+    monkeypatch.setattr(opt, "_update_dos_tile", record_tile)
+    started, step = [], opt.step
+
+    def counting_step(*args, **kwargs):  # DOS chunks with a gradient, and those whose update began in the backward
+        chunks = [model.store.chunks[i] for i in dos]
+        started.append((sum(1 for c in chunks if c.grad is not None), sum(1 for c in chunks if c.updated)))
+        return step(*args, **kwargs)
+
+    opt.step = counting_step
+    losses = engine_run(model, opt, data, STEPS, accum)
+    assert len(started) == STEPS and all(n > 0 and began == n for n, began in started)
+    assert opt._dos_lanes is None  # dropped at each step's end, made again by the next step's first
+    assert len(tiles) == started[0][0]
+    assert sorted(set(tiles[1])) == [(0, 24), (24, 48), (48, 72)]  # parameters of 32 at 0 and 32: the second tile has parts of both
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
 def test_updates_really_start_before_step():
     torch.manual_seed(0)
     model, opt = _engine(Toy(), 8, accumulation_steps=2)

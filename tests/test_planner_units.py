@@ -128,28 +128,37 @@ def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_th
     assert overlapped_step(**three, updates_in_backward=True, micro_steps=3) == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))
 
 
-def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forward_only():
-    """DOS updates start at step() on their own streams: their copies add to each direction's
-    bytes on the link, the next forward hides up to its length of them (both directions at once),
-    and what it does not hide runs beside the CPU AdamW's remainder, not after it."""
+def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forward_and_idle_backward_link():
+    """DOS updates started at step() run on their own streams: the next forward hides up to its
+    length of their copies (both directions at once), and what it does not hide runs beside the CPU
+    AdamW's remainder, not after it. Started in the last backward, they first take the link's time
+    that backward's own copies leave idle."""
     from elixir_ray.planner.cost import overlapped_step
 
-    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
-                 updates_in_backward=True)
-    assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
-    assert overlapped_step(**parts, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0)
+    at_step = dict(parts, updates_in_backward=False)
+    assert overlapped_step(**at_step, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
+    assert overlapped_step(**at_step, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
     # the link: 0.45 s of backward's loads and 0.3 s of DOS copies in one direction exceed the
     # compute; the step is the link's 0.75 s, the DOS copies counted once (in the forward's wait)
-    assert overlapped_step(**{**parts, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
-    # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
-    cpu = dict(parts, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
-    assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
-    assert overlapped_step(**cpu, dos_in=0.4, dos_out=0.3) == pytest.approx(0.6 + 0.25)
+    assert overlapped_step(**{**at_step, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
     # the next forward's own loads go up the link beside the DOS copies in: together they exceed it
-    assert overlapped_step(**parts, dos_in=0.1, dos_out=0.12, forward_loads=0.1) == pytest.approx(0.6 + 0.05)
+    assert overlapped_step(**at_step, dos_in=0.1, dos_out=0.12, forward_loads=0.1) == pytest.approx(0.6 + 0.05)
     # without DOS, loads shorter than the forward are hidden by it; longer ones are waited for
-    assert overlapped_step(**parts, forward_loads=0.1) == pytest.approx(0.6)
-    assert overlapped_step(**{**parts, "h2d": 0.3}, forward_loads=0.2) == pytest.approx(0.6 + 0.05)
+    assert overlapped_step(**at_step, forward_loads=0.1) == pytest.approx(0.6)
+    assert overlapped_step(**{**at_step, "h2d": 0.3}, forward_loads=0.2) == pytest.approx(0.6 + 0.05)
+
+    in_backward = dict(parts, updates_in_backward=True)
+    # backward (0.45 s) leaves the link idle for 0.25 s going up and 0.35 s coming down: 0.05 s of
+    # the copies in are left for the forward, which hides them
+    assert overlapped_step(**in_backward, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6)
+    assert overlapped_step(**in_backward, dos_in=0.55, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
+    # a backward bound by its own loads leaves no idle link: as from step()
+    assert overlapped_step(**{**in_backward, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
+    # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
+    cpu = dict(in_backward, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
+    assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
+    assert overlapped_step(**cpu, dos_in=0.7, dos_out=0.3) == pytest.approx(0.6 + 0.3)
 
 
 def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
@@ -280,11 +289,12 @@ def test_memory_samples_cover_the_whole_activation_peak(checkpointing):
 def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
     """The search sums the peaks of every prefix of a ranking at once (running sums); each must be the
     peak `evaluate` gives that placement alone, part by part. The timeline peak never exceeds the
-    sum of the separate peaks it replaced, and never falls below the activation peak."""
+    sum of the separate peaks it replaced (with the DOS buffers, held at every moment), and never
+    falls below the activation peak."""
     import numpy as np
 
     from elixir_ray.planner.cost import STATE_BYTES
-    from elixir_ray.planner.search import MAX_REDUCTIONS_IN_FLIGHT, _memory_rows
+    from elixir_ray.planner.search import MAX_REDUCTIONS_IN_FLIGHT, _dos_buffer_bytes, _memory_rows
 
     profile, lay = _gpt_layout(True, chunk_size=2048)
     rng = np.random.default_rng(seed)
@@ -303,7 +313,8 @@ def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
         device_state = STATE_BYTES * float(lay.shards[prefixes[k]].sum())
         in_flight = MAX_REDUCTIONS_IN_FLIGHT if k < n_chunks else 0
         summed = (3 * size * 2 + device_state + profile.trace.activation_peak_bytes
-                  + (lay.open_grads + in_flight) * size * 4 + in_flight * size * 2 + 4 * size + STATE_BYTES * size)
+                  + (lay.open_grads + in_flight) * size * 4 + in_flight * size * 2 + 4 * size + STATE_BYTES * size
+                  + _dos_buffer_bytes(lay, args[2], k < n_chunks))
         assert profile.trace.activation_peak_bytes <= peak <= summed
 
 

@@ -37,8 +37,13 @@ from elixir_ray.engine.timing import StepTimer
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
 # Deep Optimizer States buffers (each with its stream on CUDA) in use at once: two, so that one
-# chunk's state comes back while the next one's goes up; the planner budgets this many
+# tile's state comes back while the next one's goes up; the planner budgets this many
 DOS_BUFFERS = 2
+# elements of a host chunk's shard each Deep Optimizer States buffer holds: a chunk goes up, is
+# updated and comes back a tile at a time, so the buffers are small enough to hold through the
+# backward (where updates may start) at 16 bytes an element: 256 MiB for the two, where whole
+# chunks of gpt-4b took 5 GiB; a tile's copies (96 MB each way) still take milliseconds
+DOS_TILE = 1 << 23
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -117,8 +122,9 @@ class Chunk:
     # CUDA, host chunks: the last copy out of its host master or upload copy has finished (a fetch
     # after its gradient was reduced is ordered after nothing the update waits for otherwise)
     host_read: Optional[torch.cuda.Event] = field(default=None, repr=False)
-    # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have landed
-    landed: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have
+    # landed: one event per stream its tiles went through
+    landed: Optional[tuple] = field(default=None, repr=False)
     # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
     # storage costs microseconds and the hooks ask for every op in forward
     resident: bool = False
@@ -223,8 +229,9 @@ class ChunkStore:
         the copies back of a device update of its host state."""
         self._finish_update(c)
         if c.landed is not None:
-            event, c.landed = c.landed, None
-            event.synchronize()
+            events, c.landed = c.landed, None
+            for event in events:
+                event.synchronize()
 
     def settle_all(self) -> None:
         """Every chunk's state final and every device copy landed: before reading or writing state wholesale."""
@@ -267,7 +274,8 @@ class ChunkStore:
         made to wait for on the device: the training thread goes on queueing work meanwhile."""
         self._finish_update(c)
         if c.landed is not None:  # only ever set on CUDA, where there is a stream to make wait
-            stream.wait_event(c.landed)  # kept for the host readers, who settle on it
+            for event in c.landed:  # kept for the host readers, who settle on them
+                stream.wait_event(event)
 
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""

@@ -5,9 +5,9 @@ schedule that edits them works), and the update is torch's own Adam functional: 
 device for device chunks. Host chunks are updated on a background thread (host_updates.py), so
 that it overlaps what the training thread does next, by a one-pass C kernel that also writes the
 upload copy (host_kernel.py; torch's fused CPU Adam where it cannot be built). With Deep Optimizer
-States (`dos_gap=k`), every k-th host chunk is instead copied to the compute device, updated there
-and copied back, on side streams of their own (`_update_dos`), while the background thread updates
-the others.
+States (`dos_gap=k`), every k-th host chunk is instead copied to the compute device a tile at a
+time, updated there and copied back, on side streams of their own (`_update_dos`), while the
+background thread updates the others.
 
 When the update of a chunk starts:
 - at `step()`, in chunk order (the order the next forward needs them), for every chunk by default;
@@ -29,13 +29,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from elixir_ray.engine.chunks import DOS_BUFFERS, Chunk, ChunkStore, ParamSlot
+from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, Chunk, ChunkStore, ParamSlot
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from elixir_ray.engine.pool import ChunkPool
@@ -183,6 +183,17 @@ def _check_grad_factor(master, grad, grad_factor: float) -> None:
         raise ValueError("grad_factor is for low-precision gradients; scale an fp32 gradient in place")
 
 
+def _tile_calls(calls: list[AdamCall], lo: int, hi: int) -> list[AdamCall]:
+    """The calls' segments within [lo, hi) of a shard, shifted to start at 0: one tile's update
+    (Adam is elementwise, so a tile at a time updates exactly as the whole shard at once)."""
+    out = []
+    for call in calls:
+        segs = tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in call.segments if a < hi and b > lo)
+        if segs:
+            out.append(replace(call, segments=segs))
+    return out
+
+
 def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload: Optional[torch.Tensor] = None,
                 grad_factor: float = 1.0, scratch: Optional[TileScratch] = None,
                 kernel: Union[HostAdamKernel, None, str] = "auto") -> None:
@@ -308,6 +319,10 @@ class ChunkedAdam(torch.optim.Optimizer):
         # to fp32 (multiplying them in place would round them a second time); fp32 ones are scaled in place
         self._low_grad_factor = 1.0
         self._scratch = TileScratch()  # for the background thread's updates from low-precision gradients
+        # this step's Deep Optimizer States buffers, each with its stream: made by the step's first DOS
+        # update (in backward, or at step()), dropped once step() has queued the last (`_dos_lane_buffers`)
+        self._dos_lanes: Optional[list] = None
+        self._dos_turn = 0  # tiles queued this step: the next goes to lane _dos_turn % DOS_BUFFERS
         # the one-pass C kernel for host chunks, or None for torch's passes (ELIXIR_RAY_HOST_KERNEL=torch,
         # or no compiler here); settable, for a test that compares with torch's arithmetic exactly
         self.host_kernel: Optional[HostAdamKernel] = host_adam_kernel()
@@ -416,11 +431,14 @@ class ChunkedAdam(torch.optim.Optimizer):
         """The chunk's gradient for this backward is complete on this rank: start its update if allowed."""
         if not (self.updates_in_backward and self.backwards == self.accumulation_steps):
             return
-        if c.updated or c.grad is None or c.index in self.dos_chunks:  # DOS chunks run on the device at step()
+        if c.updated or c.grad is None:
             return
         if self._started_with is None:
             self._started_with = self._hyper_parameters()
-        self._start(c)
+        work = self._start(c)
+        if work is not None:  # a Deep Optimizer States chunk: its copies use the link while backward runs
+            with self.store.timer.region("device_adam"):
+                self._update_dos([work])
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -497,6 +515,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self._low_grad_factor = 1.0
                 for c in self.store.chunks:
                     c.updated = False
+                self._dos_lanes = None  # freed once their streams are done with them (record_stream)
+                self._dos_turn = 0
                 self.pool.reset()  # compute copies are stale now
 
     def _step(self) -> None:
@@ -579,7 +599,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def _start(self, c: Chunk):
         """Start the chunk's update: on the background thread (host chunks) or on this one (device
         chunks). A Deep Optimizer States chunk is returned as (chunk, calls, gradient factor) for
-        `_update_dos`, which queues all of this step's at once."""
+        `_update_dos`."""
         c.updated = True
         self.store.settle(c)
         calls = self._calls(c)
@@ -608,71 +628,92 @@ class ChunkedAdam(torch.optim.Optimizer):
             run_adam(calls, c.master, c.grad, c.exp_avg, c.exp_avg_sq)
         return None
 
-    def _update_dos(self, work: list) -> None:
-        """Deep Optimizer States: these host chunks' updates run on the compute device, through at
-        most DOS_BUFFERS buffers of 16 bytes per element of the largest chunk (fp32 master, both
-        moments and gradient: what the planner budgets), taken in turn.
-
-        On CUDA each buffer has a stream of its own (`ChunkStore.dos_streams`), so that one chunk's
-        state comes back while the next one's goes up (a stream runs its copies one after another),
-        and the copies (12 bytes per element each way, plus the gradient) overlap the next forward
-        instead of holding up the compute stream (on the H100 they took 0.2 s of a 1.2 s step
-        there). The buffers are allocated on the compute stream, so that their blocks return to
-        that stream's pool, and recorded on their DOS stream, so that they are not handed out again
-        before it has finished with them. Each chunk's `landed` event tells its next readers when
-        its state is back: a fetch makes its stream wait for it, a host reader (`settle`) waits
-        for it on the host. A gradient in the compute dtype lands in the exp_avg row before the
-        moment does, and the master's cast for the upload copy goes out through the gradient row
-        once the update has used it: no fifth buffer.
-        """
-        store = self.store
-        dev = store.device
-        n = max(c.shard_len for c, _, _ in work)
-        streams = (store.dos_streams or [None] * DOS_BUFFERS)[:len(work)]
-        lanes = [(torch.empty(4, n, dtype=torch.float32, device=dev), stream)  # master, exp_avg, exp_avg_sq, gradient
-                 for stream in streams]
-        for buf, stream in lanes:
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(dev))  # the buffers' earlier users are done
-                buf.record_stream(stream)  # now, so that an error below cannot free it under queued copies
-        for i, (c, calls, factor) in enumerate(work):
-            buf, stream = lanes[i % len(lanes)]
-            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), \
-                    self._landed_after(c, stream):
-                k = c.shard_len
-                master, m, v, grad = (buf[j, :k] for j in range(4))
+    def _dos_lane_buffers(self) -> list:
+        """This step's DOS_BUFFERS buffers of 16 bytes per element of a tile (fp32 master, both
+        moments and gradient: what the planner budgets, through backward and the next forward),
+        each with its stream on CUDA. They are allocated on the compute stream, so that their
+        blocks return to that stream's pool, and recorded on their DOS stream, so that they are not
+        handed out again before it has finished with them; that stream first waits for the compute
+        queued so far (the blocks' earlier users)."""
+        if self._dos_lanes is None:
+            store = self.store
+            width = min(DOS_TILE, max(store.chunks[i].shard_len for i in self.dos_chunks))
+            lanes = []
+            for stream in store.dos_streams or [None] * DOS_BUFFERS:
+                buf = torch.empty(4, width, dtype=torch.float32, device=store.device)
                 if stream is not None:
-                    for event in (c.grad_ready, c.host_read):  # the gradient is down; no fetch still reads
-                        if event is not None:
-                            stream.wait_event(event)
-                if c.grad.dtype == torch.float32:
-                    grad.copy_(c.grad, non_blocking=True)
-                else:
-                    low = buf[1].view(c.grad.dtype)[:k]
-                    low.copy_(c.grad, non_blocking=True)
-                    grad.copy_(low)  # widened on the device: half the bytes cross
-                if factor != 1.0:  # clipping of a low-precision gradient
-                    grad.mul_(factor)
-                master.copy_(c.master, non_blocking=True)
-                m.copy_(c.exp_avg, non_blocking=True)
-                v.copy_(c.exp_avg_sq, non_blocking=True)
-                run_adam(calls, master, grad, m, v)
-                c.master.copy_(master, non_blocking=True)
-                c.exp_avg.copy_(m, non_blocking=True)
-                c.exp_avg_sq.copy_(v, non_blocking=True)
-                if c.upload is not None:
-                    cast = buf[3].view(c.upload.dtype)[:k]
-                    cast.copy_(master)  # on the device: half the bytes cross
-                    c.upload.copy_(cast, non_blocking=True)
+                    stream.wait_stream(torch.cuda.current_stream(store.device))
+                    buf.record_stream(stream)  # now, so that an error below cannot free it under queued copies
+                lanes.append((buf, stream))
+            self._dos_lanes = lanes
+        return self._dos_lanes
+
+    def _update_dos(self, work: list) -> None:
+        """Deep Optimizer States: these host chunks' updates run on the compute device, a tile at a
+        time (`DOS_TILE`), through the step's buffers in turn (`_dos_lane_buffers`).
+
+        On CUDA each buffer has a stream of its own (`ChunkStore.dos_streams`), so that one tile's
+        state comes back while the next one's goes up (a stream runs its copies one after another),
+        and the copies (12 bytes per element each way, plus the gradient) overlap compute instead
+        of holding up the compute stream (on the H100 they took 0.2 s of a 1.2 s step there). A
+        chunk's update starts when its gradient is final in the last backward, where the CPU
+        updates may start there (`gradient_final`), else at `step()`; either way it overlaps the
+        next forward too. Each chunk's `landed` events (one per stream its tiles took) tell its
+        next readers when its state is back: a fetch makes its stream wait for them, a host reader
+        (`settle`) waits for them on the host. A gradient in the compute dtype lands in the exp_avg
+        row before the moment does, and the master's cast for the upload copy goes out through the
+        gradient row once the update has used it: no fifth buffer.
+        """
+        for c, calls, factor in work:
+            self._update_dos_chunk(c, calls, factor, self._dos_lane_buffers())
+
+    def _update_dos_chunk(self, c: Chunk, calls: list, factor: float, lanes: list) -> None:
+        width = lanes[0][0].shape[1]
+        waited = []  # the streams this chunk's tiles were queued on
+        try:
+            for lo in range(0, c.shard_len, width):
+                hi = min(lo + width, c.shard_len)
+                tile_calls = _tile_calls(calls, lo, hi)
+                if not tile_calls:  # no parameter here has a gradient: its state and upload copy stay
+                    continue
+                buf, stream = lanes[self._dos_turn % len(lanes)]
+                self._dos_turn += 1
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if stream is not None and stream not in waited:
+                        waited.append(stream)
+                        for event in (c.grad_ready, c.host_read):  # the gradient is down; no fetch still reads
+                            if event is not None:
+                                stream.wait_event(event)
+                    self._update_dos_tile(c, tile_calls, factor, buf, lo, hi)
+        finally:  # even when it raised partway: a copy already queued must still be waited for by readers
+            if waited:
+                events = []
+                for stream in waited:
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(stream)
+                    events.append(event)
+                c.landed = tuple(events)
 
     @staticmethod
-    @contextlib.contextmanager
-    def _landed_after(c: Chunk, stream):
-        """Record the chunk's `landed` event on `stream` after what the block queued there, even when
-        it raised partway: a copy already queued must still be waited for by the chunk's readers."""
-        try:
-            yield
-        finally:
-            if stream is not None:
-                c.landed = torch.cuda.Event(blocking=True)
-                c.landed.record(stream)
+    def _update_dos_tile(c: Chunk, calls: list, factor: float, buf: torch.Tensor, lo: int, hi: int) -> None:
+        k = hi - lo
+        master, m, v, grad = (buf[j, :k] for j in range(4))
+        if c.grad.dtype == torch.float32:
+            grad.copy_(c.grad[lo:hi], non_blocking=True)
+        else:
+            low = buf[1].view(c.grad.dtype)[:k]
+            low.copy_(c.grad[lo:hi], non_blocking=True)
+            grad.copy_(low)  # widened on the device: half the bytes cross
+        if factor != 1.0:  # clipping of a low-precision gradient
+            grad.mul_(factor)
+        master.copy_(c.master[lo:hi], non_blocking=True)
+        m.copy_(c.exp_avg[lo:hi], non_blocking=True)
+        v.copy_(c.exp_avg_sq[lo:hi], non_blocking=True)
+        run_adam(calls, master, grad, m, v)
+        c.master[lo:hi].copy_(master, non_blocking=True)
+        c.exp_avg[lo:hi].copy_(m, non_blocking=True)
+        c.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
+        if c.upload is not None:
+            cast = buf[3].view(c.upload.dtype)[:k]
+            cast.copy_(master)  # on the device: half the bytes cross
+            c.upload[lo:hi].copy_(cast, non_blocking=True)

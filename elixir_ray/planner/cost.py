@@ -17,11 +17,11 @@ It models what the engine does, and nothing it does not:
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
 and gradient copies to the host on another, both beside the compute stream; Deep Optimizer States
-updates run on streams of their own from `step()` until the next forward needs each chunk, so
-their copies share the link with the next forward's loads and only their device update joins the
-compute stream; the CPU AdamW runs on a background thread from the end of backward (or from the
-last backward's first final gradient, when updates may start in backward) until the next forward
-needs each chunk. The predicted step is the critical path of its two phases, the forward and the
+updates run on streams of their own, and the CPU AdamW on a background thread, from `step()` (or
+from each chunk's final gradient in the last backward, when updates may start in backward) until
+the next forward needs each chunk: the DOS copies take the link's time that backward's copies
+leave idle, then share it with the next forward's loads, and only their device update joins the
+compute stream. The predicted step is the critical path of its two phases, the forward and the
 rest, not the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
@@ -143,15 +143,18 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     A step is two phases, because nothing crosses `step()` but the updates: the forward, which
     the host chunks' updates must reach (the pool is cold after a step, and a host chunk is loaded
     only once its update is done), and the rest (recomputation, backward, the other micro-steps),
-    whose loads and gradient copies overlap its compute on the side streams. In the forward the
-    link carries the forward's loads and the DOS copies started at `step()` (their two streams move
-    the two directions at once); the forward waits for whichever is later, the link or the CPU
-    AdamW's remainder. Each phase lasts as long as its longest stream, so a step bound by the link
-    in its backward is not charged again for the DOS copies the forward already waited for.
+    whose loads and gradient copies overlap its compute on the side streams. Each phase lasts as
+    long as its longest stream. The updates (CPU AdamW, and the DOS chunks' copies, their two
+    streams moving the two directions at once) start at `step()`, or with `updates_in_backward` in
+    the last backward, where the DOS copies take the link's time that backward's own copies leave
+    idle. What is left goes on in the forward: its loads and the DOS copies share the link there,
+    and the forward waits for whichever is later, the link or the CPU AdamW's remainder.
     """
     rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
+        dos_in = np.maximum(dos_in - np.maximum(last_backward - (h2d - forward_loads) / micro_steps, 0.0), 0.0)
+        dos_out = np.maximum(dos_out - np.maximum(last_backward - d2h / micro_steps, 0.0), 0.0)
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import DOS_BUFFERS, MAX_REDUCTIONS_IN_FLIGHT
+from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
@@ -66,9 +66,6 @@ class Layout:
     # per memory sample and chunk: its gradient handed on by the end of the sample's interval (a
     # device chunk's gradient then holds that buffer until the step's zero_grad)
     event_handed: Optional[np.ndarray] = None
-    # how many of the first memory samples are the forward's (Deep Optimizer States buffers from
-    # the step before may still be held then)
-    forward_samples: int = 0
 
 
 @dataclass
@@ -142,11 +139,8 @@ def backward_timeline(trace, moments: list[tuple[int, int]], handed_at: dict[int
     handed = np.full(n_chunks, np.iinfo(np.int64).max, dtype=np.int64)
     for c, m in handed_at.items():
         handed[c] = m
-    forward = 0
-    while forward < len(trace.phases) and trace.phases[forward] == "forward":
-        forward += 1  # one sample per event, and none for a gradient before backward
     return {"event_activations": np.array([high for high, _ in samples], dtype=np.int64), "event_buffers": buffers,
-            "event_flying": flying, "event_handed": handed[None, :] <= ends[:, None], "forward_samples": forward}
+            "event_flying": flying, "event_handed": handed[None, :] <= ends[:, None]}
 
 
 def pool_candidates(layout: Layout) -> list[int]:
@@ -240,8 +234,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     (chunks collecting gradients, reductions in flight, each a whole fp32 chunk), a fetch's
     conversion buffer, and, where gradients are `freed` (`gradients_freed`), the gradients of
     the device chunks handed on by then. The optimizer step holds every device gradient and the
-    Deep Optimizer States buffers instead, and those buffers may still be held through the next
-    forward (its moments are the trace's first `forward_samples`); the largest counts. Host gradients in
+    Deep Optimizer States buffers, which are held at every moment (`_dos_buffer_bytes`); the
+    largest counts. Host gradients in
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
     here by running sums instead of a product per row."""
@@ -275,8 +269,7 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         dos_held = np.zeros(len(rows))
         if timeline:
             staged = _staged_by_sample(lay, host, grad_bytes)
-            forward_dos = np.zeros(len(staged))
-            forward_dos[:lay.forward_samples] = dos_buffer  # the step's DOS updates may still run
+            forward_dos = np.full(len(staged), float(dos_buffer))  # DOS updates may run at any moment
             at = lay.event_activations + staged + forward_dos
             if row_freed:  # per sample and row: the device chunks' gradients handed on by then
                 # a later sample holds every gradient an earlier one does: an earlier sample whose
@@ -296,6 +289,7 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         else:
             activations = np.full(len(rows), lay.profile.trace.activation_peak_bytes)
             staging = np.full(len(rows), (lay.open_grads + in_flight) * size * 4 + in_flight * cast + sharded_part)
+            dos_held = np.full(len(rows), float(dos_buffer))
         backward = activations + staging + fetch + device_grads + dos_held
         at_step = _step_bytes(lay, dos_gap, host, device_elems[rows], row_freed)
         in_backward = backward >= at_step
@@ -319,10 +313,11 @@ def _fetch_bytes(lay: Layout, elem_bytes: int, world: int, has_host: bool, uploa
 
 
 def _dos_buffer_bytes(lay: Layout, dos_gap: int, has_host: bool) -> int:
-    """The Deep Optimizer States buffers: a host chunk's state and gradient on the device, in each
-    of the engine's DOS_BUFFERS (one chunk's state comes back while the next one's goes up), from
-    the step into the next forward."""
-    return DOS_BUFFERS * STATE_BYTES * int(lay.shards.max()) if dos_gap > 0 and has_host else 0
+    """The Deep Optimizer States buffers: a tile of a host chunk's state and gradient on the
+    device, in each of the engine's DOS_BUFFERS (one tile's state comes back while the next one's
+    goes up). Counted at every moment of the step: the updates may start in backward, and run into
+    the next forward (at most 256 MiB, so a plan whose updates start at step() loses little)."""
+    return DOS_BUFFERS * STATE_BYTES * min(DOS_TILE, int(lay.shards.max())) if dos_gap > 0 and has_host else 0
 
 
 def _step_bytes(lay: Layout, dos_gap: int, has_host: bool, device_elems, freed: bool):
@@ -527,7 +522,7 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
     freed = gradients_freed(plan.host_grads_low, grad_accum)
     grads = lay.event_handed @ (4.0 * lay.shards * device) if freed else np.zeros(len(staged))
     in_backward = staged + (int(lay.shards.max()) * 4 if any_sharded else 0) + fetch + grads
-    in_backward[:lay.forward_samples] += _dos_buffer_bytes(lay, plan.dos_gap, has_host)  # the next forward's
+    in_backward += _dos_buffer_bytes(lay, plan.dos_gap, has_host)  # DOS updates may run at any moment
     step = _step_bytes(lay, plan.dos_gap, has_host, float(lay.shards[device].sum()), freed)
     return np.append(in_backward.astype(float), float(step))
 
