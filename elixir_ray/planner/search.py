@@ -576,7 +576,8 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
              f"budget ({SAFETY:.0%} kept back for the allocator's fragmentation and short-lived buffers)",
              f"optimizer state on the host: {format_bytes(host_bytes)} per rank{host_limit}",
              f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
-             f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
+             + ("and Deep Optimizer States on streams of their own " if choice.dos_gap else "")
+             + f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
              hw.rates()]
     timing = lay.profile.compute
     if timing is not None:
