@@ -48,18 +48,25 @@ def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_si
 @pytest.mark.parametrize("case", [
     dict(accumulation_steps=2, prefetch=2, cycle=("host", "device")),  # updates start in backward
     dict(accumulation_steps=2, prefetch=1, max_grad_norm=0.5, dos_gap=2),  # clipping settles first; DOS
+    # DOS updates started in backward, in tiles of 24 elements through both streams
+    dict(accumulation_steps=2, prefetch=2, dos_gap=2, dos_tile=24),
     dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
     dict(accumulation_steps=1, prefetch=2, ckpt="selective", cycle=("host", "device")),
-], ids=["in-backward", "clip-dos", "checkpointing", "selective"])
+], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing", "selective"])
 def test_fp32_on_cuda_matches_torch_adamw(case):
+    from elixir_ray.engine import optimizer
+
     case = dict(case)
     accum, ckpt, max_norm = case["accumulation_steps"], case.pop("ckpt", ""), case.get("max_grad_norm")
+    tile = case.pop("dos_tile", optimizer.DOS_TILE)
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)
     data = batches(STEPS * accum, 8)
     ref_losses, ref_state = reference_run(base, data, STEPS, accum, max_norm, device="cuda")
     model, opt = _engine(copy.deepcopy(base), 8, **case)
-    losses = engine_run(model, opt, data, STEPS, accum, device="cuda")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimizer, "DOS_TILE", tile)
+        losses = engine_run(model, opt, data, STEPS, accum, device="cuda")
     stats = model.engine_stats()
     assert stats["evictions"] >= STEPS and stats["prefetches"] > 0  # the copy stream was used every step
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_FP32_TOL
@@ -69,8 +76,9 @@ def test_fp32_on_cuda_matches_torch_adamw(case):
 @pytest.mark.parametrize("case", [
     dict(accumulation_steps=2, prefetch=2, cycle=("host", "device")),
     dict(accumulation_steps=2, prefetch=1, max_grad_norm=0.5, dos_gap=2),
+    dict(accumulation_steps=2, prefetch=2, dos_gap=2, dos_tile=24),
     dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
-], ids=["in-backward", "clip-dos", "checkpointing"])
+], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing"])
 def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
     """The same runs with every side-stream copy held back on the device and every CPU update held
     back on its thread: a missing wait between streams, or between the GPU and the background
