@@ -158,7 +158,7 @@ class ChunkStore:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # and Deep Optimizer States updates (their copies each way and the device update), off the
-        # compute stream: one stream per DOS buffer, chunks taking them in turn
+        # compute stream: one stream per DOS buffer, a chunk's tiles taking them in turn
         self.dos_streams = [torch.cuda.Stream(device) for _ in range(DOS_BUFFERS)] if device.type == "cuda" else None
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)

@@ -10,7 +10,8 @@ optimizer. To say where a step's time goes, the ChunkStore times its own regions
   background thread, see host_updates.py) because it needed that chunk's state;
 - "device_adam": AdamW updates of device chunks and of Deep Optimizer States chunks, including
   the latter's copies to the device and back (which in an untimed step run on their own streams
-  beside the next forward; timed, the region's syncs make them wait for them whole).
+  beside the rest of backward, where updates start there, and the next forward; timed, the
+  region's syncs make them wait for them whole).
 
 These four are measured on the training thread and add up, with the untimed rest (forward and
 backward kernels, hook overhead, gradient clipping), to the step's wall time. Beside them,

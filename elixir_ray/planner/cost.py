@@ -153,7 +153,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
-        dos_in = np.maximum(dos_in - np.maximum(last_backward - (h2d - forward_loads) / micro_steps, 0.0), 0.0)
+        backward_in = np.maximum(h2d - forward_loads, 0.0) / micro_steps
+        dos_in = np.maximum(dos_in - np.maximum(last_backward - backward_in, 0.0), 0.0)
         dos_out = np.maximum(dos_out - np.maximum(last_backward - d2h / micro_steps, 0.0), 0.0)
     else:
         last_backward = 0.0

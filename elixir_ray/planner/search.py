@@ -205,7 +205,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
-        float((costs.load_host - costs.load_device)[host].sum()))
+        float(((costs.load_host - costs.load_device) * (loads > 0))[host].sum()))  # chunks the step loads
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -421,7 +421,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     has_host = host.any(axis=1)
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
-    forward_loads = hostf @ (costs.load_host - costs.load_device)  # one load of each host chunk
+    # one load of each host chunk the step loads at all (a chunk no traced access uses has none)
+    forward_loads = hostf @ np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
     on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_fill)
                  + hostf @ parts.host_cast)
     grad_bytes = host_grad_bytes(parts.grads_low)
@@ -575,7 +576,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
              f"device memory usable: {format_bytes(int(budget * (1 - SAFETY)))} of the {format_bytes(budget)} "
              f"budget ({SAFETY:.0%} kept back for the allocator's fragmentation and short-lived buffers)",
              f"optimizer state on the host: {format_bytes(host_bytes)} per rank{host_limit}",
-             f"the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
+             "the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
              + ("and Deep Optimizer States on streams of their own " if choice.dos_gap else "")
              + f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
              hw.rates()]
