@@ -170,9 +170,10 @@ class HostChunkState:
 
 
 class PinnedCopies:
-    """Pinned host-to-device and device-to-host copies of 256 MiB each way, back to back on two
-    streams of their own, on a thread, while the context is open: the host memory traffic of the
-    engine's chunk loads and gradient copies, beside which its CPU updates run."""
+    """Pinned host-to-device and device-to-host copies of `elements` bf16 values each way (256 MiB
+    by default), back to back on two streams of their own, on a thread, while the context is open:
+    the host memory traffic of the engine's chunk loads and gradient copies, beside which its CPU
+    updates run. The device holds both buffers, so a caller bounded by a budget sizes them."""
 
     def __init__(self, device: torch.device, elements: int = 128 << 20):
         self.device, self.elements = device, elements
@@ -219,18 +220,20 @@ class PinnedCopies:
 
 
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
-                      pin_for: torch.device, beside_copies: bool = False) -> tuple[float, float]:
+                      pin_for: torch.device, beside_copies: bool = False,
+                      copy_bytes: int = 256 * 2**20) -> tuple[float, float]:
     """The background thread's whole job for one host chunk of `numel` parameters, as the engine
     runs it (`HostChunkState`, `host_update`). The update alone over small fresh tensors ran at
     4.0 to 4.3 G params/s on the H100 machine while the engine's jobs ran at 2.0 to 2.5 G
     (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs.
-    Returns (alone, beside copies): the second with `PinnedCopies` running (0.0 unless asked)."""
+    Returns (alone, beside copies): the second with `PinnedCopies` running (0.0 unless asked), its
+    two device buffers `copy_bytes` together, as the profile's own copies take."""
     state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
     alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
     if not beside_copies:
         return alone, 0.0
-    with PinnedCopies(pin_for):
+    with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)):
         beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
     return alone, beside
 
@@ -258,7 +261,8 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
         host_numel = host_adam_numel or (128 * 2**20 if on_gpu else adam_numel)
         cpu_adam, _ = _host_update_rate(host_numel, torch.float32, dtype, device)
         # from bf16 gradients, as GPU plans update, also beside copies both ways: the share it keeps
-        cpu_adam_low, beside = _host_update_rate(host_numel, torch.bfloat16, dtype, device, beside_copies=on_gpu)
+        cpu_adam_low, beside = _host_update_rate(host_numel, torch.bfloat16, dtype, device, beside_copies=on_gpu,
+                                                copy_bytes=copy_bytes)
     finally:
         torch.set_num_threads(threads)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
