@@ -108,8 +108,15 @@ def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
 
     monkeypatch.setattr(chunks.ChunkStore, "_fill", slowed(chunks.ChunkStore._fill))
     monkeypatch.setattr(chunks.ChunkStore, "_reduce_into", slowed(chunks.ChunkStore._reduce_into))
+    real_tile_out = optimizer.ChunkedAdam._dos_tile_out
+
+    def slow_tile_out(*args):  # on the DOS down stream: the next upload into its buffer must wait
+        torch.cuda._sleep(5_000_000)
+        real_tile_out(*args)
+
     monkeypatch.setattr(optimizer, "run_adam", slow_adam)
     monkeypatch.setattr(optimizer, "host_update", slow_host_update)
+    monkeypatch.setattr(optimizer.ChunkedAdam, "_dos_tile_out", staticmethod(slow_tile_out))
     test_fp32_on_cuda_matches_torch_adamw(case)
 
 

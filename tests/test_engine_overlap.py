@@ -78,14 +78,14 @@ def test_deep_optimizer_states_start_in_the_last_backward_a_tile_at_a_time_and_m
     model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=accum, dos_gap=2)
     dos = sorted(opt.dos_chunks)
     tiles: dict[int, list] = {}
-    tile_update = opt._update_dos_tile
+    tile_in = opt._dos_tile_in
 
     def record_tile(c, calls, factor, buf, lo, hi):
         assert buf.shape == (4, 24)
         tiles.setdefault(c.index, []).append((lo, hi))
-        tile_update(c, calls, factor, buf, lo, hi)
+        tile_in(c, calls, factor, buf, lo, hi)
 
-    monkeypatch.setattr(opt, "_update_dos_tile", record_tile)
+    monkeypatch.setattr(opt, "_dos_tile_in", record_tile)
     started, step = [], opt.step
 
     def counting_step(*args, **kwargs):  # DOS chunks with a gradient, and those whose update began in the backward

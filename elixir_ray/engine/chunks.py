@@ -36,8 +36,8 @@ from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
-# Deep Optimizer States buffers (each with its stream on CUDA) in use at once: two, so that one
-# tile's state comes back while the next one's goes up; the planner budgets this many
+# Deep Optimizer States buffers in use at once: two, so that one tile's state comes back while the
+# next one's goes up (on CUDA a stream each way); the planner budgets this many
 DOS_BUFFERS = 2
 # elements of a host chunk's shard each Deep Optimizer States buffer holds: a chunk goes up, is
 # updated and comes back a tile at a time, so the buffers are small enough to hold through the
@@ -123,7 +123,7 @@ class Chunk:
     # after its gradient was reduced is ordered after nothing the update waits for otherwise)
     host_read: Optional[torch.cuda.Event] = field(default=None, repr=False)
     # CUDA: its state's copies back to the host after a device update (Deep Optimizer States) have
-    # landed: one event per stream its tiles went through
+    # landed, and its reads of the host state have finished: one event per DOS stream
     landed: Optional[tuple] = field(default=None, repr=False)
     # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
     # storage costs microseconds and the hooks ask for every op in forward
@@ -157,9 +157,9 @@ class ChunkStore:
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # and Deep Optimizer States updates (their copies each way and the device update), off the
-        # compute stream: one stream per DOS buffer, a chunk's tiles taking them in turn
-        self.dos_streams = [torch.cuda.Stream(device) for _ in range(DOS_BUFFERS)] if device.type == "cuda" else None
+        # and Deep Optimizer States updates, off the compute stream: (up, down), a tile's copies to the
+        # device and its update on the first, its copies back on the second, so both directions run at once
+        self.dos_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else None
         self.reductions_in_flight: deque = deque()  # events of side-stream reductions not known to have landed
         self.accumulated_low = False  # a host gradient in the compute dtype got a second micro-step (warned)
         self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad

@@ -319,8 +319,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         # to fp32 (multiplying them in place would round them a second time); fp32 ones are scaled in place
         self._low_grad_factor = 1.0
         self._scratch = TileScratch()  # for the background thread's updates from low-precision gradients
-        # this step's Deep Optimizer States buffers, each with its stream: made by the step's first DOS
-        # update (in backward, or at step()), dropped once step() has queued the last (`_dos_lane_buffers`)
+        # this step's Deep Optimizer States buffers: made by the step's first DOS update (in backward,
+        # or at step()), dropped once step() has queued the last (`_dos_lane_buffers`)
         self._dos_lanes: Optional[list] = None
         self._dos_turn = 0  # tiles queued this step: the next goes to lane _dos_turn % DOS_BUFFERS
         # the one-pass C kernel for host chunks, or None for torch's passes (ELIXIR_RAY_HOST_KERNEL=torch,
@@ -631,20 +631,21 @@ class ChunkedAdam(torch.optim.Optimizer):
     def _dos_lane_buffers(self) -> list:
         """This step's DOS_BUFFERS buffers of 16 bytes per element of a tile (fp32 master, both
         moments and gradient: what the planner budgets, through backward and the next forward),
-        each with its stream on CUDA. They are allocated on the compute stream, so that their
-        blocks return to that stream's pool, and recorded on their DOS stream, so that they are not
-        handed out again before it has finished with them; that stream first waits for the compute
-        queued so far (the blocks' earlier users)."""
+        each as [buffer, event after its last tile's copies back were queued (None at first)].
+        They are allocated on the compute stream, so that their blocks return to that stream's
+        pool, and recorded on both DOS streams, so that they are not handed out again before those
+        have finished with them; the streams first wait for the compute queued so far (the blocks'
+        earlier users)."""
         if self._dos_lanes is None:
             store = self.store
             width = min(DOS_TILE, max(store.chunks[i].shard_len for i in self.dos_chunks))
             lanes = []
-            for stream in store.dos_streams or [None] * DOS_BUFFERS:
+            for _ in range(DOS_BUFFERS):
                 buf = torch.empty(4, width, dtype=torch.float32, device=store.device)
-                if stream is not None:
+                for stream in store.dos_streams or ():
                     stream.wait_stream(torch.cuda.current_stream(store.device))
                     buf.record_stream(stream)  # now, so that an error below cannot free it under queued copies
-                lanes.append((buf, stream))
+                lanes.append([buf, None])
             self._dos_lanes = lanes
         return self._dos_lanes
 
@@ -652,16 +653,19 @@ class ChunkedAdam(torch.optim.Optimizer):
         """Deep Optimizer States: these host chunks' updates run on the compute device, a tile at a
         time (`DOS_TILE`), through the step's buffers in turn (`_dos_lane_buffers`).
 
-        On CUDA each buffer has a stream of its own (`ChunkStore.dos_streams`), so that one tile's
-        state comes back while the next one's goes up (a stream runs its copies one after another),
-        and the copies (12 bytes per element each way, plus the gradient) overlap compute instead
-        of holding up the compute stream (on the H100 they took 0.2 s of a 1.2 s step there). A
+        On CUDA a tile goes up and is updated on one stream and comes back on another
+        (`ChunkStore.dos_streams`), so that one tile's state comes back while the next one's goes
+        up, both directions of the link busy at once: with a stream per buffer, each running its
+        tile's copies up, update and copies back in turn, the two fell into step and took the
+        link one direction at a time (on the H100, 2.5 to 3.2 G params/s where the link's rate each
+        way allows 3.8 G). A tile's upload into a buffer waits for the copies back of the tile that
+        used it before. The copies overlap compute instead of holding up the compute stream. A
         chunk's update starts when its gradient is final in the last backward, where the CPU
         updates may start there (`gradient_final`), else at `step()`; either way it overlaps the
-        next forward too. Each chunk's `landed` events (one per stream its tiles took) tell its
-        next readers when its state is back: a fetch makes its stream wait for them, a host reader
-        (`settle`) waits for them on the host. A gradient in the compute dtype lands in the exp_avg
-        row before the moment does, and the master's cast for the upload copy goes out through the
+        next forward too. Each chunk's `landed` events (one per DOS stream) tell its next readers
+        when its state is back: a fetch makes its stream wait for them, a host reader (`settle`)
+        waits for them on the host. A gradient in the compute dtype lands in the exp_avg row
+        before the moment does, and the master's cast for the upload copy goes out through the
         gradient row once the update has used it: no fifth buffer.
         """
         for c, calls, factor in work:
@@ -669,33 +673,57 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _update_dos_chunk(self, c: Chunk, calls: list, factor: float, lanes: list) -> None:
         width = lanes[0][0].shape[1]
-        waited = []  # the streams this chunk's tiles were queued on
+        streams = self.store.dos_streams
+        if streams is None:  # no streams: each tile in turn, at once
+            for lo in range(0, c.shard_len, width):
+                hi = min(lo + width, c.shard_len)
+                tile_calls = _tile_calls(calls, lo, hi)
+                if tile_calls:  # else no parameter here has a gradient: its state and upload copy stay
+                    buf = lanes[self._dos_turn % len(lanes)][0]
+                    self._dos_turn += 1
+                    self._dos_tile_in(c, tile_calls, factor, buf, lo, hi)
+                    self._dos_tile_out(c, buf, lo, hi)
+            return
+        up, down = streams
+        queued = False
         try:
             for lo in range(0, c.shard_len, width):
                 hi = min(lo + width, c.shard_len)
                 tile_calls = _tile_calls(calls, lo, hi)
-                if not tile_calls:  # no parameter here has a gradient: its state and upload copy stay
+                if not tile_calls:
                     continue
-                buf, stream = lanes[self._dos_turn % len(lanes)]
+                lane = lanes[self._dos_turn % len(lanes)]
                 self._dos_turn += 1
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if stream is not None and stream not in waited:
-                        waited.append(stream)
+                buf, free = lane
+                with torch.cuda.stream(up):
+                    if not queued:
+                        queued = True
                         for event in (c.grad_ready, c.host_read):  # the gradient is down; no fetch still reads
                             if event is not None:
-                                stream.wait_event(event)
-                    self._update_dos_tile(c, tile_calls, factor, buf, lo, hi)
+                                up.wait_event(event)
+                    if free is not None:  # the buffer's last tile has gone back
+                        up.wait_event(free)
+                    self._dos_tile_in(c, tile_calls, factor, buf, lo, hi)
+                    updated = torch.cuda.Event()
+                    updated.record(up)
+                with torch.cuda.stream(down):
+                    down.wait_event(updated)
+                    self._dos_tile_out(c, buf, lo, hi)
+                    lane[1] = torch.cuda.Event()
+                    lane[1].record(down)
         finally:  # even when it raised partway: a copy already queued must still be waited for by readers
-            if waited:
+            if queued:
                 events = []
-                for stream in waited:
+                for stream in streams:
                     event = torch.cuda.Event(blocking=True)
                     event.record(stream)
                     events.append(event)
                 c.landed = tuple(events)
 
     @staticmethod
-    def _update_dos_tile(c: Chunk, calls: list, factor: float, buf: torch.Tensor, lo: int, hi: int) -> None:
+    def _dos_tile_in(c: Chunk, calls: list, factor: float, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """The tile's gradient and state up into `buf`, updated there, and the master cast for the
+        upload copy into the gradient row."""
         k = hi - lo
         master, m, v, grad = (buf[j, :k] for j in range(4))
         if c.grad.dtype == torch.float32:
@@ -710,10 +738,15 @@ class ChunkedAdam(torch.optim.Optimizer):
         m.copy_(c.exp_avg[lo:hi], non_blocking=True)
         v.copy_(c.exp_avg_sq[lo:hi], non_blocking=True)
         run_adam(calls, master, grad, m, v)
-        c.master[lo:hi].copy_(master, non_blocking=True)
-        c.exp_avg[lo:hi].copy_(m, non_blocking=True)
-        c.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
         if c.upload is not None:
-            cast = buf[3].view(c.upload.dtype)[:k]
-            cast.copy_(master)  # on the device: half the bytes cross
-            c.upload[lo:hi].copy_(cast, non_blocking=True)
+            buf[3].view(c.upload.dtype)[:k].copy_(master)  # cast on the device: half the bytes cross
+
+    @staticmethod
+    def _dos_tile_out(c: Chunk, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """The tile's updated state (and upload copy) back from `buf` to the host chunk."""
+        k = hi - lo
+        c.master[lo:hi].copy_(buf[0, :k], non_blocking=True)
+        c.exp_avg[lo:hi].copy_(buf[1, :k], non_blocking=True)
+        c.exp_avg_sq[lo:hi].copy_(buf[2, :k], non_blocking=True)
+        if c.upload is not None:
+            c.upload[lo:hi].copy_(buf[3].view(c.upload.dtype)[:k], non_blocking=True)
