@@ -656,9 +656,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         On CUDA a tile goes up and is updated on one stream and comes back on another
         (`ChunkStore.dos_streams`), so that one tile's state comes back while the next one's goes
         up, both directions of the link busy at once: with a stream per buffer, each running its
-        tile's copies up, update and copies back in turn, the two fell into step and took the
-        link one direction at a time (on the H100, 2.5 to 3.2 G params/s where the link's rate each
-        way allows 3.8 G). A tile's upload into a buffer waits for the copies back of the tile that
+        tile's copies up, update and copies back in turn, the two could fall into step and take
+        the link one direction at a time (on the H100, 2.5 to 3.2 G params/s where the link's rate
+        each way allows 3.8 G). A tile's upload into a buffer waits for the copies back of the tile that
         used it before. The copies overlap compute instead of holding up the compute stream. A
         chunk's update starts when its gradient is final in the last backward, where the CPU
         updates may start there (`gradient_final`), else at `step()`; either way it overlaps the
