@@ -63,6 +63,13 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     pool = ex["pool"]  # the pool's loads per timed step: every step loads every chunk it uses again
     assert pool["fetches"] >= plan.n_chunks and 0 <= pool["prefetches"] <= pool["fetches"]
     assert not rows["reference"]["pool"]
+    profile = ex["host_profile"]  # one profiled step: its wall time, then the engine's ranges, longest first
+    assert profile[0][0] == "step" and profile[0][2] > 0, profile
+    names = [name for name, _, _ in profile[1:]]
+    assert "elixir.fetch" in names and "elixir.step" in names, profile
+    ms = [t for _, _, t in profile[1:]]
+    assert ms == sorted(ms, reverse=True)
+    assert not rows["reference"]["host_profile"] and not ex["allocator"]  # the allocator counts are CUDA's
     for system in rows:  # each system's whole output, beside the report
         log = (out / f"{system}.log").read_text()
         assert log.startswith("$ ") and "--system " + system in log and "# exit 0" in log
@@ -72,7 +79,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert "| reference |" in md
     assert md.count("| elixir_ray |") == 2 and "| compute_and_waits |" in md  # main table and breakdown
     assert "| cpu_adam (background) |" in md
-    assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md
+    assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md and "one profiled step" in md
     assert "| reference |" in capsys.readouterr().out
 
 

@@ -82,6 +82,14 @@ def prediction_lines(results: list[dict]) -> list[str]:
                      f"the host), backward {lag['device_backward'] * 1e3:.0f} ms ({lag['host_backward'] * 1e3:.0f}), "
                      f"the device {lag['behind_at_step'] * 1e3:.0f} ms behind the host at step() (medians; near 0: "
                      f"the device waited for the host)")
+        allocator = r.get("allocator") or {}
+        if allocator:
+            line += ("; per step the allocator made " + ", ".join(f"{v:g} {k.replace('num_', '').replace('_', ' ')}"
+                                                               for k, v in allocator.items()))
+        profile = r.get("host_profile") or []
+        if profile:
+            line += "; one profiled step: " + ", ".join(
+                f"{name} {ms:.1f} ms" + (f" ({calls})" if name != "step" else "") for name, calls, ms in profile[:9])
         out.append(f"- {line}")
     return out
 

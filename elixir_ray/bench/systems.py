@@ -87,6 +87,15 @@ class SystemResult:
     # prefetch_lead, untraced_accesses; blocks_over_plan as it ended), to tell prefetched loads from
     # loads made on demand
     pool: dict = field(default_factory=dict)
+    # CUDA: the caching allocator's calls to the driver over the timed steps (ALLOCATOR_COUNTS, per
+    # step). A cudaFree (and a sync of all streams) blocks the host until the device is idle: in
+    # steady training there should be none
+    allocator: dict = field(default_factory=dict)
+    # elixir_ray only: one more step under torch's profiler, as [name, calls, milliseconds]: the
+    # engine's own ranges ("elixir.fetch", "elixir.settle", ...: inclusive host time, waits in them
+    # included) and the CUDA runtime calls that take the host's time (self time), longest first;
+    # "step" is that step's wall time. It says which engine calls hold the training thread
+    host_profile: list = field(default_factory=list)
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -253,9 +262,11 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     for _ in range(warmup):
         _, loss = _timed_step(step, batch, device)
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
+    allocator_before = allocator_counts(device)
     seconds, loss = _timed_window(step, batch, device, steps, timer)
     pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
             for k, v in step.pool_counts().items()} if counts_before else {}
+    allocator = {k: (v - allocator_before[k]) / steps for k, v in allocator_counts(device).items()}
     timeline = timeline_events(timer) if timer is not None else []
     tokens = shape.micro_batch * shape.seq_len
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -263,6 +274,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     peak_host = peak_host_bytes()  # both peaks before the breakdown's extra steps
     breakdown, breakdown_step, background = (step_breakdown(step, batch, device, timer, steps) if timer
                                              else ({}, None, {}))
+    profile = host_profile(step, batch, device) if timer else []
     return SystemResult(
         system=system, shape=shape.name, device=str(device), cap_bytes=cap_bytes, params=params,
         step_seconds=seconds, tokens_per_s=tokens / seconds,
@@ -274,8 +286,46 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
-        timeline=timeline, pool=pool,
+        timeline=timeline, pool=pool, allocator=allocator, host_profile=profile,
     )
+
+
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
+
+
+def allocator_counts(device: torch.device) -> dict:
+    """The CUDA caching allocator's running counts of driver calls (cudaMalloc, cudaFree), syncs of
+    every stream, and retries after freeing its cache; {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+def host_profile(step, batch, device: torch.device, top: int = 16) -> list:
+    """One step under torch's profiler (CUDA activity too where there is a device, for the runtime
+    calls): the engine's ranges by inclusive host time and the CUDA runtime calls by self time,
+    [name, calls, ms] longest first, after ["step", 1, wall ms]. The profiler slows the step; the
+    shares are what it is for. [] with the profiler's error where it cannot run here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            seconds, _ = _timed_step(step, batch, device)
+            settle = getattr(step, "settle", None)
+            if settle is not None:
+                settle()
+        rows = []
+        for e in prof.key_averages():
+            if e.key.startswith("elixir."):
+                rows.append([e.key, int(e.count), e.cpu_time_total / 1e3])
+            elif e.key.startswith("cuda") and e.self_cpu_time_total > 0:
+                rows.append([e.key, int(e.count), e.self_cpu_time_total / 1e3])
+    except Exception as exc:  # a profiler that cannot run here (no CUPTI) must not lose the run's figures
+        return [[f"profiler failed: {type(exc).__name__}: {exc}", 0, 0.0]]
+    rows.sort(key=lambda row: -row[2])
+    return [["step", 1, seconds * 1e3]] + [[name, n, round(ms, 3)] for name, n, ms in rows[:top]]
 
 
 def timeline_events(timer) -> list:

@@ -33,7 +33,7 @@ from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
-from elixir_ray.engine.timing import StepTimer
+from elixir_ray.engine.timing import StepTimer, profiled
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
 # Deep Optimizer States buffers in use at once: two, so that one tile's state comes back while the
@@ -224,6 +224,7 @@ class ChunkStore:
 
     # -- work in flight ---------------------------------------------------------------------------
 
+    @profiled("elixir.settle")
     def settle(self, c: Chunk) -> None:
         """Wait for the chunk's CPU update, if one is queued or running (re-raising its error), and for
         the copies back of a device update of its host state."""
@@ -277,6 +278,7 @@ class ChunkStore:
             for event in c.landed:  # kept for the host readers, who settle on them
                 stream.wait_event(event)
 
+    @profiled("elixir.fetch")
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""
         self._settle_for_fill(c, torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
@@ -289,6 +291,7 @@ class ChunkStore:
                 raise
         self.counts["fetches"] += 1
 
+    @profiled("elixir.prefetch")
     def prefetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy ahead of its use: on CUDA on the copy stream, else now.
 
@@ -335,6 +338,7 @@ class ChunkStore:
             c.host_read = torch.cuda.Event(blocking=True)
             c.host_read.record(torch.cuda.current_stream(self.device))
 
+    @profiled("elixir.evict")
     def free(self, c: Chunk) -> None:
         if c.resident:
             self.make_usable(c)  # a prefetch still writing must finish before the block is reused
@@ -393,6 +397,7 @@ class ChunkStore:
         if end < c.size:
             full[end:].zero_()
 
+    @profiled("elixir.reduce")
     def reduce(self, c: Chunk) -> None:
         """Average the chunk's gradient over ranks and add this rank's part to its gradient shard."""
         with self.timer.region("d2h"):

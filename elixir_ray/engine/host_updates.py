@@ -47,6 +47,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from elixir_ray.engine.timing import profiled
 
 UPDATE_THREADS_ENV = "ELIXIR_RAY_UPDATE_THREADS"
 
@@ -109,6 +110,7 @@ class HostUpdates:
         self.timer.add_background("cpu_adam", end - start)
         self.timer.event("cpu_adam", start, end, priority, elements)
 
+    @profiled("elixir.wait_cpu_update")
     def wait(self, future: Optional[Future], chunk: int = -1) -> None:
         """Block until `future`'s job has finished, re-raising its exception; timed as "cpu_adam_wait"."""
         if future is None:

@@ -26,7 +26,6 @@ does not advance, exactly as torch skips parameters whose `.grad` is None.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, replace
@@ -39,6 +38,7 @@ from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, Chunk, ChunkStore, P
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from elixir_ray.engine.pool import ChunkPool
+from elixir_ray.engine.timing import profiled
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -519,6 +519,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self._dos_turn = 0
                 self.pool.reset()  # compute copies are stale now
 
+    @profiled("elixir.step")
     def _step(self) -> None:
         if self.loss_scale is not None or self.max_grad_norm is not None:
             # this thread reads every host gradient (overflow check, norm), and they were copied
@@ -649,6 +650,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._dos_lanes = lanes
         return self._dos_lanes
 
+    @profiled("elixir.dos_update")
     def _update_dos(self, work: list) -> None:
         """Deep Optimizer States: these host chunks' updates run on the compute device, a tile at a
         time (`DOS_TILE`), through the step's buffers in turn (`_dos_lane_buffers`).

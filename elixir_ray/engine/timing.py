@@ -38,6 +38,7 @@ ones: enable the timer for benchmarks and diagnosis, not for training runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Optional
@@ -48,6 +49,22 @@ CATEGORIES = ("h2d", "d2h", "cpu_adam_wait", "device_adam")  # on the training t
 BACKGROUND = ("cpu_adam",)  # on the background thread; overlaps the rest
 
 _UNTIMED = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def profiled(name: str):
+    """Decorate an engine method so that, while torch's profiler runs, its calls show as a range
+    called `name` (the benchmark profiles one step to see where the training thread's time goes:
+    which of the engine's calls block on the device or on the background thread). Otherwise one
+    check per call."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return run
+    return decorate
 
 
 class StepTimer:
