@@ -161,6 +161,36 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
     assert overlapped_step(**cpu, dos_in=0.7, dos_out=0.3) == pytest.approx(0.6 + 0.3)
 
 
+def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_is_through():
+    """The first DOS chunk the forward needs is the last in the DOS queue (gradients are final in
+    the reverse order): only the forward's compute before that chunk hides the queue, and its loads
+    so far share the link with it; the later loads then overlap the later compute."""
+    from elixir_ray.planner.cost import overlapped_step
+
+    at_step = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+                   updates_in_backward=False, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
+    whole = overlapped_step(**at_step)  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
+    assert whole == pytest.approx(0.6 + 0.25)
+    # the defaults are the whole forward and all its loads: the same step
+    assert overlapped_step(**at_step, dos_first_at=0.15, loads_to_dos=0.1) == pytest.approx(whole)
+    # a DOS chunk a third of the way in, after 0.04 s of loads: 0.04 + 0.3 - 0.05 exposed there,
+    # then 0.06 s of loads beside 0.1 s of compute
+    assert overlapped_step(**at_step, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(0.6 + 0.29)
+    # ... or beside 0.02 s of compute when the DOS chunk comes late: 0.04 s of loads wait after it
+    assert overlapped_step(**at_step, dos_first_at=0.13, loads_to_dos=0.04) == pytest.approx(0.6 + 0.21 + 0.04)
+    # the first host chunk is a DOS chunk whose copies the backward hid: nothing to wait for
+    in_backward = dict(at_step, updates_in_backward=True, dos_in=0.2)
+    assert overlapped_step(**in_backward, dos_first_at=0.0, loads_to_dos=0.01) == pytest.approx(0.6 + 0.01)
+
+
+def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():
+    from elixir_ray.planner.search import forward_shares
+
+    events = [(0,), (1,), (1, 2), (0,), (2,), (1,)]
+    phases = ["forward"] * 4 + ["backward"] * 2
+    assert forward_shares(events, phases, 4).tolist() == [0.0, 0.25, 0.5, 1.0]  # chunk 3: not in forward
+
+
 def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
     """The forward and the rest of the step each last as long as their longest stream; so the
     step is never shorter than the compute, than either direction's copies, or than the parts of
@@ -176,10 +206,14 @@ def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
         kw = dict(compute=compute, forward=forward, on_stream=on_stream, h2d=h2d, d2h=d2h, cpu_adam=cpu,
                   cpu_first=cpu * 0.1, micro_steps=micro, dos_in=dos_in, dos_out=dos_out,
                   forward_loads=forward_loads)
+        first = dict(dos_first_at=forward * rng.uniform(0.0, 1.0), loads_to_dos=forward_loads * rng.uniform(0.0, 1.0))
         for in_backward in (False, True):
             step = float(overlapped_step(**kw, updates_in_backward=in_backward))
             assert step >= max(compute + on_stream, h2d + dos_in, d2h + dos_out, forward_loads + dos_in) - 1e-12
             assert step <= compute + on_stream + h2d + d2h + cpu + dos_in + dos_out + 1e-12
+            # the wait at the first DOS chunk only adds to that, within the same bound
+            stopped = float(overlapped_step(**kw, **first, updates_in_backward=in_backward))
+            assert step - 1e-12 <= stopped <= compute + on_stream + h2d + d2h + cpu + dos_in + dos_out + 1e-12
         assert overlapped_step(**kw, updates_in_backward=True) <= overlapped_step(**kw, updates_in_backward=False)
 
 

@@ -57,6 +57,9 @@ class Layout:
     min_blocks: int
     param_order: list
     open_grads: int = 1  # most chunks collecting gradients at once in backward (each an fp32 staging buffer)
+    # per chunk: the share of the forward's accesses before its first one there (1.0: none), for
+    # the forward's compute before it (`_dos_first`)
+    forward_before: Optional[np.ndarray] = None
     # per memory sample of the trace (`backward_timeline`): activation bytes alive, and (columns: no
     # reduction in flight, up to MAX_REDUCTIONS_IN_FLIGHT) the most gradient buffers held at once and
     # how many of those are reductions in flight
@@ -102,11 +105,38 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
         replicated = np.asarray(replicated, dtype=bool)
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
+                  forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
                   open_grads=max(1, max(opened for opened, _ in moments)),
                   **backward_timeline(profile.trace, moments, handed_at, len(sizes)))
+
+
+def forward_shares(events: list, phases: list, n_chunks: int) -> np.ndarray:
+    """Per chunk, the share of the forward's accesses that come before its first one (1.0 for a
+    chunk the forward does not use): the forward's compute before it, taking each access as an
+    equal part (a transformer's blocks repeat the same accesses)."""
+    forward = [ev for ev, phase in zip(events, phases) if phase == "forward"]
+    out = np.ones(n_chunks)
+    for i in range(len(forward) - 1, -1, -1):  # backwards, so the first access's share stays
+        for cid in forward[i]:
+            out[cid] = i / len(forward)
+    return out
+
+
+def _dos_first(lay: Layout, host: np.ndarray, dos: np.ndarray, forward: float, load: np.ndarray):
+    """Per row of `dos` (and `host`): the forward's compute before its first DOS chunk, and its
+    loads of host chunks up to and including that one's (`load`: per chunk, when on the host);
+    (forward, all of its loads) where a row has none."""
+    shares = lay.forward_before
+    first = np.argmin(np.where(dos, shares, np.inf), axis=-1)  # the DOS chunk the forward needs first
+    has = dos.any(axis=-1)
+    at = shares[first]
+    loads = host * load
+    before = shares[None, :] <= np.atleast_1d(at)[..., None] if np.ndim(dos) > 1 else shares <= at
+    return (np.where(has, forward * at, forward),
+            np.where(has, (loads * before).sum(axis=-1), loads.sum(axis=-1)))
 
 
 def backward_timeline(trace, moments: list[tuple[int, int]], handed_at: dict[int, int], n_chunks: int) -> dict:
@@ -198,6 +228,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
         "engine kernels": engine_kernels,
     }
+    load = (costs.load_host - costs.load_device) * (loads > 0)  # one load of each chunk the step loads
+    dos_at, loads_to_dos = _dos_first(lay, host, dos, forward, load)
     seconds = overlapped_step(
         time["compute"], forward,
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
@@ -205,7 +237,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
-        float(((costs.load_host - costs.load_device) * (loads > 0))[host].sum()))  # chunks the step loads
+        float(load[host].sum()), float(dos_at), float(loads_to_dos))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -422,7 +454,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     hostf = host.astype(np.float64)
     h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
     # one load of each host chunk the step loads at all (a chunk no traced access uses has none)
-    forward_loads = hostf @ np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
+    load = np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
+    forward_loads = hostf @ load
     on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_fill)
                  + hostf @ parts.host_cast)
     grad_bytes = host_grad_bytes(parts.grads_low)
@@ -435,10 +468,11 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         dos = dos_mask(host, gap)
         plain = host & ~dos
         dosf = dos.astype(np.float64)
+        dos_at, loads_to_dos = _dos_first(lay, hostf, dos, parts.forward, load)
         seconds = overlapped_step(parts.compute, parts.forward, on_stream + dosf @ costs.dos_update, h2d, d2h,
                                   plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                  dosf @ costs.dos_out, forward_loads)
+                                  dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos)
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
