@@ -41,6 +41,10 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["peak_host_bytes"] > 0
         assert r["params"] == rows["reference"]["params"], (system, r["params"])  # same (tied) GPT
     assert rows["reference"]["ratio_to_reference"] == pytest.approx(1.0)
+    for system in ("fsdp2_offload", "elixir_ray"):  # the same GPT (random weights apart) from the same batch
+        for key in ("first_loss", "final_loss"):
+            assert rows[system][key] == pytest.approx(rows["reference"][key], abs=0.1), (system, key)
+        assert rows[system]["final_loss"] < rows[system]["first_loss"]  # and it trains
     assert rows["deepspeed_z3_offload"].get("skipped") or rows["deepspeed_z3_offload"]["tokens_per_s"] > 0
 
     ex = rows["elixir_ray"]
@@ -80,6 +84,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert md.count("| elixir_ray |") == 2 and "| compute_and_waits |" in md  # main table and breakdown
     assert "| cpu_adam (background) |" in md
     assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md and "one profiled step" in md
+    assert "Loss from the first warm-up step to the last timed one: reference " in md
     assert "| reference |" in capsys.readouterr().out
 
 

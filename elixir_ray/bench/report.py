@@ -42,6 +42,10 @@ def markdown_table(results: list[dict]) -> str:
             f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
+    losses = [f"{r['system']} {r['first_loss']:.3f} to {r['final_loss']:.3f}" for r in results
+              if not r.get("skipped") and r.get("first_loss") is not None]
+    if losses:  # the same GPT from the same batch: a system apart from the others is not training the same
+        lines += ["", "Loss from the first warm-up step to the last timed one: " + "; ".join(losses) + "."]
     breakdown = breakdown_table(results)
     if breakdown:
         lines += ["", breakdown]

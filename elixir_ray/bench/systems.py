@@ -59,6 +59,10 @@ class SystemResult:
     peak_device_bytes: int
     peak_host_bytes: int
     final_loss: float
+    # the loss of the first warm-up step: every system trains the same GPT from the same batch, so
+    # a first loss apart from the reference's means a different model or initialisation, and a final
+    # one apart from it after a matching first means a different training
+    first_loss: Optional[float] = None
     # CUDA: the allocator's peak reserved bytes, and how often it had to free its cache and retry an
     # allocation (each retry synchronises the device: under a cap, a cause of slow steps to look for)
     peak_reserved_bytes: int = 0
@@ -258,9 +262,10 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
-    loss = None
+    loss = first_loss = None
     for _ in range(warmup):
         _, loss = _timed_step(step, batch, device)
+        first_loss = float(loss.detach()) if first_loss is None else first_loss
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
     seconds, loss = _timed_window(step, batch, device, steps, timer)
@@ -280,6 +285,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
+        first_loss=first_loss,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
         breakdown=breakdown, breakdown_step_seconds=breakdown_step, background=background,
