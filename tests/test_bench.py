@@ -97,6 +97,22 @@ def _engine(base, placements, dos_gap=0):
     return wrap(base, opt, sample_inputs=sample, plan=plan, max_grad_norm=0.5, device="cpu")
 
 
+def test_bench_with_several_caps_runs_each_capped_system_once_per_cap(tmp_path):
+    """Several budgets beside one reference (the planner issue's 16, 24 and 40 GiB in one run):
+    each capped result kept under its cap's name and named with it in the report."""
+    from elixir_ray.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--smoke", "--systems", "elixir_ray", "--cap", "24MiB", "48MiB", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    assert [(r["system"], r["cap_bytes"]) for r in rows] == [("elixir_ray", 24 << 20), ("elixir_ray", 48 << 20)]
+    for r, name in zip(rows, ("24MiB", "48MiB")):
+        assert json.loads((out / f"elixir_ray-{name}.json").read_text()) == r
+        assert r["plan"]["budget_bytes"] == r["cap_bytes"]  # each planned under its own cap
+    md = (out / "bench.md").read_text()
+    assert "- elixir_ray at 24.0 MiB: predicted step" in md and "- elixir_ray at 48.0 MiB: predicted step" in md
+
+
 def test_timer_is_off_by_default_and_timing_does_not_change_training():
     torch.manual_seed(0)
     base = Toy()
@@ -228,6 +244,7 @@ def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp
     ([], "no CUDA device here, and the gpt-4b shape is a GPU benchmark"),
     (["--smoke", "--cap", "lots"], "--cap: expected a size"),
     (["--smoke", "--steps", "0"], "--steps: expected a whole number of at least 1"),
+    (["--smoke", "--cap", "24MiB", "24MiB"], "--cap: each cap once"),
 ])
 def test_bench_refuses_what_it_cannot_run_before_running_anything(flags, message, tmp_path, capsys):
     from elixir_ray.cli import main

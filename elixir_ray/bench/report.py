@@ -24,6 +24,11 @@ def add_ratios(results: list[dict]) -> list[dict]:
     return results
 
 
+def label(r: dict) -> str:
+    """A result's name in the report: its system, and its cap where the run had several."""
+    return r.get("label") or r["system"]
+
+
 def device_peak(r: dict) -> str:
     """The peak device memory of a result, or "n/a (CPU)" where there is no device to measure."""
     return format_bytes(r["peak_device_bytes"]) if str(r.get("device", "")).startswith("cuda") else "n/a (CPU)"
@@ -42,7 +47,7 @@ def markdown_table(results: list[dict]) -> str:
             f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
-    losses = [f"{r['system']} {r['first_loss']:.3f} to {r['final_loss']:.3f}" for r in results
+    losses = [f"{label(r)} {r['first_loss']:.3f} to {r['final_loss']:.3f}" for r in results
               if not r.get("skipped") and r.get("first_loss") is not None]
     if losses:  # the same GPT from the same batch: a system apart from the others is not training the same
         lines += ["", "Loss from the first warm-up step to the last timed one: " + "; ".join(losses) + "."]
@@ -61,7 +66,7 @@ def prediction_lines(results: list[dict]) -> list[str]:
     for r in results:
         if r.get("skipped") or not r.get("predicted_step_seconds"):
             continue
-        line = (f"{r['system']}: predicted step {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s "
+        line = (f"{label(r)}: predicted step {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s "
                 f"({r['step_seconds'] / r['predicted_step_seconds']:.2f}x)")
         if r.get("peak_device_bytes") and r.get("predicted_peak_bytes"):
             line += (f"; predicted peak {format_bytes(r['predicted_peak_bytes'])}, measured "
@@ -189,7 +194,7 @@ def breakdown_table(results: list[dict]) -> str:
             v = r["breakdown"].get(k, 0.0)
             cells.append(f"{v * 1e3:.1f} ({v / total:.0%})" if total > 0 else f"{v * 1e3:.1f}")
         cells += [f"{(r.get('background') or {}).get(k, 0.0) * 1e3:.1f}" for k in background]
-        lines.append(f"| {r['system']} | {total * 1e3:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(r)} | {total * 1e3:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -205,7 +210,7 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
     split = [r for r in done if r.get("breakdown")]
     fig, axes = plt.subplots(1, 3 if split else 2, figsize=(16 if split else 11, 4))
     ax1, ax2 = axes[0], axes[1]
-    names = [r["system"] for r in done]
+    names = [label(r) for r in done]
     ax1.bar(names, [r["tokens_per_s"] for r in done], color="#4472c4")
     ax1.set_ylabel("tokens/s")
     ax1.set_title("throughput")
@@ -230,7 +235,7 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
 
 def _breakdown_bars(ax, rows: list[dict]) -> None:
     """One stacked bar per system: its timed step split into the breakdown's categories."""
-    names = [r["system"] for r in rows]
+    names = [label(r) for r in rows]
     bottom = [0.0] * len(rows)
     for k in _categories(rows):
         values = [r["breakdown"].get(k, 0.0) for r in rows]

@@ -1,7 +1,7 @@
 """Run every system on one shape, each in its own process, and write the report.
 
 The reference (plain PyTorch) runs uncapped; every other system runs under the same device
-memory cap. `smoke` is a tiny CPU shape for the test suite.
+memory cap, or once under each of several. `smoke` is a tiny CPU shape for the test suite.
 """
 
 from __future__ import annotations
@@ -14,39 +14,56 @@ import tempfile
 from typing import Optional
 
 from elixir_ray import storage
-from elixir_ray.bench.report import add_ratios, device_peak, markdown_table, write_report
+from elixir_ray.bench.report import add_ratios, device_peak, label, markdown_table, write_report
 from elixir_ray.bench.systems import SHAPES, SYSTEMS
 from elixir_ray.units import format_bytes
 
 
-def run_bench(shape: str, cap_bytes: Optional[int], systems: list[str], out_dir: str, steps: int = 6,
+def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6,
               warmup: int = 2, device: Optional[str] = None, progress=print) -> tuple[list[dict], dict]:
+    """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
+    every other system once per cap, in the caps' order. With several caps each capped result is
+    kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report."""
+    caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
+    several = len(caps) > 1
+    runs = [("reference", None)] if "reference" in systems else []  # first: the ratios' base
+    runs += [(system, cap) for cap in caps for system in systems if system != "reference"]
     results = []
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for i, system in enumerate(systems):
-            progress(f"[{i + 1}/{len(systems)}] {system} on {shape}" +
-                     (f" capped at {format_bytes(cap_bytes)}" if cap_bytes and system != "reference" else ""))
-            out = os.path.join(tmp, f"{system}.json")
+        for i, (system, cap_bytes) in enumerate(runs):
+            name = system + (f"-{_cap_name(cap_bytes)}" if several and cap_bytes else "")
+            progress(f"[{i + 1}/{len(runs)}] {system} on {shape}" +
+                     (f" capped at {format_bytes(cap_bytes)}" if cap_bytes else ""))
+            out = os.path.join(tmp, f"{name}.json")
             cmd = [sys.executable, "-m", "elixir_ray.bench.one_system", "--system", system, "--shape", shape,
                    "--steps", str(steps), "--warmup", str(warmup), "--out", out]
-            if cap_bytes and system != "reference":
+            if cap_bytes:
                 cmd += ["--cap-bytes", str(cap_bytes)]
             if device:
                 cmd += ["--device", device]
-            code, tail = run_logged(cmd, os.path.join(out_dir, f"{system}.log"))
+            code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"))
             if os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
             else:
-                results.append({"system": system, "shape": shape, "skipped": f"process exited {code}: {tail}"})
+                results.append({"system": system, "shape": shape, "cap_bytes": cap_bytes,
+                                "skipped": f"process exited {code}: {tail}"})
+            if several and cap_bytes:
+                results[-1]["label"] = f"{system} at {format_bytes(cap_bytes)}"
             # each result is kept as it comes: a run stopped later (a time limit) loses only what was running
-            write_json(os.path.join(out_dir, f"{system}.json"), results[-1])
+            write_json(os.path.join(out_dir, f"{name}.json"), results[-1])
             progress(f"    {_one_line(results[-1])}")
     add_ratios(results)
-    title = f"{shape}: tokens/s and peak memory" + (f", cap {format_bytes(cap_bytes)}" if cap_bytes else "")
+    capped = [format_bytes(c) for c in caps if c]
+    title = f"{shape}: tokens/s and peak memory" + (f", cap {', '.join(capped)}" if capped else "")
     paths = write_report(results, out_dir, title)
     return results, paths
+
+
+def _cap_name(cap_bytes: int) -> str:
+    """A cap in a file name: 24GiB, 1.5GiB, 512MiB."""
+    return format_bytes(cap_bytes).replace(" ", "").replace(".0", "")
 
 
 def write_json(path: str, data) -> None:
@@ -56,8 +73,8 @@ def write_json(path: str, data) -> None:
 def _one_line(r: dict) -> str:
     """A system's result in one line of the progress output (and so in a stage's log)."""
     if r.get("skipped"):
-        return f"{r['system']}: skipped: {r['skipped'][:200]}"
-    return (f"{r['system']}: {r['step_seconds']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
+        return f"{label(r)}: skipped: {r['skipped'][:200]}"
+    return (f"{label(r)}: {r['step_seconds']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
             f"{r['tflops']:.3g} TFLOPS, peak device {device_peak(r)}, "
             f"peak host {format_bytes(r.get('peak_host_bytes') or 0)}")
 
@@ -88,16 +105,18 @@ def main_args(args) -> int:
 
     shape = "smoke" if args.smoke else args.shape
     try:
-        cap = parse_bytes(args.cap) if args.cap else None
+        caps = [parse_bytes(c) for c in args.cap] if args.cap else [None]
     except ValueError as exc:
         raise ConfigError(f"--cap: {exc}") from None
+    if len(set(caps)) != len(caps):
+        raise ConfigError(f"--cap: each cap once, got {' '.join(args.cap)}")
     if shape != "smoke" and not torch.cuda.is_available():
         raise ConfigError(f"no CUDA device here, and the {shape} shape is a GPU benchmark (building it would take "
                           f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
     systems = args.systems or list(SYSTEMS)
     steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
-    results, paths = run_bench(shape, cap, systems, args.out, steps=steps, warmup=warmup,
+    results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
                                device="cpu" if args.smoke else None)
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
@@ -114,11 +133,12 @@ def add_arguments(p) -> None:
     from elixir_ray.cli import at_least
 
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b", help="model shape (default: gpt-4b; needs a GPU)")
-    p.add_argument("--cap", default=None, help="device memory cap for all but the reference, e.g. 24GiB "
-                                               "(default: none)")
+    p.add_argument("--cap", nargs="+", default=None,
+                   help="device memory cap for all but the reference, e.g. 24GiB; several (40GiB 24GiB) run each "
+                        "capped system once per cap beside one reference (default: none)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     p.add_argument("--steps", type=at_least(1), default=None,
-                   help="timed steps (median reported); default 6, 2 with --smoke")
+                   help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")
     p.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each "
