@@ -245,6 +245,7 @@ def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp
     (["--smoke", "--cap", "lots"], "--cap: expected a size"),
     (["--smoke", "--steps", "0"], "--steps: expected a whole number of at least 1"),
     (["--smoke", "--cap", "24MiB", "24MiB"], "--cap: each cap once"),
+    (["--smoke", "--cap", "24MiB", "24.01MiB"], "--cap: each cap once"),  # the same file name
 ])
 def test_bench_refuses_what_it_cannot_run_before_running_anything(flags, message, tmp_path, capsys):
     from elixir_ray.cli import main

@@ -162,25 +162,32 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
 
 
 def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_is_through():
-    """The first DOS chunk the forward needs is the last in the DOS queue (gradients are final in
-    the reverse order): only the forward's compute before that chunk hides the queue, and its loads
-    so far share the link with it; the later loads then overlap the later compute."""
+    """Where DOS updates start in backward, the first DOS chunk the forward needs is the last in
+    their queue (gradients are final in the reverse order): only the forward's compute before that
+    chunk hides the queue, and its loads so far share the link with it; the later loads then
+    overlap the later compute."""
     from elixir_ray.planner.cost import overlapped_step
 
-    at_step = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
-                   updates_in_backward=False, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
-    whole = overlapped_step(**at_step)  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
+    # started in backward, whose own loads (0.45 s) leave the link going up no idle time: the DOS
+    # copies in (0.3 s) are left whole for the forward; those out (0.2 s) go in backward's idle time
+    in_backward = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.55, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+                       updates_in_backward=True, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
+    whole = overlapped_step(**in_backward)  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
     assert whole == pytest.approx(0.6 + 0.25)
     # the defaults are the whole forward and all its loads: the same step
-    assert overlapped_step(**at_step, dos_first_at=0.15, loads_to_dos=0.1) == pytest.approx(whole)
+    assert overlapped_step(**in_backward, dos_first_at=0.15, loads_to_dos=0.1) == pytest.approx(whole)
     # a DOS chunk a third of the way in, after 0.04 s of loads: 0.04 + 0.3 - 0.05 exposed there,
     # then 0.06 s of loads beside 0.1 s of compute
-    assert overlapped_step(**at_step, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(0.6 + 0.29)
+    assert overlapped_step(**in_backward, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(0.6 + 0.29)
     # ... or beside 0.02 s of compute when the DOS chunk comes late: 0.04 s of loads wait after it
-    assert overlapped_step(**at_step, dos_first_at=0.13, loads_to_dos=0.04) == pytest.approx(0.6 + 0.21 + 0.04)
-    # the first host chunk is a DOS chunk whose copies the backward hid: nothing to wait for
-    in_backward = dict(at_step, updates_in_backward=True, dos_in=0.2)
-    assert overlapped_step(**in_backward, dos_first_at=0.0, loads_to_dos=0.01) == pytest.approx(0.6 + 0.01)
+    assert overlapped_step(**in_backward, dos_first_at=0.13, loads_to_dos=0.04) == pytest.approx(0.6 + 0.21 + 0.04)
+    # a backward with idle link time for the copies in: nothing left to wait for but the loads
+    idle = dict(in_backward, h2d=0.2)
+    assert overlapped_step(**idle, dos_first_at=0.0, loads_to_dos=0.01) == pytest.approx(0.6 + 0.01)
+    # started at step(), the DOS chunks are queued in the forward's order: its first is first, no stop
+    at_step = dict(in_backward, updates_in_backward=False)
+    assert overlapped_step(**at_step, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(
+        overlapped_step(**at_step))
 
 
 def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():

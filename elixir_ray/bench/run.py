@@ -108,8 +108,8 @@ def main_args(args) -> int:
         caps = [parse_bytes(c) for c in args.cap] if args.cap else [None]
     except ValueError as exc:
         raise ConfigError(f"--cap: {exc}") from None
-    if len(set(caps)) != len(caps):
-        raise ConfigError(f"--cap: each cap once, got {' '.join(args.cap)}")
+    if len(caps) > 1 and (not all(caps) or len({_cap_name(c) for c in caps}) != len(caps)):
+        raise ConfigError(f"--cap: each cap once, and none 0 (they name the results' files), got {' '.join(args.cap)}")
     if shape != "smoke" and not torch.cuda.is_available():
         raise ConfigError(f"no CUDA device here, and the {shape} shape is a GPU benchmark (building it would take "
                           f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
@@ -135,7 +135,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-4b", help="model shape (default: gpt-4b; needs a GPU)")
     p.add_argument("--cap", nargs="+", default=None,
                    help="device memory cap for all but the reference, e.g. 24GiB; several (40GiB 24GiB) run each "
-                        "capped system once per cap beside one reference (default: none)")
+                        "capped system once per cap beside one reference, which runs first (default: none)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     p.add_argument("--steps", type=at_least(1), default=None,
                    help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")

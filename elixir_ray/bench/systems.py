@@ -310,26 +310,36 @@ def allocator_counts(device: torch.device) -> dict:
 
 def host_profile(step, batch, device: torch.device, top: int = 16) -> list:
     """One step under torch's profiler (CUDA activity too where there is a device, for the runtime
-    calls): the engine's ranges by inclusive host time and the CUDA runtime calls by self time,
-    [name, calls, ms] longest first, after ["step", 1, wall ms]. The profiler slows the step; the
-    shares are what it is for. [] with the profiler's error where it cannot run here."""
+    calls), its background updates waited for as in the timed steps: the engine's ranges by
+    inclusive host time and the CUDA runtime calls by self time, [name, calls, ms] longest first,
+    after ["step", 1, wall ms] (the ranges nest: `elixir.step` holds `elixir.dos_update`). The
+    profiler slows the step; the shares are what it is for. Where the profiler cannot run here (no
+    CUPTI), one row says why instead; an error of the step itself is raised."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
-        with profile(activities=activities) as prof:
-            seconds, _ = _timed_step(step, batch, device)
-            settle = getattr(step, "settle", None)
-            if settle is not None:
-                settle()
-        rows = []
-        for e in prof.key_averages():
-            if e.key.startswith("elixir."):
-                rows.append([e.key, int(e.count), e.cpu_time_total / 1e3])
-            elif e.key.startswith("cuda") and e.self_cpu_time_total > 0:
-                rows.append([e.key, int(e.count), e.self_cpu_time_total / 1e3])
-    except Exception as exc:  # a profiler that cannot run here (no CUPTI) must not lose the run's figures
+        prof = profile(activities=activities)
+        prof.start()
+    except Exception as exc:
         return [[f"profiler failed: {type(exc).__name__}: {exc}", 0, 0.0]]
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        step(batch)
+        settle = getattr(step, "settle", None)
+        if settle is not None:
+            settle()
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        prof.stop()
+    rows = []
+    for e in prof.key_averages():
+        if e.key.startswith("elixir."):
+            rows.append([e.key, int(e.count), e.cpu_time_total / 1e3])
+        elif e.key.startswith("cuda") and e.self_cpu_time_total > 0:
+            rows.append([e.key, int(e.count), e.self_cpu_time_total / 1e3])
     rows.sort(key=lambda row: -row[2])
     return [["step", 1, seconds * 1e3]] + [[name, n, round(ms, 3)] for name, n, ms in rows[:top]]
 

@@ -640,11 +640,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         if self._dos_lanes is None:
             store = self.store
             width = min(DOS_TILE, max(store.chunks[i].shard_len for i in self.dos_chunks))
+            for stream in store.dos_streams or ():
+                stream.wait_stream(torch.cuda.current_stream(store.device))
             lanes = []
             for _ in range(DOS_BUFFERS):
                 buf = torch.empty(4, width, dtype=torch.float32, device=store.device)
                 for stream in store.dos_streams or ():
-                    stream.wait_stream(torch.cuda.current_stream(store.device))
                     buf.record_stream(stream)  # now, so that an error below cannot free it under queued copies
                 lanes.append([buf, None])
             self._dos_lanes = lanes
@@ -659,12 +660,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         (`ChunkStore.dos_streams`), so that one tile's state comes back while the next one's goes
         up, both directions of the link busy at once: with a stream per buffer, each running its
         tile's copies up, update and copies back in turn, the two could fall into step and take
-        the link one direction at a time (on the H100, 2.5 to 3.2 G params/s where the link's rate
-        each way allows 3.8 G). A tile's upload into a buffer waits for the copies back of the tile that
-        used it before. The copies overlap compute instead of holding up the compute stream. A
-        chunk's update starts when its gradient is final in the last backward, where the CPU
-        updates may start there (`gradient_final`), else at `step()`; either way it overlaps the
-        next forward too. Each chunk's `landed` events (one per DOS stream) tell its next readers
+        the link one direction at a time (on the H100, 2.5 to 3.2 G params/s where the link's
+        rate each way allows 3.8 G). A tile's upload into a buffer waits for the copies back of
+        the tile that used it before. The copies overlap compute instead of holding up the compute
+        stream. A chunk's update starts when its gradient is final in the last backward, where the
+        CPU updates may start there (`gradient_final`), else at `step()`; either way it overlaps
+        the next forward too. Each chunk's `landed` events (one per DOS stream) tell its next readers
         when its state is back: a fetch makes its stream wait for them, a host reader (`settle`)
         waits for them on the host. A gradient in the compute dtype lands in the exp_avg row
         before the moment does, and the master's cast for the upload copy goes out through the
@@ -710,9 +711,11 @@ class ChunkedAdam(torch.optim.Optimizer):
                     updated.record(up)
                 with torch.cuda.stream(down):
                     down.wait_event(updated)
-                    self._dos_tile_out(c, buf, lo, hi)
-                    lane[1] = torch.cuda.Event()
-                    lane[1].record(down)
+                    try:
+                        self._dos_tile_out(c, buf, lo, hi)
+                    finally:  # the next upload into this buffer waits for what was queued, even partly
+                        lane[1] = torch.cuda.Event()
+                        lane[1].record(down)
         finally:  # even when it raised partway: a copy already queued must still be waited for by readers
             if queued:
                 events = []

@@ -141,7 +141,7 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
     a part of `h2d`; dos_first_at: the forward's compute before its first DOS chunk (default: the
     whole forward, as with no DOS chunk); loads_to_dos: the forward's loads up to and including
-    that chunk's (default: all of them).
+    that chunk's (default: all of them); both count only with `updates_in_backward`.
 
     A step is two phases, because nothing crosses `step()` but the updates: the forward, which
     the host chunks' updates must reach (the pool is cold after a step, and a host chunk is loaded
@@ -155,7 +155,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     chunks' gradients are final in backward's order, the reverse of the forward's, so the first
     DOS chunk the forward needs is the last in their queue: the forward stops there until the
     whole queue has gone through (with its loads so far), and only its compute before that chunk
-    hides the queue (on the H100 the forward of gpt-4b waited 0.3 s there, 2026-11-27).
+    hides the queue (on the H100 the forward of gpt-4b waited 0.3 s there, 2026-11-27). Not so for
+    updates started at `step()`, which queues them in chunk order, the forward's.
     """
     rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
@@ -168,7 +169,7 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
     cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
     link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
-    if dos_first_at is not None:  # the forward waits at its first DOS chunk for the whole queue,
+    if dos_first_at is not None and updates_in_backward:  # it waits at its first DOS chunk for the whole queue
         loads_to = forward_loads if loads_to_dos is None else loads_to_dos
         at_first = np.maximum(np.maximum(loads_to + dos_in, dos_out) - dos_first_at, 0.0)
         # then its later loads go on beside its later compute, on a link the queue has left
