@@ -113,6 +113,19 @@ def test_bench_with_several_caps_runs_each_capped_system_once_per_cap(tmp_path):
     assert "- elixir_ray at 24.0 MiB: predicted step" in md and "- elixir_ray at 48.0 MiB: predicted step" in md
 
 
+def test_a_system_keeps_its_timed_figures_before_the_extra_steps():
+    """elixir_ray's breakdown and profiled steps come after the timed ones: the result is handed to
+    `keep` before each, so a process that dies there (a profiler's crash) leaves what was measured."""
+    from elixir_ray.bench.systems import SHAPES, run_system
+
+    kept = []
+    result = run_system("elixir_ray", SHAPES["smoke"], torch.device("cpu"), None, steps=1, warmup=1,
+                        keep=lambda r: kept.append(json.loads(json.dumps(r.to_dict()))))
+    assert len(kept) == 2 and all(k["tokens_per_s"] == result.tokens_per_s for k in kept)
+    assert not kept[0]["breakdown"] and kept[1]["breakdown"] and not kept[1]["host_profile"]
+    assert result.host_profile and result.breakdown == kept[1]["breakdown"]
+
+
 def test_timer_is_off_by_default_and_timing_does_not_change_training():
     torch.manual_seed(0)
     base = Toy()

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -27,17 +28,27 @@ def main() -> int:
 
         with open(args.plan) as f:
             plan = Plan.from_json(f.read())
+    def keep(partial) -> None:  # the figures so far, in case the process dies in the steps after
+        write_json(args.out, partial.to_dict())
+
     try:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
-                            steps=args.steps, warmup=args.warmup, plan=plan).to_dict()
+                            steps=args.steps, warmup=args.warmup, plan=plan, keep=keep).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure
         traceback.print_exc()
         result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return 0
+
+
+def write_json(path: str, data: dict) -> None:
+    """Under a temporary name first, so that a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,11 @@ def reference_parameters(shape: BenchShape) -> int:
 
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
-               steps: int = 6, warmup: int = 2, plan=None) -> SystemResult:
-    """`plan` (elixir_ray only): run this Plan instead of searching one under the cap."""
+               steps: int = 6, warmup: int = 2, plan=None, keep=None) -> SystemResult:
+    """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
+    given, is called with the result as it stands after the timed steps and again after the
+    breakdown's steps, before the profiled one: a process that dies in the extra steps (a
+    profiler's crash) still leaves what the timed steps measured."""
     torch.manual_seed(0)
     device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
@@ -277,10 +280,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     peak_host = peak_host_bytes()  # both peaks before the breakdown's extra steps
-    breakdown, breakdown_step, background = (step_breakdown(step, batch, device, timer, steps) if timer
-                                             else ({}, None, {}))
-    profile = host_profile(step, batch, device) if timer else []
-    return SystemResult(
+    result = SystemResult(
         system=system, shape=shape.name, device=str(device), cap_bytes=cap_bytes, params=params,
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
@@ -288,12 +288,20 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         first_loss=first_loss,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
-        breakdown=breakdown, breakdown_step_seconds=breakdown_step, background=background,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
-        timeline=timeline, pool=pool, allocator=allocator, host_profile=profile,
+        timeline=timeline, pool=pool, allocator=allocator,
     )
+    if timer is not None:  # elixir_ray: where its time goes, in extra steps after the timed ones
+        if keep is not None:
+            keep(result)
+        result.breakdown, result.breakdown_step_seconds, result.background = step_breakdown(
+            step, batch, device, timer, steps)
+        if keep is not None:
+            keep(result)
+        result.host_profile = host_profile(step, batch, device)
+    return result
 
 
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
