@@ -1,13 +1,12 @@
 """Measure one system in a fresh process (so peak memory and CUDA state are its own); writes JSON."""
 
 import argparse
-import json
-import os
 import sys
 import traceback
 
 import torch
 
+from elixir_ray.bench.run import write_json  # under a temporary name first: never half a file
 from elixir_ray.bench.systems import SHAPES, SYSTEMS, run_system
 
 
@@ -41,14 +40,6 @@ def main() -> int:
         result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
     write_json(args.out, result)
     return 0
-
-
-def write_json(path: str, data: dict) -> None:
-    """Under a temporary name first, so that a reader never sees half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

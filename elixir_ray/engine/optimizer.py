@@ -674,29 +674,29 @@ class ChunkedAdam(torch.optim.Optimizer):
         for c, calls, factor in work:
             self._update_dos_chunk(c, calls, factor, self._dos_lane_buffers())
 
-    def _update_dos_chunk(self, c: Chunk, calls: list, factor: float, lanes: list) -> None:
+    def _dos_tiles(self, c: Chunk, calls: list, lanes: list):
+        """(lane, the calls restricted to the tile, lo, hi) per tile of the chunk that has a gradient
+        somewhere (elsewhere its state and upload copy stay), the lanes taken in turn."""
         width = lanes[0][0].shape[1]
+        for lo in range(0, c.shard_len, width):
+            hi = min(lo + width, c.shard_len)
+            tile_calls = _tile_calls(calls, lo, hi)
+            if tile_calls:
+                lane = lanes[self._dos_turn % len(lanes)]
+                self._dos_turn += 1
+                yield lane, tile_calls, lo, hi
+
+    def _update_dos_chunk(self, c: Chunk, calls: list, factor: float, lanes: list) -> None:
         streams = self.store.dos_streams
         if streams is None:  # no streams: each tile in turn, at once
-            for lo in range(0, c.shard_len, width):
-                hi = min(lo + width, c.shard_len)
-                tile_calls = _tile_calls(calls, lo, hi)
-                if tile_calls:  # else no parameter here has a gradient: its state and upload copy stay
-                    buf = lanes[self._dos_turn % len(lanes)][0]
-                    self._dos_turn += 1
-                    self._dos_tile_in(c, tile_calls, factor, buf, lo, hi)
-                    self._dos_tile_out(c, buf, lo, hi)
+            for lane, tile_calls, lo, hi in self._dos_tiles(c, calls, lanes):
+                self._dos_tile_in(c, tile_calls, factor, lane[0], lo, hi)
+                self._dos_tile_out(c, lane[0], lo, hi)
             return
         up, down = streams
         queued = False
         try:
-            for lo in range(0, c.shard_len, width):
-                hi = min(lo + width, c.shard_len)
-                tile_calls = _tile_calls(calls, lo, hi)
-                if not tile_calls:
-                    continue
-                lane = lanes[self._dos_turn % len(lanes)]
-                self._dos_turn += 1
+            for lane, tile_calls, lo, hi in self._dos_tiles(c, calls, lanes):
                 buf, free = lane
                 with torch.cuda.stream(up):
                     if not queued:

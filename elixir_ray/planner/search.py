@@ -134,7 +134,7 @@ def _dos_first(lay: Layout, host: np.ndarray, dos: np.ndarray, forward: float, l
     has = dos.any(axis=-1)
     at = shares[first]
     loads = host * load
-    before = shares[None, :] <= np.atleast_1d(at)[..., None] if np.ndim(dos) > 1 else shares <= at
+    before = shares <= np.asarray(at)[..., None]  # per row, the chunks the forward reaches by then
     return (np.where(has, forward * at, forward),
             np.where(has, (loads * before).sum(axis=-1), loads.sum(axis=-1)))
 
