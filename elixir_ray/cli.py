@@ -119,6 +119,8 @@ def _cmd_plan(args) -> int:
              if hardware.cpu_adam_low_grad_params_per_s else "")
           + (f", x{hardware.cpu_adam_beside_copies:.2f} beside the device's copies"
              if hardware.cpu_adam_beside_copies else "")
+          + (f", copies both ways beside it {hardware.copies_beside_cpu_adam_gbps:.1f} GB/s each"
+             if hardware.copies_beside_cpu_adam_gbps else "")
           + f", matmul {hardware.matmul_tflops:.3g} TFLOPS")
     print(_host_memory_line(args, hardware, result.host_budget))
     print(result.plan.explain())

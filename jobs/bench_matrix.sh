@@ -75,7 +75,7 @@ stage_command() {
                       --out "$dir" ;;
         gpt-4b-24-all) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
                       --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload --out "$dir" ;;
-        plans-24) "$PY" jobs/bench_plans.py --shape gpt-4b --cap 24GiB --steps 2 --out "$dir/plans.json" ;;
+        plans-24) "$PY" jobs/bench_plans.py --shape gpt-4b --cap 24GiB --steps 4 --out "$dir/plans.json" ;;
         gpt-10b) "$PY" jobs/bench.py --shape gpt-10b --cap 70GiB --systems elixir_ray --steps 4 --out "$dir" ;;
     esac
 }

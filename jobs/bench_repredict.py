@@ -1,12 +1,21 @@
-"""The peak memory this version predicts for plans measured earlier: `python jobs/bench_repredict.py
-RESULT.json...`, each an `elixir_ray.json` written by `elixir-ray bench` (its plan, shape and
-measured peak). Each plan's model is traced on the meta device (no weights, a few seconds) and its
-placement costed with `elixir_ray.planner.search.plan_memory`, so a change to the memory model is
-checked against every GPU measurement already made, without a GPU."""
+"""The peak memory and step time this version predicts for plans measured earlier: `python
+jobs/bench_repredict.py RESULT.json...`, each an `elixir_ray.json` written by `elixir-ray bench`
+(its plan, shape and measured peak and step). Each plan's model is traced on the meta device (no
+weights, a few seconds) and its placement costed with `elixir_ray.planner.search.plan_memory` and
+`plan_step_seconds`, so a change to the cost model is checked against every GPU measurement
+already made, without a GPU.
+
+The step is re-costed with the rates and compute the plan was made with: the plan's `hardware`
+(plans from version 4 on), else the rates line of its notes; its forward's compute, else the
+traced FLOPs' forward share of its compute. `--compute-scale X` multiplies the compute and
+`--link-gbps G` sets `copies_beside_cpu_adam_gbps`, to see what a better-measured rate would
+predict."""
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,14 +25,48 @@ import torch  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.engine.plan import Plan  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
+from elixir_ray.planner.hardware import HardwareProfile  # noqa: E402
 from elixir_ray.planner.model_profile import profile_model  # noqa: E402
-from elixir_ray.planner.search import plan_memory  # noqa: E402
+from elixir_ray.planner.op_timing import ComputeTimes  # noqa: E402
+from elixir_ray.planner.search import plan_memory, plan_step_seconds  # noqa: E402
 from elixir_ray.units import format_bytes  # noqa: E402
+
+
+def _rate(line: str, pattern: str, scale: float = 1.0, default=None) -> float:
+    found = re.search(pattern, line)
+    if found is None:
+        if default is None:
+            raise ValueError(f"no {pattern!r} in the plan's rates line: {line}")
+        return default
+    return float(found.group(1)) * scale
+
+
+def plan_hardware(plan: Plan) -> HardwareProfile:
+    """The rates the plan was costed at: its `hardware`, or for an older plan its notes' rates line
+    (`HardwareProfile.rates()`, rounded as printed)."""
+    if plan.hardware:
+        return HardwareProfile(**plan.hardware)
+    line = next((n for n in plan.notes if n.startswith("rates (")), None)
+    if line is None:
+        raise ValueError("the plan has neither hardware nor a rates line in its notes")
+    return HardwareProfile(
+        device="cuda:0", h2d_gbps=_rate(line, r"host->device ([\d.]+) GB/s"),
+        d2h_gbps=_rate(line, r"device->host ([\d.]+) GB/s"),
+        cpu_adam_params_per_s=_rate(line, r"CPU AdamW ([\d.]+) G", 1e9),
+        cpu_adam_low_grad_params_per_s=_rate(line, r"\(([\d.]+) G from bf16", 1e9, 0.0),
+        cpu_adam_beside_copies=_rate(line, r"x([\d.]+) beside copies", 1.0, 0.0),
+        copies_beside_cpu_adam_gbps=_rate(line, r"beside it ([\d.]+) GB/s", 1.0, 0.0),
+        device_adam_params_per_s=_rate(line, r"device AdamW ([\d.]+) G", 1e9),
+        matmul_tflops=_rate(line, r"matmul ([\d.]+) TFLOPS"), cpu_threads=1)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", help="elixir_ray.json files from elixir-ray bench")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="multiply each plan's compute by this before re-costing its step")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="re-cost the steps with copies_beside_cpu_adam_gbps set to this")
     args = parser.parse_args()
     results = []
     for path in args.results:  # every file checked before any model is traced
@@ -39,6 +82,7 @@ def main() -> int:
         results.append(result)
     print("| shape | cap | measured peak | predicted at the run | predicted now | largest parts now |")
     print("|---|---|---|---|---|---|")
+    steps = []
     for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
@@ -51,6 +95,24 @@ def main() -> int:
         print(f"| {shape.name} | {format_bytes(result['cap_bytes'])} | {format_bytes(measured)} | "
               f"{format_bytes(then)} ({then / measured:.2f}x) | {format_bytes(now)} ({now / measured:.2f}x) | {largest} |",
               flush=True)
+        if plan.time.get("compute") and result.get("step_seconds"):
+            compute = plan.time["compute"] * args.compute_scale
+            forward = (plan.forward_compute_seconds * args.compute_scale if plan.forward_compute_seconds
+                       else compute * profile.trace.forward_flops / max(profile.trace.flops, 1))
+            profile.compute = ComputeTimes(device="cuda:0", forward_seconds=forward, step_seconds=compute, timed=0)
+            hw = plan_hardware(plan)
+            if args.link_gbps is not None:
+                hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
+            # the benchmark's loop declares one backward per step: updates start in backward
+            step = plan_step_seconds(plan, profile, hw, torch.empty(0, dtype=dtype).element_size())
+            steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
+    if steps:
+        print()
+        print("| shape | cap | measured step | predicted at the run | predicted now |")
+        print("|---|---|---|---|---|")
+        for name, cap, measured, then, now in steps:
+            print(f"| {name} | {format_bytes(cap)} | {measured:.3f} s | {then:.3f} s ({measured / then:.2f}x) | "
+                  f"{now:.3f} s ({measured / now:.2f}x) |")
     return 0
 
 

@@ -92,6 +92,31 @@ def test_host_chunks_with_bf16_gradients_are_costed_at_that_updates_rate():
     assert HardwareProfile.from_json(contended.to_json()) == contended
 
 
+def test_copies_are_costed_at_what_each_way_kept_beside_the_cpu_job_where_measured():
+    """The profile's copies both ways beside the CPU AdamW job: a step's loads, gradient copies
+    and DOS copies run so in training, so each way is costed at no more than that rate."""
+    import numpy as np
+
+    from elixir_ray.planner.cost import chunk_costs
+
+    rates = dict(device="cuda:0", h2d_gbps=50.0, d2h_gbps=40.0, cpu_adam_params_per_s=4e9,
+                 device_adam_params_per_s=8e10, matmul_tflops=500.0, cpu_threads=16)
+    alone, beside = HardwareProfile(**rates), HardwareProfile(**rates, copies_beside_cpu_adam_gbps=25.0)
+    assert alone.link_rates() == (50.0, 40.0) and beside.link_rates() == (25.0, 25.0)
+    assert HardwareProfile(**rates, copies_beside_cpu_adam_gbps=45.0).link_rates() == (45.0, 40.0)
+    sizes = np.array([2**20])
+    a = chunk_costs(sizes, sizes, np.ones(1, dtype=bool), 1, 2, alone, upload=True, grad_bytes=2)
+    b = chunk_costs(sizes, sizes, np.ones(1, dtype=bool), 1, 2, beside, upload=True, grad_bytes=2)
+    assert np.allclose(b.load_host, a.load_host * 2) and np.allclose(b.dos_in, a.dos_in * 2)
+    assert np.allclose(b.reduce_host, a.reduce_host * 40 / 25) and np.allclose(b.dos_out, a.dos_out * 40 / 25)
+    assert "beside it 25.0 GB/s each" in beside.rates() and "beside it" not in alone.rates()
+    assert HardwareProfile.slowest([alone, beside, HardwareProfile(**rates, copies_beside_cpu_adam_gbps=30.0)]
+                                   ).copies_beside_cpu_adam_gbps == 25.0  # the lowest measured; 0 does not count
+    assert HardwareProfile.from_json(beside.to_json()) == beside
+    with pytest.raises(ValueError, match="copies_beside_cpu_adam_gbps must be a non-negative number"):
+        HardwareProfile(**rates, copies_beside_cpu_adam_gbps=-1.0)
+
+
 def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
     """At the device AdamW's rate times its 28 bytes per element: a device chunk's fill casts its
     fp32 master (4 + 2 bytes in bf16), every gradient is copied into an fp32 buffer (2 + 4), and a
@@ -188,6 +213,56 @@ def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_
     at_step = dict(in_backward, updates_in_backward=False)
     assert overlapped_step(**at_step, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(
         overlapped_step(**at_step))
+
+
+def test_overlap_model_starts_the_dos_queue_at_its_first_final_gradient():
+    """Where DOS updates start in backward, their copies take backward's idle link only from the
+    first DOS chunk's final gradient on, and the last DOS chunk's copies only after its own: what
+    backward cannot hold goes on into the forward."""
+    from elixir_ray.planner.cost import overlapped_step
+
+    # backward 0.45 s with 0.1 s of its own loads and gradient copies: 0.35 s idle each way
+    idle = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+                updates_in_backward=True, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
+    assert overlapped_step(**idle) == pytest.approx(0.6)  # from backward's start: all hidden
+    assert overlapped_step(**idle, dos_start=0.0) == pytest.approx(0.6)
+    # from half-way: 0.175 s idle each way, 0.125 s in and 0.025 s out left, the first beside the
+    # forward's 0.1 s of loads: 0.075 s exposed
+    assert overlapped_step(**idle, dos_start=0.5) == pytest.approx(0.675)
+    # the last chunk's gradient final at 90%: its own 0.1 s in fits in the queue's remainder ...
+    assert overlapped_step(**idle, dos_start=0.5, dos_last=0.9, dos_last_in=0.1) == pytest.approx(0.675)
+    # ... its 0.2 s does not: 0.2 - 0.035 left, beside the forward's loads
+    assert overlapped_step(**idle, dos_start=0.5, dos_last=0.9, dos_last_in=0.2) == pytest.approx(0.715)
+    # at step(), nothing is in backward: the window does not matter
+    at_step = dict(idle, updates_in_backward=False)
+    assert overlapped_step(**at_step, dos_start=0.5, dos_last=0.9, dos_last_in=0.2) == pytest.approx(
+        overlapped_step(**at_step))
+
+
+def test_a_cpu_update_is_waited_for_as_long_as_it_outlasts_its_chunks_time():
+    """A chunk's CPU update has from its final gradient to the forward's need for it: a tied
+    embedding (final last, needed first) has none, a middle chunk part of backward and forward."""
+    from elixir_ray.planner.search import Layout, _cpu_latency
+
+    n = 3
+    lay = Layout(profile=None, chunk_size=1, sizes=np.ones(n), numels=np.ones(n), shards=np.ones(n),
+                 replicated=np.ones(n, dtype=bool), events=[], min_blocks=1, param_order=[],
+                 forward_before=np.array([0.0, 0.5, 0.8]), backward_final=np.array([1.0, 0.6, 0.3]))
+    adam = np.array([0.05, 0.05, 0.3])
+    plain = np.array([[True, False, False], [False, True, False], [False, False, True], [False] * 3])
+    # forward 0.1 s, last backward 0.3 s: chunk 0 has nothing, chunk 1 0.05 + 0.12 s, chunk 2 0.08 + 0.21 s
+    assert _cpu_latency(lay, plain, adam, 0.1, 0.3, True) == pytest.approx([0.05, 0.0, 0.01, 0.0])
+    # updates at step(): only the forward's compute before each chunk
+    assert _cpu_latency(lay, plain, adam, 0.1, 0.3, False) == pytest.approx([0.05, 0.0, 0.22, 0.0])
+    assert _cpu_latency(lay, plain[:1] | plain[2:3], adam, 0.1, 0.3, True) == pytest.approx([0.05])  # the worst
+
+
+def test_backward_shares_are_the_backward_accesses_up_to_each_chunks_last_one():
+    from elixir_ray.planner.search import backward_shares
+
+    events = [(0,), (1,), (1, 2), (0,), (2,), (1,)]
+    phases = ["forward"] * 3 + ["recompute"] + ["backward"] * 2
+    assert backward_shares(events, phases, 4).tolist() == [1 / 3, 1.0, 2 / 3, 0.0]  # chunk 3: not in backward
 
 
 def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():

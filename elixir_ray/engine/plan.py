@@ -12,8 +12,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-PLAN_VERSION = 3  # 3: activation checkpointing per block by mode name (version 2's True/False still read)
-READABLE_VERSIONS = (2, 3)
+# 3: activation checkpointing per block by mode name (version 2's True/False still read); 4: the
+# hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3)
+PLAN_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 
 
 @dataclass
@@ -42,6 +44,11 @@ class Plan:
     predicted_step_seconds: float = 0.0
     memory: dict = field(default_factory=dict)  # predicted peak, by part, in bytes
     time: dict = field(default_factory=dict)  # predicted step time, by part, in seconds
+    # what the predictions rest on, so that a plan measured later can be re-costed by a newer model
+    # (jobs/bench_repredict.py): the HardwareProfile's fields, and the forward's share of
+    # time["compute"] in seconds (one micro-step's)
+    hardware: dict = field(default_factory=dict)
+    forward_compute_seconds: float = 0.0
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
 

@@ -92,7 +92,7 @@ class ChunkCosts:
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
                 hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4) -> ChunkCosts:
-    h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
+    h2d, d2h = (rate * 1e9 for rate in hw.link_rates())  # as the copies run in training, beside the CPU job
     coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
     spread = (world - 1) / world if world > 1 else 0.0
     gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
@@ -129,19 +129,23 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
 
 def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, updates_in_backward: bool,
                     micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
-                    loads_to_dos=None):
+                    loads_to_dos=None, dos_start=0.0, dos_last=1.0, dos_last_in=0.0, dos_last_out=0.0):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
     micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
-    gradients); cpu_adam: the background thread's CPU AdamW; cpu_first: the CPU update of the first
-    host chunk the next forward needs, which nothing can hide; dos_in, dos_out: the Deep Optimizer
+    gradients); cpu_adam: the background thread's CPU AdamW; cpu_first: the longest that one host
+    chunk's CPU update outlasts the time between its final gradient and the forward's need for it,
+    which no speed of the queue hides (`search._cpu_latency`); dos_in, dos_out: the Deep Optimizer
     States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
     a part of `h2d`; dos_first_at: the forward's compute before its first DOS chunk (default: the
     whole forward, as with no DOS chunk); loads_to_dos: the forward's loads up to and including
-    that chunk's (default: all of them); both count only with `updates_in_backward`.
+    that chunk's (default: all of them); both count only with `updates_in_backward`; dos_start,
+    dos_last: the shares of the last backward done when the first and the last DOS chunk's
+    gradient is final (their copies start no earlier), dos_last_in, dos_last_out: that last
+    chunk's own copies (defaults: the queue may start as backward does).
 
     A step is two phases, because nothing crosses `step()` but the updates: the forward, which
     the host chunks' updates must reach (the pool is cold after a step, and a host chunk is loaded
@@ -150,7 +154,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     long as its longest stream. The updates (CPU AdamW, and the DOS chunks' copies, their two
     streams moving the two directions at once) start at `step()`, or with `updates_in_backward` in
     the last backward, where the DOS copies take the link's time that backward's own copies leave
-    idle. What is left goes on in the forward: its loads and the DOS copies share the link there,
+    idle, from the first DOS chunk's final gradient on (backward's idle link taken as spread evenly
+    over it), and the last DOS chunk's copies only after its own. What is left goes on in the forward: its loads and the DOS copies share the link there,
     and the forward waits for whichever is later, the link or the CPU AdamW's remainder. The DOS
     chunks' gradients are final in backward's order, the reverse of the forward's, so the first
     DOS chunk the forward needs is the last in their queue: the forward stops there until the
@@ -162,8 +167,11 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
         backward_in = np.maximum(h2d - forward_loads, 0.0) / micro_steps
-        dos_in = np.maximum(dos_in - np.maximum(last_backward - backward_in, 0.0), 0.0)
-        dos_out = np.maximum(dos_out - np.maximum(last_backward - d2h / micro_steps, 0.0), 0.0)
+        idle_in = np.maximum(last_backward - backward_in, 0.0)  # the link time backward's own copies leave
+        idle_out = np.maximum(last_backward - d2h / micro_steps, 0.0)
+        after_first, after_last = 1.0 - np.asarray(dos_start), 1.0 - np.asarray(dos_last)
+        dos_in = np.maximum(np.maximum(dos_in - idle_in * after_first, dos_last_in - idle_in * after_last), 0.0)
+        dos_out = np.maximum(np.maximum(dos_out - idle_out * after_first, dos_last_out - idle_out * after_last), 0.0)
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends

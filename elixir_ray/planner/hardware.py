@@ -43,14 +43,21 @@ class HardwareProfile:
     # at 3.1 G params/s and inside training at 2.0 to 2.5 G); measured on a GPU, 0: not measured
     # (a CPU device, or a profile from an older version), taken as 1
     cpu_adam_beside_copies: float = 0.0
+    # GB/s each way of pinned copies running both ways at once while the CPU AdamW job runs, as a
+    # step's loads, gradient copies and Deep Optimizer States copies run beside the background
+    # updates: the link and the host's memory are shared, so each direction gets less than alone
+    # (on the H100 the DOS copies ran at about half the one-way rate inside training); 0: not measured
+    copies_beside_cpu_adam_gbps: float = 0.0
 
     def __post_init__(self):
         """A profile is often hand-edited JSON: a rate that is not a positive number would plan with a
         zero division or a negative time, so it is refused here, by name."""
         for name in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
-                     "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies"):
+                     "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
+                     "copies_beside_cpu_adam_gbps"):
             value = getattr(self, name)
-            optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies")
+            optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
+                                "copies_beside_cpu_adam_gbps")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not optional):
                 raise ValueError(f"{name} must be a {'non-negative' if optional else 'positive'} number, got {value!r}")
@@ -65,6 +72,15 @@ class HardwareProfile:
             rate = self.cpu_adam_low_grad_params_per_s
         return rate * (self.cpu_adam_beside_copies or 1.0)
 
+    def link_rates(self) -> tuple[float, float]:
+        """GB/s (host->device, device->host) that a step's copies are costed at: each way's own rate,
+        or, where measured, no more than what each way kept while copies ran both ways beside the
+        CPU AdamW job (`copies_beside_cpu_adam_gbps`), as they do in training."""
+        beside = self.copies_beside_cpu_adam_gbps
+        if beside > 0:
+            return min(self.h2d_gbps, beside), min(self.d2h_gbps, beside)
+        return self.h2d_gbps, self.d2h_gbps
+
     def rates(self) -> str:
         """One line of the rates a prediction rests on, for a plan's notes: set beside a run's
         measurements, it tells a wrong rate from a wrong model."""
@@ -74,7 +90,10 @@ class HardwareProfile:
                 f"device->host {self.d2h_gbps:.1f} GB/s, CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G "
                 f"params/s{low} ({self.cpu_threads} CPU threads"
                 + (f"; x{self.cpu_adam_beside_copies:.2f} beside copies" if self.cpu_adam_beside_copies else "")
-                + "), device AdamW "
+                + ")"
+                + (f", copies both ways beside it {self.copies_beside_cpu_adam_gbps:.1f} GB/s each"
+                   if self.copies_beside_cpu_adam_gbps else "")
+                + ", device AdamW "
                 f"{self.device_adam_params_per_s / 1e9:.1f} G params/s, matmul {self.matmul_tflops:.3g} TFLOPS"
                 + (f", between ranks {self.collective_gbps:.1f} GB/s" if self.collective_gbps else ""))
 
@@ -97,6 +116,8 @@ class HardwareProfile:
             collective_gbps=min(p.collective_gbps for p in profiles),
             cpu_adam_beside_copies=min((p.cpu_adam_beside_copies for p in profiles if p.cpu_adam_beside_copies),
                                        default=0.0),
+            copies_beside_cpu_adam_gbps=min((p.copies_beside_cpu_adam_gbps for p in profiles
+                                             if p.copies_beside_cpu_adam_gbps), default=0.0),
             device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
         )
 
@@ -177,6 +198,7 @@ class PinnedCopies:
 
     def __init__(self, device: torch.device, elements: int = 128 << 20):
         self.device, self.elements = device, elements
+        self.rounds, self.seconds = 0, 0.0  # rounds of one copy each way, and the time they took
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._error: list = []
@@ -191,6 +213,7 @@ class PinnedCopies:
             dev_out = torch.empty(n, dtype=torch.bfloat16, device=self.device)
             up, down = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             self._started.set()
+            start = time.perf_counter()
             while not self._stop.is_set():
                 with torch.cuda.stream(up):
                     dev_in.copy_(host_in, non_blocking=True)
@@ -198,6 +221,8 @@ class PinnedCopies:
                     host_out.copy_(dev_out, non_blocking=True)
                 up.synchronize()
                 down.synchronize()
+                self.rounds += 1
+                self.seconds = time.perf_counter() - start
         except BaseException as exc:  # re-raised on the measuring thread
             self._error.append(exc)
             self._started.set()
@@ -218,24 +243,29 @@ class PinnedCopies:
             raise self._error[0]
         return False
 
+    def gbps_each_way(self) -> float:
+        """GB/s each way over the rounds that finished while the context was open (0.0 if none)."""
+        return self.rounds * self.elements * 2 / self.seconds / 1e9 if self.rounds and self.seconds > 0 else 0.0
+
 
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
                       pin_for: torch.device, beside_copies: bool = False,
-                      copy_bytes: int = 256 * 2**20) -> tuple[float, float]:
+                      copy_bytes: int = 256 * 2**20) -> tuple[float, float, float]:
     """The background thread's whole job for one host chunk of `numel` parameters, as the engine
     runs it (`HostChunkState`, `host_update`). The update alone over small fresh tensors ran at
     4.0 to 4.3 G params/s on the H100 machine while the engine's jobs ran at 2.0 to 2.5 G
     (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs.
-    Returns (alone, beside copies): the second with `PinnedCopies` running (0.0 unless asked), its
-    two device buffers `copy_bytes` together, as the profile's own copies take."""
+    Returns (alone, beside copies, copies' GB/s each way beside it): the second with `PinnedCopies`
+    running (0.0 unless asked), its two device buffers `copy_bytes` together, as the profile's own
+    copies take; the third what those copies kept meanwhile, which the step's copies are costed at."""
     state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
     alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
     if not beside_copies:
-        return alone, 0.0
-    with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)):
+        return alone, 0.0, 0.0
+    with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)) as copies:
         beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
-    return alone, beside
+    return alone, beside, copies.gbps_each_way()
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -259,10 +289,10 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     torch.set_num_threads(update_threads())  # as many as the engine's update thread takes
     try:
         host_numel = host_adam_numel or (128 * 2**20 if on_gpu else adam_numel)
-        cpu_adam, _ = _host_update_rate(host_numel, torch.float32, dtype, device)
+        cpu_adam, _, _ = _host_update_rate(host_numel, torch.float32, dtype, device)
         # from bf16 gradients, as GPU plans update, also beside copies both ways: the share it keeps
-        cpu_adam_low, beside = _host_update_rate(host_numel, torch.bfloat16, dtype, device, beside_copies=on_gpu,
-                                                copy_bytes=copy_bytes)
+        cpu_adam_low, beside, copies_beside = _host_update_rate(host_numel, torch.bfloat16, dtype, device,
+                                                                beside_copies=on_gpu, copy_bytes=copy_bytes)
     finally:
         torch.set_num_threads(threads)
     dev_adam = _adam_rate(device, adam_numel) if on_gpu else cpu_adam
@@ -275,4 +305,5 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
                            cpu_threads=torch.get_num_threads(), device_name=device_name(device),
                            cpu_adam_low_grad_params_per_s=cpu_adam_low,
-                           cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0)
+                           cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0,
+                           copies_beside_cpu_adam_gbps=copies_beside)

@@ -11,6 +11,8 @@ search to seconds.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,6 +62,9 @@ class Layout:
     # per chunk: the share of the forward's accesses before its first one there (1.0: none), for
     # the forward's compute before it (`_dos_first`)
     forward_before: Optional[np.ndarray] = None
+    # per chunk: the share of the backward's accesses (recomputation included) up to its last one,
+    # when its gradient is final and its update may start (0.0: none), for the DOS queue's start
+    backward_final: Optional[np.ndarray] = None
     # per memory sample of the trace (`backward_timeline`): activation bytes alive, and (columns: no
     # reduction in flight, up to MAX_REDUCTIONS_IN_FLIGHT) the most gradient buffers held at once and
     # how many of those are reductions in flight
@@ -106,6 +111,7 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
+                  backward_final=backward_shares(events, profile.trace.phases, len(sizes)),
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
@@ -123,6 +129,30 @@ def forward_shares(events: list, phases: list, n_chunks: int) -> np.ndarray:
         for cid in forward[i]:
             out[cid] = i / len(forward)
     return out
+
+
+def backward_shares(events: list, phases: list, n_chunks: int) -> np.ndarray:
+    """Per chunk, the share of the backward's accesses (recomputation and backward, after the
+    forward) up to and including its last one: when its gradient is final (0.0 for a chunk the
+    backward does not use)."""
+    backward = [ev for ev, phase in zip(events, phases) if phase != "forward"]
+    out = np.zeros(n_chunks)
+    for i, chunks in enumerate(backward):
+        for cid in chunks:
+            out[cid] = (i + 1) / len(backward)
+    return out
+
+
+def _dos_window(lay: Layout, dos: np.ndarray, dos_in: np.ndarray, dos_out: np.ndarray):
+    """Per row of `dos`: the shares of the last backward done when its first and its last DOS
+    chunk's gradient is final, and that last chunk's copies each way (the queue's own cost:
+    nothing to wait for where a row has no DOS chunk)."""
+    final = lay.backward_final if lay.backward_final is not None else np.zeros(len(lay.sizes))
+    has = dos.any(axis=-1)
+    start = np.where(has, np.min(np.where(dos, final, np.inf), axis=-1), 0.0)
+    last = np.argmax(np.where(dos, final, -np.inf), axis=-1)
+    return (start, np.where(has, final[last], 1.0), np.where(has, dos_in[last], 0.0),
+            np.where(has, dos_out[last], 0.0))
 
 
 def _dos_first(lay: Layout, host: np.ndarray, dos: np.ndarray, forward: float, load: np.ndarray):
@@ -191,11 +221,24 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 # -- one configuration, part by part ---------------------------------------------------------------
 
-def _first_cost(cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per row of `mask`: `cost` of its first True chunk (0 where none): the first host chunk the
-    next forward needs, whose CPU update nothing can hide."""
-    first = np.argmax(mask, axis=-1)
-    return np.where(mask.any(axis=-1), cost[first], 0.0)
+def _cpu_latency(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
+                 in_backward: bool) -> np.ndarray:
+    """Per row of `plain` (host chunks updated by the CPU): the longest that one chunk's CPU update
+    outlasts the time it has, however fast the queue (0 where none). An update starts no earlier
+    than its chunk's gradient is final (with `in_backward`, at that share of the last backward's
+    `backward` seconds, `Layout.backward_final`; else at `step()`), and the next forward needs the
+    chunk after its compute before it (`Layout.forward_before`). The thread takes the chunk the
+    forward needs first, so the chunk that bounds this is most often the first host chunk of the
+    forward, but not always: a tied embedding's gradient is final last in backward, and the next
+    forward needs it first, so a host chunk holding it has no time at all, where a chunk in the
+    middle has part of backward and of the forward (on the H100 each step waited 45 ms for
+    gpt-4b's embedding chunk, updated on the CPU, 2026-11-27)."""
+    n = plain.shape[-1]
+    before = lay.forward_before if lay.forward_before is not None else np.zeros(n)
+    final = lay.backward_final if lay.backward_final is not None else np.ones(n)
+    slack = forward * before + (backward * (1.0 - final) if in_backward else 0.0)
+    late = np.max(np.where(plain, adam_host - slack, -np.inf), axis=-1)
+    return np.where(plain.any(axis=-1), np.maximum(late, 0.0), 0.0)
 
 
 def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
@@ -235,9 +278,11 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
         + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
-        float(_first_cost(costs.adam_host, plain_host)), updates_in_backward, grad_accum,
+        float(_cpu_latency(lay, plain_host, costs.adam_host, forward, micro_step - forward, updates_in_backward)),
+        updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
-        float(load[host].sum()), float(dos_at), float(loads_to_dos))
+        float(load[host].sum()), float(dos_at), float(loads_to_dos),
+        *(float(x) for x in _dos_window(lay, dos, costs.dos_in, costs.dos_out)))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -470,9 +515,13 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         dosf = dos.astype(np.float64)
         dos_at, loads_to_dos = _dos_first(lay, hostf, dos, parts.forward, load)
         seconds = overlapped_step(parts.compute, parts.forward, on_stream + dosf @ costs.dos_update, h2d, d2h,
-                                  plain.astype(np.float64) @ costs.adam_host, _first_cost(costs.adam_host, plain),
+                                  plain.astype(np.float64) @ costs.adam_host,
+                                  _cpu_latency(lay, plain, costs.adam_host, parts.forward,
+                                               parts.compute / parts.micro_steps - parts.forward,
+                                               parts.updates_in_backward),
                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                  dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos)
+                                  dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
+                                  *_dos_window(lay, dos, costs.dos_in, costs.dos_out))
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
@@ -574,6 +623,17 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
     return {part: int(values[0]) for part, values in rows.items()}
 
 
+def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, elem_bytes: int,
+                      grad_accum: int = 1, updates_in_backward: bool = True) -> float:
+    """The step time this version's cost model predicts for an existing plan (its placement, pool,
+    DOS gap, copies), traced as `profile` with its compute set, at the rates `hw`: to set a plan
+    measured earlier beside the model as it is now."""
+    lay = plan_layout(profile, plan)
+    device = np.array([p == "device" for p in plan.placements])
+    choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low)
+    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward)[3]
+
+
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
     """The layouts to search for one packing: which chunks every rank keeps whole.
 
@@ -633,7 +693,8 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
-        memory=memory, time=time, notes=notes,
+        memory=memory, time=time, notes=notes, hardware=json.loads(hw.to_json()),
+        forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]),
     )
 
 
