@@ -155,8 +155,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     streams moving the two directions at once) start at `step()`, or with `updates_in_backward` in
     the last backward, where the DOS copies take the link's time that backward's own copies leave
     idle, from the first DOS chunk's final gradient on (backward's idle link taken as spread evenly
-    over it), and the last DOS chunk's copies only after its own. What is left goes on in the forward: its loads and the DOS copies share the link there,
-    and the forward waits for whichever is later, the link or the CPU AdamW's remainder. The DOS
+    over it), and the last DOS chunk's copies only after its own. What is left goes on in the
+    forward: its loads and the DOS copies share the link there, and the forward waits for whichever is later, the link or the CPU AdamW's remainder. The DOS
     chunks' gradients are final in backward's order, the reverse of the forward's, so the first
     DOS chunk the forward needs is the last in their queue: the forward stops there until the
     whole queue has gone through (with its loads so far), and only its compute before that chunk

@@ -12,7 +12,6 @@ search to seconds.
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 from typing import Optional
 
