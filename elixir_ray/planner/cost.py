@@ -156,9 +156,9 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     the last backward, where the DOS copies take the link's time that backward's own copies leave
     idle, from the first DOS chunk's final gradient on (backward's idle link taken as spread evenly
     over it), and the last DOS chunk's copies only after its own. What is left goes on in the
-    forward: its loads and the DOS copies share the link there, and the forward waits for whichever is later, the link or the CPU AdamW's remainder. The DOS
-    chunks' gradients are final in backward's order, the reverse of the forward's, so the first
-    DOS chunk the forward needs is the last in their queue: the forward stops there until the
+    forward: its loads and the DOS copies share the link there, and the forward waits for whichever
+    is later, the link or the CPU AdamW's remainder. The DOS chunks' gradients are final in
+    backward's order, the reverse of the forward's, so the first DOS chunk the forward needs is the last in their queue: the forward stops there until the
     whole queue has gone through (with its loads so far), and only its compute before that chunk
     hides the queue (on the H100 the forward of gpt-4b waited 0.3 s there, 2026-11-27). Not so for
     updates started at `step()`, which queues them in chunk order, the forward's.
