@@ -90,7 +90,7 @@ def main() -> int:
         dtype = getattr(torch, plan.dtype)
         profile = profile_model(model, (sample,), None, plan.activation_checkpointing, dtype)
         parts = plan_memory(plan, profile, torch.empty(0, dtype=dtype).element_size())
-        now, measured, then = sum(parts.values()), result["peak_device_bytes"], result["predicted_peak_bytes"]
+        now, measured, then = sum(parts.values()), result["peak_device_bytes"], plan.predicted_peak_bytes
         largest = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         print(f"| {shape.name} | {format_bytes(result['cap_bytes'])} | {format_bytes(measured)} | "
               f"{format_bytes(then)} ({then / measured:.2f}x) | {format_bytes(now)} ({now / measured:.2f}x) | {largest} |",

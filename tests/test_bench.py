@@ -296,6 +296,42 @@ def test_the_memory_model_predicts_the_h100s_measured_peaks_within_ten_percent()
     assert all(0.9 <= r <= 1.1 for r in ratios), out.stdout
 
 
+def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_path):
+    """A plan keeps the rates and forward compute it was costed with (version 4), so re-costing it
+    with the same model gives back its predicted step and peak: what makes the re-costed figures
+    of older GPU runs comparable. The smoke shape, planned on the meta device with made-up rates."""
+    import re
+    import subprocess
+    import sys
+
+    from elixir_ray.bench.systems import SHAPES
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.api import plan
+    from elixir_ray.planner.hardware import HardwareProfile
+
+    shape = SHAPES["smoke"]
+    hw = HardwareProfile(device="cpu", h2d_gbps=2.0, d2h_gbps=2.0, cpu_adam_params_per_s=2e8,
+                         device_adam_params_per_s=4e8, matmul_tflops=0.05, cpu_threads=1,
+                         copies_beside_cpu_adam_gbps=1.5)
+    model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
+    sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
+    made = plan(model, (sample,), device_memory="8MiB", hardware=hw, dtype=torch.float32, updates_in_backward=True,
+                time_compute=False)
+    assert made.hardware["copies_beside_cpu_adam_gbps"] == 1.5 and made.forward_compute_seconds > 0
+    assert "host" in made.placements  # the budget leaves some state on the host: copies are costed
+    result = tmp_path / "elixir_ray.json"
+    result.write_text(json.dumps({"system": "elixir_ray", "shape": "smoke", "cap_bytes": 8 << 20,
+                                  "peak_device_bytes": made.predicted_peak_bytes, "step_seconds": 1.0,
+                                  "plan": made.to_dict()}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), str(result)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    then, now = re.search(r"\| smoke \| [^|]+ \| 1\.000 s \| ([\d.]+) s \([\d.]+x\) \| ([\d.]+) s", out.stdout).groups()
+    assert float(now) == pytest.approx(made.predicted_step_seconds, abs=1e-3) and then == now, out.stdout
+    assert "(1.00x) | " in out.stdout.splitlines()[2]  # the peak too
+
+
 def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anything(tmp_path):
     """Every input is checked first: a missing file, or JSON that is not an elixir_ray result of a
     CUDA run, is one error line naming it (exit 2), and no model is traced for the good ones."""
