@@ -92,11 +92,12 @@ class _FetchParamsMode(TorchFunctionMode):
     def __init__(self, runtime: "EngineHooks"):
         super().__init__()
         self.runtime = runtime
+        self.slots = runtime.slot_by_param  # read once here: this handler runs for every op in forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        runtime = self.runtime
-        used = _slots_used(runtime.slot_by_param, args, kwargs)
+        used = _slots_used(self.slots, args, kwargs)
         if used:
+            runtime = self.runtime
             store = runtime.store
             if runtime.recording is not None and not torch.is_grad_enabled() and func.__name__ != "__get__":
                 runtime.recording.update(id(s) for s in used)
@@ -132,6 +133,7 @@ class EngineHooks:
         # that changes one before its backward is refused, as torch's in-place check refuses it)
         self._saved: Optional[dict] = None
         self._slot_offsets = {c.index: [sl.offset for sl in c.slots] for c in store.chunks}
+        self._by_storage = store.by_storage  # the same dict (fixed at the store's creation)
         self._changes_at_start: dict = {}  # id(slot) -> its weight's update count when the backward under way began
         self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
         self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
@@ -214,7 +216,7 @@ class EngineHooks:
     def pack(self, t: torch.Tensor):
         saved = self._saved
         if saved is not None:
-            chunk = self.store.chunk_of(t)
+            chunk = self._by_storage.get(t.untyped_storage()._cdata)  # store.chunk_of, inlined: runs per saved tensor
             if chunk is not None:  # a parameter, or a view of one (w.t())
                 slot = self._slot_at(chunk, t.storage_offset())
                 if slot is not None and id(slot) not in saved:
@@ -233,7 +235,7 @@ class EngineHooks:
         return None
 
     def unpack(self, t: torch.Tensor):
-        chunk = self.store.chunk_of(t)
+        chunk = self._by_storage.get(t.untyped_storage()._cdata)  # store.chunk_of, inlined: runs per saved tensor
         if chunk is not None:
             self._recompute_open = False
             self.pool.access((chunk.index,))  # also when resident: keeps the pool's place in the trace for prefetch
@@ -380,9 +382,12 @@ class EngineHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._armed = False
         expected = self._expected
-        for c in self.store.chunks:
-            c.pending = sum(1 for s in c.slots if s.param.requires_grad and (expected is None or id(s) in expected))
-            c.reduced = False
+        # evicted parameters are guarded (param_guard.ChunkParameter): reading requires_grad without
+        # the subclass's handler saves a Python call per parameter per backward
+        with torch._C.DisableTorchFunctionSubclass():
+            for c in self.store.chunks:
+                c.pending = sum(1 for s in c.slots if s.param.requires_grad and (expected is None or id(s) in expected))
+                c.reduced = False
         self._late, self._late_refused = set(), []
         self._next_reduce, self._deferred = 0, []
 

@@ -578,6 +578,12 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _calls(self, c: Chunk) -> list[AdamCall]:
         """What this chunk's update will do, fixed now; counts the update in each parameter's step."""
+        # the parameters are guarded (param_guard.ChunkParameter) here: without this, each
+        # `requires_grad` read below is a Python torch-function call (two per parameter per step)
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._calls_unguarded(c)
+
+    def _calls_unguarded(self, c: Chunk) -> list[AdamCall]:
         batches = defaultdict(list)
         for slot, lo, hi in c.segments():
             if slot.group < 0 or not slot.has_grad or not slot.param.requires_grad:

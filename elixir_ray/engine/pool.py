@@ -113,9 +113,10 @@ class ChunkPool:
         return self._access(chunk_ids, pin)
 
     def _access(self, chunk_ids, pin: bool) -> None:
-        chunk_ids = tuple(dict.fromkeys(chunk_ids))
-        if not chunk_ids:
-            return
+        if len(chunk_ids) != 1:  # one chunk (most accesses: a module's, an unpacked view's) needs no dedupe
+            chunk_ids = tuple(dict.fromkeys(chunk_ids))
+            if not chunk_ids:
+                return
         traced = self._advance(chunk_ids)
         # worked out on the first eviction (most accesses find their chunks resident), from the
         # recent chunks as they were before this access: `recent` is updated after the loop
@@ -138,9 +139,12 @@ class ChunkPool:
                     resident.remove(victim)
                 self.store.fetch(chunk)
             self.store.make_usable(chunk)
+        recent = self.recent
         for cid in chunk_ids:
-            self.recent.pop(cid, None)
-            self.recent[cid] = None
+            if cid in recent:  # move_to_end: what pop and re-insert did, in one dict operation
+                recent.move_to_end(cid)
+            else:
+                recent[cid] = None
             if pin:
                 self.pinned.add(cid)
         if traced:  # off the trace the cursor is stale: what it would load is evicted by the next untraced
