@@ -96,15 +96,17 @@ def main() -> int:
               f"{format_bytes(then)} ({then / measured:.2f}x) | {format_bytes(now)} ({now / measured:.2f}x) | {largest} |",
               flush=True)
         if plan.time.get("compute") and result.get("step_seconds"):
-            compute = plan.time["compute"] * args.compute_scale
+            compute = plan.time["compute"] / plan.grad_accum * args.compute_scale  # one micro-step's
             forward = (plan.forward_compute_seconds * args.compute_scale if plan.forward_compute_seconds
                        else compute * profile.trace.forward_flops / max(profile.trace.flops, 1))
             profile.compute = ComputeTimes(device="cuda:0", forward_seconds=forward, step_seconds=compute, timed=0)
             hw = plan_hardware(plan)
             if args.link_gbps is not None:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
-            # the benchmark's loop declares one backward per step: updates start in backward
-            step = plan_step_seconds(plan, profile, hw, torch.empty(0, dtype=dtype).element_size())
+            # the benchmark's loop declares one backward per step: updates start in backward (a plan
+            # made from version 4 on, the one with its hardware, says so itself)
+            step = plan_step_seconds(plan, profile, hw, torch.empty(0, dtype=dtype).element_size(),
+                                     updates_in_backward=None if plan.hardware else True)
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
     if steps:
         print()

@@ -318,6 +318,7 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
     made = plan(model, (sample,), device_memory="8MiB", hardware=hw, dtype=torch.float32, updates_in_backward=True,
                 time_compute=False)
     assert made.hardware["copies_beside_cpu_adam_gbps"] == 1.5 and made.forward_compute_seconds > 0
+    assert made.updates_in_backward and made.grad_accum == 1
     assert "host" in made.placements  # the budget leaves some state on the host: copies are costed
     result = tmp_path / "elixir_ray.json"
     result.write_text(json.dumps({"system": "elixir_ray", "shape": "smoke", "cap_bytes": 8 << 20,

@@ -306,7 +306,9 @@ def test_a_bare_cuda_device_is_resolved_to_the_current_one():
     assert device_budget(torch.device("cuda")) > 0
     hw = profile_hardware("cuda", copy_bytes=1 << 20)
     assert hw.device == f"cuda:{torch.cuda.current_device()}"
-    # the copies both ways beside the CPU job were counted, and kept no more than the link allows
+    assert hw.copies_beside_cpu_adam_gbps == 0.0  # rounds of 512 KiB each way: not a link's rate
+    # rounds of 32 MiB each way beside the CPU job: counted, and no more than the link allows
+    hw = profile_hardware("cuda", copy_bytes=64 << 20)
     assert 0 < hw.copies_beside_cpu_adam_gbps < 2 * max(hw.h2d_gbps, hw.d2h_gbps), hw
     result = run_system("reference", SHAPES["smoke"], torch.device("cuda"), cap_bytes=None, steps=1, warmup=0)
     assert result.tokens_per_s > 0

@@ -215,28 +215,65 @@ def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_
         overlapped_step(**at_step))
 
 
-def test_overlap_model_starts_the_dos_queue_at_its_first_final_gradient():
-    """Where DOS updates start in backward, their copies take backward's idle link only from the
-    first DOS chunk's final gradient on, and the last DOS chunk's copies only after its own: what
-    backward cannot hold goes on into the forward."""
+def test_overlap_model_releases_the_dos_queue_as_its_gradients_are_final():
+    """Where DOS updates start in backward, each DOS chunk's copies take backward's idle link only
+    after its gradient is final: the copies left for the forward are the most by which any part
+    of the queue, from one chunk's gradient on, outlasts the idle link after it."""
     from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.search import Layout, _dos_queue
 
     # backward 0.45 s with 0.1 s of its own loads and gradient copies: 0.35 s idle each way
     idle = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
-                updates_in_backward=True, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
-    assert overlapped_step(**idle) == pytest.approx(0.6)  # from backward's start: all hidden
-    assert overlapped_step(**idle, dos_start=0.0) == pytest.approx(0.6)
-    # from half-way: 0.175 s idle each way, 0.125 s in and 0.025 s out left, the first beside the
-    # forward's 0.1 s of loads: 0.075 s exposed
-    assert overlapped_step(**idle, dos_start=0.5) == pytest.approx(0.675)
-    # the last chunk's gradient final at 90%: its own 0.1 s in fits in the queue's remainder ...
-    assert overlapped_step(**idle, dos_start=0.5, dos_last=0.9, dos_last_in=0.1) == pytest.approx(0.675)
-    # ... its 0.2 s does not: 0.2 - 0.035 left, beside the forward's loads
-    assert overlapped_step(**idle, dos_start=0.5, dos_last=0.9, dos_last_in=0.2) == pytest.approx(0.715)
-    # at step(), nothing is in backward: the window does not matter
+                updates_in_backward=True, forward_loads=0.1)
+    lay = Layout(profile=None, chunk_size=1, sizes=np.ones(3), numels=np.ones(3), shards=np.ones(3),
+                 replicated=np.ones(3, dtype=bool), events=[], min_blocks=1, param_order=[],
+                 backward_final=np.array([0.9, 0.5, 0.1]))  # chunk 2's gradient first, chunk 0's last
+    dos_in = np.array([0.05, 0.2, 0.1])
+
+    def step(dos, **kw):
+        dos = np.array(dos)
+        queue_in, queue_out, after = _dos_queue(lay, dos, dos_in, np.zeros(3))
+        return overlapped_step(**{**idle, **kw}, dos_in=float(dos_in[dos].sum()), dos_out=0.0,
+                               dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after)
+
+    # all three: from chunk 2 on 0.35 - 0.35*0.9 left; from chunk 1 on 0.25 - 0.35*0.5 = 0.075, the
+    # most; from chunk 0 0.05 - 0.035: 0.075 left, beside the forward's 0.1 s of loads
+    assert step([True, True, True]) == pytest.approx(0.45 + 0.15 + (0.1 + 0.075 - 0.15))
+    # without chunk 2 (the first in the queue) the same is left: never slower with less work
+    assert step([True, True, False]) == pytest.approx(step([True, True, True]))
+    assert step([False, False, True]) == pytest.approx(0.6)  # early in backward: hidden
+    assert step([False, False, False]) == pytest.approx(0.6)
+    # the same rows at once (the search's form)
+    rows = np.array([[True, True, True], [False, False, True]])
+    queue_in, queue_out, after = _dos_queue(lay, rows, dos_in, np.zeros(3))
+    both = overlapped_step(**{**idle, "h2d": np.array([0.2, 0.2])}, dos_in=rows @ dos_in, dos_out=np.zeros(2),
+                           dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after)
+    assert both == pytest.approx([step([True, True, True]), 0.6])
+    # with no queue given, the whole queue may start as backward does (the earlier model)
+    assert overlapped_step(**idle, dos_in=0.35, dos_out=0.0) == pytest.approx(0.6)
+    # at step(), nothing is in backward: the queue's release times do not matter
     at_step = dict(idle, updates_in_backward=False)
-    assert overlapped_step(**at_step, dos_start=0.5, dos_last=0.9, dos_last_in=0.2) == pytest.approx(
-        overlapped_step(**at_step))
+    queue_in, queue_out, after = _dos_queue(lay, np.array([True, True, True]), dos_in, np.zeros(3))
+    assert overlapped_step(**at_step, dos_in=0.35, dos_out=0.0, dos_queue_in=queue_in, dos_queue_out=queue_out,
+                           dos_after=after) == pytest.approx(overlapped_step(**at_step, dos_in=0.35, dos_out=0.0))
+
+
+def test_a_chunks_gradient_is_final_when_its_last_gradient_arrives_not_at_its_last_read():
+    """A GPT's embedding is read in backward by no op (its gradient is a scatter into the rows),
+    and, tied to the head, its last weight read is the head's, at backward's start: its gradient
+    is final last all the same, which the planner's CPU and DOS timings must know."""
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.model_profile import profile_model
+    from elixir_ray.planner.search import make_layout
+
+    model = build_gpt(dict(d_model=64, n_layers=4, n_heads=4, vocab_size=256, seq_len=32), False, device="meta")
+    assert model.head.weight is model.wte.weight
+    sample = torch.randint(0, 256, (2, 33))
+    profile = profile_model(model, (sample,), None, None, torch.float32)
+    lay = make_layout(profile, 20_000, 1)  # wte (16,384 elements) in chunk 0, then about a block a chunk
+    final = lay.backward_final
+    assert final[0] == pytest.approx(1.0) and final[0] == final.max()
+    assert all(final[1:] < 1.0) and list(final[1:]) == sorted(final[1:], reverse=True)  # later blocks first
 
 
 def test_a_cpu_update_is_waited_for_as_long_as_it_outlasts_its_chunks_time():
@@ -255,14 +292,6 @@ def test_a_cpu_update_is_waited_for_as_long_as_it_outlasts_its_chunks_time():
     # updates at step(): only the forward's compute before each chunk
     assert _cpu_latency(lay, plain, adam, 0.1, 0.3, False) == pytest.approx([0.05, 0.0, 0.22, 0.0])
     assert _cpu_latency(lay, plain[:1] | plain[2:3], adam, 0.1, 0.3, True) == pytest.approx([0.05])  # the worst
-
-
-def test_backward_shares_are_the_backward_accesses_up_to_each_chunks_last_one():
-    from elixir_ray.planner.search import backward_shares
-
-    events = [(0,), (1,), (1, 2), (0,), (2,), (1,)]
-    phases = ["forward"] * 3 + ["recompute"] + ["backward"] * 2
-    assert backward_shares(events, phases, 4).tolist() == [1 / 3, 1.0, 2 / 3, 0.0]  # chunk 3: not in backward
 
 
 def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():

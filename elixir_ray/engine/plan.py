@@ -45,10 +45,13 @@ class Plan:
     memory: dict = field(default_factory=dict)  # predicted peak, by part, in bytes
     time: dict = field(default_factory=dict)  # predicted step time, by part, in seconds
     # what the predictions rest on, so that a plan measured later can be re-costed by a newer model
-    # (jobs/bench_repredict.py): the HardwareProfile's fields, and the forward's share of
-    # time["compute"] in seconds (one micro-step's)
+    # (jobs/bench_repredict.py): the HardwareProfile's fields, the forward's share of
+    # time["compute"] in seconds (one micro-step's), the micro-steps per step and whether the
+    # updates were costed as starting in the last backward
     hardware: dict = field(default_factory=dict)
     forward_compute_seconds: float = 0.0
+    grad_accum: int = 1
+    updates_in_backward: bool = False
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
 

@@ -25,8 +25,9 @@ compute stream. The predicted step is the critical path of its two phases, the f
 rest, not the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
-measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step). Collectives are assumed to run at the host-to-device rate unless the profile says
-otherwise (`collective_gbps`).
+measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step).
+Collectives are assumed to run at the host-to-device rate unless the profile says otherwise
+(`collective_gbps`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
 
 def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, updates_in_backward: bool,
                     micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
-                    loads_to_dos=None, dos_start=0.0, dos_last=1.0, dos_last_in=0.0, dos_last_out=0.0):
+                    loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
@@ -142,10 +143,12 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
     a part of `h2d`; dos_first_at: the forward's compute before its first DOS chunk (default: the
     whole forward, as with no DOS chunk); loads_to_dos: the forward's loads up to and including
-    that chunk's (default: all of them); both count only with `updates_in_backward`; dos_start,
-    dos_last: the shares of the last backward done when the first and the last DOS chunk's
-    gradient is final (their copies start no earlier), dos_last_in, dos_last_out: that last
-    chunk's own copies (defaults: the queue may start as backward does).
+    that chunk's (default: all of them); both count only with `updates_in_backward`;
+    dos_queue_in, dos_queue_out, dos_after (`search._dos_queue`): per chunk in the order their
+    gradients are final, the DOS copies each way of the chunks final no earlier (-inf for a chunk
+    not on DOS), and the share of the last backward after its gradient is final; a suffix of the
+    queue cannot start before its first chunk's gradient (default: the whole queue may start as
+    backward does).
 
     A step is two phases, because nothing crosses `step()` but the updates: the forward, which
     the host chunks' updates must reach (the pool is cold after a step, and a host chunk is loaded
@@ -154,14 +157,15 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     long as its longest stream. The updates (CPU AdamW, and the DOS chunks' copies, their two
     streams moving the two directions at once) start at `step()`, or with `updates_in_backward` in
     the last backward, where the DOS copies take the link's time that backward's own copies leave
-    idle, from the first DOS chunk's final gradient on (backward's idle link taken as spread evenly
-    over it), and the last DOS chunk's copies only after its own. What is left goes on in the
-    forward: its loads and the DOS copies share the link there, and the forward waits for whichever
-    is later, the link or the CPU AdamW's remainder. The DOS chunks' gradients are final in
-    backward's order, the reverse of the forward's, so the first DOS chunk the forward needs is the last in their queue: the forward stops there until the
-    whole queue has gone through (with its loads so far), and only its compute before that chunk
-    hides the queue (on the H100 the forward of gpt-4b waited 0.3 s there, 2026-11-27). Not so for
-    updates started at `step()`, which queues them in chunk order, the forward's.
+    idle (taken as spread evenly over backward), each chunk's copies only after its gradient is
+    final, in the order the gradients are. What is left goes on in the forward: its loads and the
+    DOS copies share the link there, and the forward waits for whichever is later, the link or the
+    CPU AdamW's remainder. The DOS chunks' gradients are final in backward's order, the reverse of
+    the forward's, so the first DOS chunk the forward needs is the last in their queue: the
+    forward stops there until the whole queue has gone through (with its loads so far), and only
+    its compute before that chunk hides the queue (on the H100 the forward of gpt-4b waited 0.3 s
+    there, 2026-11-27). Not so for updates started at `step()`, which queues them in chunk order,
+    the forward's.
     """
     rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
@@ -169,9 +173,13 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
         backward_in = np.maximum(h2d - forward_loads, 0.0) / micro_steps
         idle_in = np.maximum(last_backward - backward_in, 0.0)  # the link time backward's own copies leave
         idle_out = np.maximum(last_backward - d2h / micro_steps, 0.0)
-        after_first, after_last = 1.0 - np.asarray(dos_start), 1.0 - np.asarray(dos_last)
-        dos_in = np.maximum(np.maximum(dos_in - idle_in * after_first, dos_last_in - idle_in * after_last), 0.0)
-        dos_out = np.maximum(np.maximum(dos_out - idle_out * after_first, dos_last_out - idle_out * after_last), 0.0)
+        if dos_after is None:
+            dos_in = np.maximum(dos_in - idle_in, 0.0)
+            dos_out = np.maximum(dos_out - idle_out, 0.0)
+        else:  # each suffix of the queue from its first gradient on: the most that outlasts the idle link
+            after = np.asarray(dos_after)
+            dos_in = np.maximum(np.max(dos_queue_in - np.expand_dims(idle_in, -1) * after, axis=-1), 0.0)
+            dos_out = np.maximum(np.max(dos_queue_out - np.expand_dims(idle_out, -1) * after, axis=-1), 0.0)
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends

@@ -248,6 +248,9 @@ class PinnedCopies:
         return self.rounds * self.elements * 2 / self.seconds / 1e9 if self.rounds and self.seconds > 0 else 0.0
 
 
+MIN_COPY_ROUND_BYTES = 16 * 2**20  # each way per round, for PinnedCopies' rate to be a link's rate
+
+
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
                       pin_for: torch.device, beside_copies: bool = False,
                       copy_bytes: int = 256 * 2**20) -> tuple[float, float, float]:
@@ -265,7 +268,10 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
         return alone, 0.0, 0.0
     with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)) as copies:
         beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
-    return alone, beside, copies.gbps_each_way()
+    # rounds of small copies time their syncs more than the link: such a rate would under-cost
+    # every copy of a plan, so it counts as not measured
+    link = copies.gbps_each_way() if copy_bytes // 2 >= MIN_COPY_ROUND_BYTES else 0.0
+    return alone, beside, link
 
 
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,

@@ -110,7 +110,7 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
-                  backward_final=backward_shares(events, profile.trace.phases, len(sizes)),
+                  backward_final=backward_shares(profile.trace, chunk_of_param, handed_at, len(sizes)),
                   shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
@@ -130,28 +130,39 @@ def forward_shares(events: list, phases: list, n_chunks: int) -> np.ndarray:
     return out
 
 
-def backward_shares(events: list, phases: list, n_chunks: int) -> np.ndarray:
+def backward_shares(trace, chunk_of_param: list[int], handed_at: dict[int, int], n_chunks: int) -> np.ndarray:
     """Per chunk, the share of the backward's accesses (recomputation and backward, after the
-    forward) up to and including its last one: when its gradient is final (0.0 for a chunk the
-    backward does not use)."""
-    backward = [ev for ev, phase in zip(events, phases) if phase != "forward"]
-    out = np.zeros(n_chunks)
-    for i, chunks in enumerate(backward):
-        for cid in chunks:
-            out[cid] = (i + 1) / len(backward)
-    return out
+    forward) that come before its gradient is final: its last parameter's gradient arrived (from
+    the trace's gradient order, not from its weights' reads: an embedding's backward reads no
+    weight, and a tied one's gradient is final last), or with several ranks its reduction's turn
+    (`handed_at`, moment 2k after k gradients). 0.0 for a chunk with no gradient."""
+    back = np.array([e for e, phase in zip(trace.grad_epochs, trace.phases) if phase != "forward"], dtype=np.int64)
+    arrived = np.zeros(n_chunks, dtype=np.int64)  # gradients arrived when each chunk's last one did
+    for position, i in enumerate(trace.grad_order):
+        arrived[chunk_of_param[i]] = position + 1
+    for c, moment in handed_at.items():
+        arrived[c] = max(arrived[c], moment // 2)
+    if len(back) == 0:
+        return np.zeros(n_chunks)
+    return np.where(arrived > 0, np.searchsorted(back, arrived, side="left") / len(back), 0.0)
 
 
-def _dos_window(lay: Layout, dos: np.ndarray, dos_in: np.ndarray, dos_out: np.ndarray):
-    """Per row of `dos`: the shares of the last backward done when its first and its last DOS
-    chunk's gradient is final, and that last chunk's copies each way (the queue's own cost:
-    nothing to wait for where a row has no DOS chunk)."""
+def _dos_queue(lay: Layout, dos: np.ndarray, dos_in: np.ndarray, dos_out: np.ndarray):
+    """The DOS queue's release times, for `overlapped_step`: per row of `dos` and per chunk in the
+    order their gradients are final, the copies each way of the row's DOS chunks final no earlier
+    than it (-inf where the chunk is not a DOS chunk of the row), and per chunk in that order the
+    share of the last backward after its gradient is final. The copies left for the forward are
+    the most by which any such suffix of the queue outlasts backward's idle link after it starts."""
     final = lay.backward_final if lay.backward_final is not None else np.zeros(len(lay.sizes))
-    has = dos.any(axis=-1)
-    start = np.where(has, np.min(np.where(dos, final, np.inf), axis=-1), 0.0)
-    last = np.argmax(np.where(dos, final, -np.inf), axis=-1)
-    return (start, np.where(has, final[last], 1.0), np.where(has, dos_in[last], 0.0),
-            np.where(has, dos_out[last], 0.0))
+    order = np.argsort(final, kind="stable")
+    member = dos[..., order]
+
+    def suffix(cost):
+        work = np.where(member, cost[order], 0.0)
+        sums = np.flip(np.cumsum(np.flip(work, axis=-1), axis=-1), axis=-1)
+        return np.where(member, sums, -np.inf)
+
+    return suffix(dos_in), suffix(dos_out), 1.0 - final[order]
 
 
 def _dos_first(lay: Layout, host: np.ndarray, dos: np.ndarray, forward: float, load: np.ndarray):
@@ -281,7 +292,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
-        *(float(x) for x in _dos_window(lay, dos, costs.dos_in, costs.dos_out)))
+        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
@@ -520,7 +531,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                                                parts.updates_in_backward),
                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
                                   dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
-                                  *_dos_window(lay, dos, costs.dos_in, costs.dos_out))
+                                  *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
@@ -623,10 +634,13 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
 
 
 def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, elem_bytes: int,
-                      grad_accum: int = 1, updates_in_backward: bool = True) -> float:
+                      grad_accum: Optional[int] = None, updates_in_backward: Optional[bool] = None) -> float:
     """The step time this version's cost model predicts for an existing plan (its placement, pool,
     DOS gap, copies), traced as `profile` with its compute set, at the rates `hw`: to set a plan
-    measured earlier beside the model as it is now."""
+    measured earlier beside the model as it is now. The micro-steps and where the updates start
+    default to the plan's own (a plan older than version 4 says one, and at `step()`)."""
+    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
+    updates_in_backward = plan.updates_in_backward if updates_in_backward is None else updates_in_backward
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low)
@@ -693,7 +707,8 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
         memory=memory, time=time, notes=notes, hardware=json.loads(hw.to_json()),
-        forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]),
+        forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
+        updates_in_backward=updates_in_backward,
     )
 
 
