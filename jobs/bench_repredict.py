@@ -88,8 +88,9 @@ def main() -> int:
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
         dtype = getattr(torch, plan.dtype)
+        elem = torch.empty(0, dtype=dtype).element_size()
         profile = profile_model(model, (sample,), None, plan.activation_checkpointing, dtype)
-        parts = plan_memory(plan, profile, torch.empty(0, dtype=dtype).element_size())
+        parts = plan_memory(plan, profile, elem)
         now, measured, then = sum(parts.values()), result["peak_device_bytes"], plan.predicted_peak_bytes
         largest = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         print(f"| {shape.name} | {format_bytes(result['cap_bytes'])} | {format_bytes(measured)} | "
@@ -105,8 +106,7 @@ def main() -> int:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
             # the benchmark's loop declares one backward per step: updates start in backward (a plan
             # made from version 4 on, the one with its hardware, says so itself)
-            step = plan_step_seconds(plan, profile, hw, torch.empty(0, dtype=dtype).element_size(),
-                                     updates_in_backward=None if plan.hardware else True)
+            step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=None if plan.hardware else True)
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
     if steps:
         print()

@@ -133,7 +133,6 @@ class EngineHooks:
         # that changes one before its backward is refused, as torch's in-place check refuses it)
         self._saved: Optional[dict] = None
         self._slot_offsets = {c.index: [sl.offset for sl in c.slots] for c in store.chunks}
-        self._by_storage = store.by_storage  # the same dict (fixed at the store's creation)
         self._changes_at_start: dict = {}  # id(slot) -> its weight's update count when the backward under way began
         self._armed = False  # an output's gradient arrived: a backward may open (callback queued)
         self._expected: Optional[set] = None  # several ranks: ids of slots this backward gives gradients
@@ -216,7 +215,7 @@ class EngineHooks:
     def pack(self, t: torch.Tensor):
         saved = self._saved
         if saved is not None:
-            chunk = self._by_storage.get(t.untyped_storage()._cdata)  # store.chunk_of, inlined: runs per saved tensor
+            chunk = self.store.chunk_of(t)
             if chunk is not None:  # a parameter, or a view of one (w.t())
                 slot = self._slot_at(chunk, t.storage_offset())
                 if slot is not None and id(slot) not in saved:
@@ -235,7 +234,7 @@ class EngineHooks:
         return None
 
     def unpack(self, t: torch.Tensor):
-        chunk = self._by_storage.get(t.untyped_storage()._cdata)  # store.chunk_of, inlined: runs per saved tensor
+        chunk = self.store.chunk_of(t)
         if chunk is not None:
             self._recompute_open = False
             self.pool.access((chunk.index,))  # also when resident: keeps the pool's place in the trace for prefetch

@@ -245,7 +245,8 @@ class PinnedCopies:
 
     def gbps_each_way(self) -> float:
         """GB/s each way over the rounds that finished while the context was open (0.0 if none)."""
-        return self.rounds * self.elements * 2 / self.seconds / 1e9 if self.rounds and self.seconds > 0 else 0.0
+        bytes_each_way = self.rounds * self.elements * torch.bfloat16.itemsize
+        return bytes_each_way / self.seconds / 1e9 if self.rounds and self.seconds > 0 else 0.0
 
 
 MIN_COPY_ROUND_BYTES = 16 * 2**20  # each way per round, for PinnedCopies' rate to be a link's rate

@@ -5,9 +5,10 @@ The meta trace lists every distinct kernel call of one training step with its sh
 tensors of those shapes, filled with small random values as training's are (a GPU can draw less
 power on constant operands and hold higher clocks than in training; on the H100 the replay came
 out 19% under a measured plain step of gpt-4b while its tensors were constant), in batches of
-about 10 ms on a GPU, and its median time is multiplied by its count. A GPT has a few dozen distinct calls
-however many layers it has, so this takes seconds, and it sees what FLOPs cannot: memory-bound
-kernels (norms, activations, casts, the loss) and how close each matmul shape gets to the peak.
+about 10 ms on a GPU, and its median time is multiplied by its count. A GPT has a few dozen
+distinct calls however many layers it has, so this takes seconds, and it sees what FLOPs cannot:
+memory-bound kernels (norms, activations, casts, the loss) and how close each matmul shape gets to
+the peak.
 
 Attention is timed through `F.scaled_dot_product_attention`, so that the device picks the kernel
 it would pick in training (flash attention on a GPU), forward and backward apart. A call that

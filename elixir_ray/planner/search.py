@@ -153,7 +153,7 @@ def _dos_queue(lay: Layout, dos: np.ndarray, dos_in: np.ndarray, dos_out: np.nda
     than it (-inf where the chunk is not a DOS chunk of the row), and per chunk in that order the
     share of the last backward after its gradient is final. The copies left for the forward are
     the most by which any such suffix of the queue outlasts backward's idle link after it starts."""
-    final = lay.backward_final if lay.backward_final is not None else np.zeros(len(lay.sizes))
+    final = lay.backward_final
     order = np.argsort(final, kind="stable")
     member = dos[..., order]
 
@@ -243,10 +243,7 @@ def _cpu_latency(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward:
     forward needs it first, so a host chunk holding it has no time at all, where a chunk in the
     middle has part of backward and of the forward (on the H100 each step waited 45 ms for
     gpt-4b's embedding chunk, updated on the CPU, 2026-11-27)."""
-    n = plain.shape[-1]
-    before = lay.forward_before if lay.forward_before is not None else np.zeros(n)
-    final = lay.backward_final if lay.backward_final is not None else np.ones(n)
-    slack = forward * before + (backward * (1.0 - final) if in_backward else 0.0)
+    slack = forward * lay.forward_before + (backward * (1.0 - lay.backward_final) if in_backward else 0.0)
     late = np.max(np.where(plain, adam_host - slack, -np.inf), axis=-1)
     return np.where(plain.any(axis=-1), np.maximum(late, 0.0), 0.0)
 
