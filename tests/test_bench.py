@@ -74,6 +74,13 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     ms = [t for _, _, t in profile[1:]]
     assert ms == sorted(ms, reverse=True)
     assert not rows["reference"]["host_profile"] and not ex["allocator"]  # the allocator counts are CUDA's
+    for system in ("reference", "elixir_ray"):  # every system: one step's Python on the training thread
+        py = rows[system]["python_profile"]
+        assert py[0][0] == "step" and py[0][1] > 0 and py[0][2] > 0, py
+        self_ms = [row[2] for row in py[1:]]
+        assert self_ms == sorted(self_ms, reverse=True) and all(row[3] >= row[2] for row in py[1:])
+    engine_files = ("hooks.py", "pool.py", "chunks.py", "optimizer.py")  # the engine's own Python is among the busiest
+    assert any(row[0].startswith(engine_files) for row in ex["python_profile"][1:]), ex["python_profile"]
     for system in rows:  # each system's whole output, beside the report
         log = (out / f"{system}.log").read_text()
         assert log.startswith("$ ") and "--system " + system in log and "# exit 0" in log
@@ -85,6 +92,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert "| cpu_adam (background) |" in md
     assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md and "one profiled step" in md
     assert "Loss from the first warm-up step to the last timed one: reference " in md
+    assert "Python on the training thread" in md and "- reference: step " in md and "Python calls; " in md
     assert "| reference |" in capsys.readouterr().out
 
 

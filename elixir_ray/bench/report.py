@@ -57,7 +57,24 @@ def markdown_table(results: list[dict]) -> str:
     predictions = prediction_lines(results)
     if predictions:
         lines += ["", *predictions]
+    python = python_lines(results)
+    if python:
+        lines += ["", "Python on the training thread, one more step under cProfile (self time; it slows Python calls, "
+                      "so read the shares):", *python]
     return "\n".join(lines)
+
+
+def python_lines(results: list[dict], top: int = 8) -> list[str]:
+    """Per system, its profiled step's Python calls and the functions with the most self time."""
+    out = []
+    for r in results:
+        rows = r.get("python_profile") or []
+        if r.get("skipped") or not rows:
+            continue
+        _, calls, wall_ms, _ = rows[0]
+        out.append(f"- {label(r)}: step {wall_ms:.1f} ms, {calls:,} Python calls; " + ", ".join(
+            f"{where} {self_ms:.1f} ms ({n})" for where, n, self_ms, _ in rows[1:top + 1]))
+    return out
 
 
 def prediction_lines(results: list[dict]) -> list[str]:

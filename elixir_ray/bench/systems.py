@@ -100,6 +100,10 @@ class SystemResult:
     # included) and the CUDA runtime calls that take the host's time (self time), longest first;
     # "step" is that step's wall time. It says which engine calls hold the training thread
     host_profile: list = field(default_factory=list)
+    # every system: one more step with Python's profiler on the training thread (`python_profile`):
+    # ["step", Python calls, wall ms, 0] first, then [function, calls, self ms, inclusive ms] by self
+    # time. Where a step is bound by the host (the device waits for it), this says which Python
+    python_profile: list = field(default_factory=list)
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -301,6 +305,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         if keep is not None:
             keep(result)
         result.host_profile = host_profile(step, batch, device)
+    result.python_profile = python_profile(step, batch, device)
     return result
 
 
@@ -350,6 +355,38 @@ def host_profile(step, batch, device: torch.device, top: int = 16) -> list:
             rows.append([e.key, int(e.count), e.self_cpu_time_total / 1e3])
     rows.sort(key=lambda row: -row[2])
     return [["step", 1, seconds * 1e3]] + [[name, n, round(ms, 3)] for name, n, ms in rows[:top]]
+
+
+def python_profile(step, batch, device: torch.device, top: int = 20) -> list:
+    """One step under cProfile, which sees only this thread (the training thread; the background
+    CPU updates are not in it): ["step", Python calls, wall ms, 0], then the `top` functions by
+    self time as ["file:line(name)", calls, self ms, inclusive ms]. cProfile slows each Python call
+    (about 2x for small ones), so the shares are what it is for; a C function (a torch op) counts
+    its own time, the waits in it included."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    _sync(device)
+    start = time.perf_counter()
+    profiler.enable()
+    try:
+        step(batch)
+        settle = getattr(step, "settle", None)
+        if settle is not None:
+            settle()
+        _sync(device)
+    finally:
+        profiler.disable()
+    seconds = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, self s, inclusive s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])
+    calls = sum(v[1] for v in stats.values())
+    out = [["step", calls, round(seconds * 1e3, 3), 0.0]]
+    for (filename, line, name), (_, n, self_s, incl_s, _) in rows[:top]:
+        where = f"{os.path.basename(filename)}:{line}({name})" if filename != "~" else name
+        out.append([where, n, round(self_s * 1e3, 3), round(incl_s * 1e3, 3)])
+    return out
 
 
 def timeline_events(timer) -> list:
