@@ -45,9 +45,35 @@ def _engine(model, rows, world=1, max_grad_norm=None, accumulation_steps=None, p
                 accumulation_steps=accumulation_steps, prefetch=prefetch, dtype=dtype)
 
 
+def record_device_gradients_at_step(model, opt) -> list[list[tuple]]:
+    """Record, at every `opt.step()`, (updated, gradient alive, released) for each device chunk:
+    with updates in backward, a device chunk's gradient is released once its update has run there."""
+    seen: list[list[tuple]] = []
+    step = opt.step
+
+    def recording_step(*args, **kwargs):
+        seen.append([(c.updated, c.grad is not None, c.grad_released)
+                     for c in model.store.chunks if c.placement == "device"])
+        return step(*args, **kwargs)
+
+    opt.step = recording_step
+    return seen
+
+
+def assert_device_gradients_released(seen: list[list[tuple]], steps: int) -> None:
+    """Every step, some device chunk was updated in the backward, and each one that was holds no
+    gradient (those with none to update hold none either)."""
+    assert len(seen) == steps
+    for chunks in seen:
+        assert any(updated for updated, _, _ in chunks)
+        assert all(not alive and released == updated for updated, alive, released in chunks), chunks
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("ckpt", ["", "non-reentrant", "reentrant"])  # reentrant: a nested backward per region
 def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
+    """Also: each device chunk's gradient is released once its update has run in the backward (the
+    planner counts none of them beyond the buffers still collecting), and the training is torch's."""
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)
     data = batches(STEPS * accum, 8)
@@ -55,8 +81,10 @@ def test_updates_started_during_the_last_backward_match_torch(accum, ckpt):
     model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=accum, cycle=("host", "device"))
     assert opt.updates_in_backward
     started = count_updates_started_before_step(model, opt)
+    device_grads = record_device_gradients_at_step(model, opt)
     losses = engine_run(model, opt, data, STEPS, accum)
     assert len(started) == STEPS and min(started) > 0  # every step's updates began in its last backward
+    assert_device_gradients_released(device_grads, STEPS)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
     assert _max_diff(model.state_dict(), ref_state) <= 1e-5
     assert torch.equal(model.state_dict()["unused.weight"], base.state_dict()["unused.weight"])
@@ -115,6 +143,93 @@ def test_updates_really_start_before_step():
     assert started and set(started) == set(host_with_grad)  # every chunk with a gradient, before step()
     opt.step()
     opt.zero_grad()
+
+
+def test_a_released_gradient_read_through_grad_says_it_was_applied_in_backward():
+    """`.grad` is None for every wrapped parameter (gradients live in the chunks), and reading it after
+    a backward warns once. With the updates started in backward, the warning also says that this
+    step's updates already ran and the device chunks' gradients were applied and released: a loop
+    that clips or scales between backward and step reaches nothing."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1, cycle=("host", "device"))
+    model(batches(1, 8)[0]).backward()
+    released = [c for c in model.store.chunks if c.placement == "device" and c.grad_released]
+    assert released and all(c.grad is None for c in released)
+    param = released[0].slots[0].param
+    with pytest.warns(UserWarning, match=r"\.grad is None.*applied and released then.*accumulation_steps=None"):
+        assert param.grad is None
+    opt.step()
+    opt.zero_grad()
+    assert not any(c.grad_released for c in model.store.chunks)
+
+
+def test_without_accumulation_steps_device_gradients_stay_until_zero_grad():
+    """Updates at step(): every device chunk's gradient is there from its backward to zero_grad(), as
+    before, and a `.grad` read warns without any word of a release."""
+    torch.manual_seed(0)
+    base = Toy()
+    data = batches(3, 8)
+    ref_losses, ref_state = reference_run(base, data, 3, 1, None)
+    model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=None, cycle=("host", "device"))
+    assert not opt.updates_in_backward
+    device_grads = record_device_gradients_at_step(model, opt)
+    with pytest.warns(UserWarning) as seen:
+        model(data[0]).backward()
+        assert model.slots[0].param.grad is None
+    read = [w for w in seen if ".grad of parameter" in str(w.message)]
+    assert len(read) == 1 and "released" not in str(read[0].message)
+    device = [c for c in model.store.chunks if c.placement == "device"]
+    assert any(c.grad is not None for c in device) and not any(c.grad_released or c.updated for c in device)
+    opt.step()
+    assert any(c.grad is not None for c in device)  # until zero_grad
+    opt.zero_grad()
+    losses = engine_run(model, opt, data[1:], 2, 1)
+    assert all(not updated and not released for chunks in device_grads for updated, _, released in chunks)
+    assert any(alive for chunks in device_grads for _, alive, _ in chunks)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[1:])) <= 1e-5
+    assert _max_diff(model.state_dict(), ref_state) <= 1e-5
+
+
+def test_a_backward_after_a_step_without_zero_grad_is_refused_once_gradients_were_released():
+    """torch would add the next backward's gradients to the last step's; those of the device chunks
+    were applied and released in the last backward, so that would silently train on less: refused,
+    with the way out. With zero_grad() in between it goes on."""
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1, cycle=("host", "device"))
+    data = batches(3, 8)
+    model(data[0]).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"without optimizer.zero_grad\(\).*released once applied.*"
+                                           r"accumulation_steps=None"):
+        model(data[1]).backward()
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match="the last backward did not finish"):  # the refused one
+        loss = model(data[2])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("kwargs,warned", [({"accumulation_steps": 1}, False), ({"accumulation_steps": None}, True),
+                                           ({"accumulation_steps": 1, "max_grad_norm": 0.5}, True)])
+def test_a_plan_that_counted_released_gradients_warns_where_the_wrap_keeps_them(kwargs, warned):
+    """A plan made for updates in backward with one micro-step counts no device gradient beyond the
+    buffers collecting them; wrapped so that updates start at step(), they stay until zero_grad():
+    said once, at wrap."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = Toy()
+    sample = (batches(1, 8)[0],)
+    plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3)
+    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    plan.updates_in_backward, plan.grad_accum = True, 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sample_inputs=sample, plan=plan, device="cpu",
+             **kwargs)
+    planned = [w for w in seen if "released once applied in backward" in str(w.message)]
+    assert len(planned) == int(warned)
 
 
 def test_clipping_starts_updates_at_step_and_stays_exact():
@@ -299,8 +414,10 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.manual_seed(0)
-    model, opt = _engine(Toy(), 8 // world, world=world, accumulation_steps=2, prefetch=2)
+    model, opt = _engine(Toy(), 8 // world, world=world, accumulation_steps=2, prefetch=2, cycle=("host", "device"))
+    device_grads = record_device_gradients_at_step(model, opt)
     losses = engine_run(model, opt, batches(STEPS * 2, 8), STEPS, 2, rank=rank, world=world)
+    assert_device_gradients_released(device_grads, STEPS)  # after their reductions, on every rank
     state = model.state_dict()  # collective: every rank gathers
     if rank == 0:
         torch.save({"losses": losses, "state": state}, out)

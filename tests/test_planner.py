@@ -75,18 +75,20 @@ def _min_budget(model, sample, **kw) -> int:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(widths=st.lists(st.sampled_from([16, 48, 128, 256]), min_size=1, max_size=6),
        rows=st.sampled_from([1, 4, 16]), world=st.sampled_from([1, 2, 4]), factor=st.floats(1.05, 20.0),
-       more=st.floats(1.0, 8.0))
-def test_plan_properties(widths, rows, world, factor, more):
+       more=st.floats(1.0, 8.0), in_backward=st.booleans())
+def test_plan_properties(widths, rows, world, factor, more, in_backward):
     """The search's properties over random models. Each model is traced once, at every checkpointing
     setting, and searched at three budgets: what `elixir_ray.plan` does per budget (it traces again
-    each time, two thirds of this test's time when it called plan)."""
+    each time, two thirds of this test's time when it called plan). `in_backward`: updates start in
+    the last backward (device gradients released once applied)."""
     with torch.device("meta"):
         model = Stack(widths)
     profiles = [profile_model(model, _sample(rows), None, v, torch.bfloat16) for v in checkpointing_variants(model)]
     host = default_host_budget(world)
 
     def search(budget: int) -> elixir_ray.Plan:
-        return plan_search(profiles, GPU, budget, world, "bfloat16", 2, host_budget=host)
+        return plan_search(profiles, GPU, budget, world, "bfloat16", 2, host_budget=host,
+                           updates_in_backward=in_backward)
 
     with pytest.raises(elixir_ray.PlanError) as err:
         search(1024)

@@ -430,12 +430,12 @@ def test_memory_samples_cover_the_whole_activation_peak(checkpointing):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
-def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.booleans())
+def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos, released):
     """The search sums the peaks of every prefix of a ranking at once (running sums); each must be the
     peak `evaluate` gives that placement alone, part by part. The timeline peak never exceeds the
     sum of the separate peaks it replaced (with the DOS buffers, held at every moment), and never
-    falls below the activation peak."""
+    falls below the activation peak. `released`: device gradients released once applied in backward."""
     import numpy as np
 
     from elixir_ray.planner.cost import STATE_BYTES
@@ -448,7 +448,7 @@ def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
     rank_of = np.empty(n_chunks, dtype=np.int64)
     rank_of[ranking] = np.arange(n_chunks)
     prefixes = rank_of[None, :] < np.arange(n_chunks + 1)[:, None]
-    args = (lay, 3, 2 if dos else 0, 2, 1, False, 2, freed)
+    args = (lay, 3, 2 if dos else 0, 2, 1, False, 2, freed, released)
     together = _memory_rows(lay, 3, prefixes, *args[2:], ranking=ranking)
     size = int(lay.sizes.max())
     for k in range(n_chunks + 1):
@@ -463,10 +463,12 @@ def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos):
         assert profile.trace.activation_peak_bytes <= peak <= summed
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["updates-at-step", "updates-in-backward"])
 @pytest.mark.parametrize("budget_mib", [24, 64])
-def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budget_mib):
+def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budget_mib, in_backward):
     """The plan chart draws, moment by moment, what the planner counts: its highest point is the
-    predicted peak (the pool is full by then), never above it."""
+    predicted peak (the pool is full by then), never above it; also where device gradients are
+    released in backward (the chart takes where updates start from the plan)."""
     import numpy as np
 
     from elixir_ray.planner.chart import memory_timeline
@@ -475,7 +477,68 @@ def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budge
     profile, _ = _gpt_layout(True)
     hw = HardwareProfile(device="cuda", h2d_gbps=20, d2h_gbps=20, cpu_adam_params_per_s=1e9,
                          device_adam_params_per_s=5e10, matmul_tflops=100, cpu_threads=8)
-    plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2)
+    plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2, updates_in_backward=in_backward)
+    assert plan.updates_in_backward == in_backward
     t = memory_timeline(plan, profile, 2)
     total = t["state"] + t["pool"] + t["buffers"] + t["activations"]
     assert np.isclose(total.max(), plan.predicted_peak_bytes, rtol=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.sampled_from([1, 2]))
+def test_device_gradients_released_in_backward_never_raise_the_peak(seed, freed, dos, world):
+    """With updates started in backward and one micro-step, a device chunk's gradient goes as soon as
+    it is handed on (its update runs then): the peak of any placement is no larger than with the
+    updates at step(), and strictly smaller wherever device gradients were counted: in the state
+    (16 bytes per element, without `freed` or with no host chunk), or at the worst moment (those
+    handed on by then, or all of them at the step). With `freed`, a worst moment before any device
+    chunk is handed on (a GPT's activations peak as backward starts) keeps its peak. Nothing is
+    left of them at any moment."""
+    import numpy as np
+
+    from elixir_ray.planner.cost import STATE_BYTES
+    from elixir_ray.planner.search import _memory_rows, make_layout
+
+    profile, _ = _gpt_layout(True, chunk_size=2048)
+    lay = make_layout(profile, 2048, world)
+    rng = np.random.default_rng(seed)
+    device = rng.random((8, len(lay.sizes))) < rng.random((8, 1))
+    device[0], device[1] = False, True
+    args = (lay, 3, device, 2 if dos else 0, 2, world, False, 2, freed)
+    kept, released = _memory_rows(*args, released=False), _memory_rows(*args, released=True)
+    peak_kept, peak_released = sum(kept.values()), sum(released.values())
+    has_device = device.any(axis=1)
+    assert np.all(peak_released <= peak_kept)
+    assert np.all(peak_released[~has_device] == peak_kept[~has_device])
+    assert np.all(released["gradients of device chunks"] == 0)
+    assert np.allclose(released["optimizer state on device"], (STATE_BYTES - 4) * (device @ lay.shards))
+    in_state = kept["optimizer state on device"] > released["optimizer state on device"]
+    assert np.all(in_state == (has_device & (not freed or ~(~device).any(axis=1))))
+    counted = in_state | (kept["gradients of device chunks"] > 0)  # in the state, at the worst moment or the step
+    assert np.all(peak_released[counted] < peak_kept[counted])
+    assert counted[1]  # every chunk on the device: gradients in the state
+
+
+def test_a_plan_whose_updates_start_in_backward_re_costs_to_its_prediction_either_way():
+    """plan_memory and plan_step_seconds take where the updates start from the plan (the micro-steps
+    too), so a plan searched either way re-costs to its own peak and step; asked for the updates at
+    step(), a plan with device chunks searched for updates in backward needs more (its device
+    gradients alive), and the search, given the release, fits at least as fast a step in the budget."""
+    from elixir_ray.planner.search import plan_memory, plan_search, plan_step_seconds
+
+    profile, _ = _gpt_layout(True)
+    hw = HardwareProfile(device="cuda", h2d_gbps=20, d2h_gbps=20, cpu_adam_params_per_s=1e9,
+                         device_adam_params_per_s=5e10, matmul_tflops=100, cpu_threads=8)
+    for budget_mib in (12, 24, 64):
+        plans = {}
+        for in_backward in (False, True):
+            plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2, updates_in_backward=in_backward)
+            assert sum(plan_memory(plan, profile, 2).values()) == plan.predicted_peak_bytes
+            assert plan_step_seconds(plan, profile, hw, 2) == pytest.approx(plan.predicted_step_seconds, rel=1e-9)
+            plans[in_backward] = plan
+        released = plans[True]
+        if "device" in released.placements:
+            at_step = sum(plan_memory(released, profile, 2, updates_in_backward=False).values())
+            assert at_step > released.predicted_peak_bytes
+            assert any("released" in note for note in released.notes)
+        assert released.predicted_step_seconds <= plans[False].predicted_step_seconds * (1 + 1e-12)

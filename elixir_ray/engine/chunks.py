@@ -96,7 +96,8 @@ class Chunk:
     slots: list[ParamSlot] = field(default_factory=list, repr=False)
     shard_start: int = 0  # this rank's first element
     shard_len: int = 0
-    # fp32 [shard_len] each; grad is None until a gradient arrives
+    # fp32 [shard_len] each; grad is None until a gradient arrives, and again once a device chunk's
+    # update has run in the backward (`grad_released`)
     master: Optional[torch.Tensor] = field(default=None, repr=False)
     grad: Optional[torch.Tensor] = field(default=None, repr=False)
     grad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)  # host chunks: where grad lands
@@ -116,6 +117,9 @@ class Chunk:
     # its CPU AdamW update, queued or running on the background thread
     update: Optional[Future] = field(default=None, repr=False)
     updated: bool = False  # its update for the step under way has been started
+    # device chunks: its gradient was applied during the backward and released then (updates in
+    # backward, `ChunkedAdam._release_gradient`); cleared by zero_grad
+    grad_released: bool = False
     # CUDA: its prefetch on the copy stream has finished; its gradient's copy to the host has landed
     ready: Optional[torch.cuda.Event] = field(default=None, repr=False)
     grad_ready: Optional[torch.cuda.Event] = field(default=None, repr=False)

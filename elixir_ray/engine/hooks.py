@@ -248,7 +248,9 @@ class EngineHooks:
         chunk's gradient as gone from optimizer.zero_grad() until its chunk's next backward, so a
         forward that starts with them alive (zero_grad() called after the forward, or several
         backwards per step not declared) holds that much more device memory than planned. Said
-        once, here, before the forward's activations pile up on top of them."""
+        once, here, before the forward's activations pile up on top of them. With the updates
+        started in backward, a device chunk's gradient is released once applied there
+        (`ChunkedAdam._release_gradient`), so none is alive here whenever zero_grad() comes."""
         store = self.store
         if not store.device_grads_freed or store.warned_grads_alive:
             return

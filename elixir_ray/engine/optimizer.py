@@ -15,6 +15,13 @@ When the update of a chunk starts:
   is the last before `step()` (`accumulation_steps=N`: every N-th backward) and nothing global has to
   be known first (no gradient clipping, which needs the global norm; no fp16, whose overflow check
   needs every gradient). `step()` then starts only what is left.
+A device chunk whose update ran in the backward has its gradient released right after it (`c.grad`,
+which took over the chunk's fp32 staging buffer, is dropped on the compute stream the update ran
+on), so that no device gradient outlives its update: the planner counts none beyond the buffers
+still collecting (`planner.search.gradients_released`). Nothing reads it later: `step()` skips
+updated chunks, clipping and fp16 never start updates in backward, and `.grad` is None in any case
+(param_guard.GradReads). A backward after `step()` with no `zero_grad()` between, which torch would
+add to those gradients, is refused (`backward_started`).
 Either way the result is exactly that of one torch AdamW step: what a chunk's update uses (its
 gradient, step counts, hyper-parameters) is fixed when it starts, and nothing reads or writes a
 chunk's state before its update has finished (`ChunkStore.settle`; a fetch waits for a device
@@ -356,8 +363,10 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.store.hold_gradients(False)
+        self.store.grad_reads.released = False
         for c in self.store.chunks:
             c.grad = None  # a running update holds its own reference to the gradient it reads
+            c.grad_released = False
         for s in self.slots:
             if set_to_none:
                 s.had_grad = False
@@ -424,6 +433,17 @@ class ChunkedAdam(torch.optim.Optimizer):
                 f"last of them, so the model and optimizer state no longer match plain training (restore a "
                 f"checkpoint). Call optimizer.step() after every {n} backward() call(s), or pass the right "
                 f"accumulation_steps (None: updates start at step())")
+        if self.backwards == 0:
+            released = [c for c in self.store.chunks if c.grad_released]
+            if released:
+                raise RuntimeError(
+                    f"backward() after optimizer.step() without optimizer.zero_grad() in between: torch would add "
+                    f"this backward's gradients to the last step's, but with wrap(..., accumulation_steps="
+                    f"{self.accumulation_steps}) the updates start during the last backward, and the gradients of "
+                    f"{len(released)} chunk(s) whose optimizer state is on the device were released once applied "
+                    f"there. Call optimizer.zero_grad() after every optimizer.step() (or before each forward), or "
+                    f"wrap with accumulation_steps=None, which starts the updates at step() and keeps the gradients "
+                    f"until zero_grad()")
         self.backwards += 1
         self.store.timer.mark("backward")
 
@@ -439,6 +459,19 @@ class ChunkedAdam(torch.optim.Optimizer):
         if work is not None:  # a Deep Optimizer States chunk: its copies use the link while backward runs
             with self.store.timer.region("device_adam"):
                 self._update_dos([work])
+        elif c.placement == "device":
+            self._release_gradient(c)
+
+    def _release_gradient(self, c: Chunk) -> None:
+        """Drop a device chunk's gradient once its update has run in the backward. `c.grad` is the
+        buffer's only reference (the reduction let go of the staging buffer it took over, and of a
+        sharded chunk's whole buffer after its reduce-scatter; the update keeps none), so the
+        allocator frees it on the compute stream, after the update queued there. Nothing reads it
+        later in this step (module docstring); a backward that would add to it is refused
+        (`backward_started`)."""
+        c.grad = None
+        c.grad_released = True
+        self.store.grad_reads.released = True
 
     # -- the step ---------------------------------------------------------------------------------
 

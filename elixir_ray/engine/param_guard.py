@@ -107,9 +107,14 @@ class GradReads:
     `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, or logs a norm from `.grad`, would
     otherwise clip nothing and log zeros, and one that clears `.grad` itself would clear nothing,
     silently. While gradients are held, every parameter is a ChunkParameter (resident ones too),
-    so that its `.grad` access is seen; the wrapped model's next forward switches resident ones back."""
+    so that its `.grad` access is seen; the wrapped model's next forward switches resident ones back.
+
+    `released`: this step's updates started in the backward (accumulation_steps) and the gradients of
+    the chunks whose state is on the device were released once applied (ChunkedAdam._release_gradient),
+    until zero_grad: the warning says so, since nothing done between backward and step reaches them."""
     held: bool = False
     warned: set = field(default_factory=set)  # "__get__", "__set__"
+    released: bool = False
 
 
 # reads .grad only to convert it with the weights (module.to(...), .float()): not a loop looking for gradients
@@ -144,6 +149,12 @@ def _warn_grad_access(t, func) -> None:
         text = (f"the .grad of parameter {name} was set after backward(), but elixir_ray keeps gradients in its "
                 f"chunks: setting .grad (p.grad = None) neither clears nor changes them. Clear them with "
                 f"model.zero_grad() or optimizer.zero_grad(), and clip with elixir_ray.wrap(..., max_grad_norm=...)")
+    if reads.released:
+        text += (". Besides, this step's updates already ran during backward (wrap(..., accumulation_steps=N) starts "
+                 "them there), and the gradients of the chunks whose optimizer state is on the device were applied "
+                 "and released then: nothing done between backward() and optimizer.step() reaches them. Clipping "
+                 "(max_grad_norm=...) starts the updates at step() instead, as does accumulation_steps=None, which "
+                 "keeps the gradients in the chunks until zero_grad()")
     warnings.warn(text, stacklevel=outside_torch_and_us())
 
 

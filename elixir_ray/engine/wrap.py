@@ -430,7 +430,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     trace runs backward from the loss: forward's output when it is a tensor, else its `loss` (a
     ModelOutput's), else what `loss_fn(output)` returns.
     `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
-    host chunks start their CPU update during the N-th backward (see docs/engine.md); `prefetch`
+    host chunks start their CPU update during the N-th backward, and device chunks update there and
+    release their gradients once applied (see docs/engine.md); `prefetch`
     is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py).
     """
     check_optimizer(optimizer)
@@ -531,6 +532,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
+    _warn_if_released_gradients_planned(plan, chunked_optimizer)
     optimizer.register_step_pre_hook(_refuse_original_step)
     optimizer._elixir_ray_original = True
     refuse_other_optimizers(slots)
@@ -541,6 +543,26 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     optimizer.state_dict = chunked_optimizer.state_dict
     optimizer.load_state_dict = chunked_optimizer.load_state_dict
     return model, chunked_optimizer
+
+
+def _warn_if_released_gradients_planned(plan: Plan, optimizer: ChunkedAdam) -> None:
+    """A plan made for one backward per step whose updates start in it counts each device chunk's
+    gradient as released once applied there (planner.search.gradients_released); wrapped so that
+    the updates start at step() (max_grad_norm, fp16, no accumulation_steps) or after several
+    backwards, those gradients stay until zero_grad(): more device memory than planned."""
+    if not (plan.updates_in_backward and plan.grad_accum == 1 and "device" in plan.placements):
+        return
+    if optimizer.updates_in_backward and optimizer.accumulation_steps == 1:
+        return
+    warnings.warn(
+        "the plan was made for one backward per step whose updates start in it (updates_in_backward, grad_accum=1), "
+        "so it counts no gradient of the chunks whose state is on the device beyond the buffers collecting them "
+        "(each is released once applied in backward); wrapped with "
+        f"accumulation_steps={optimizer.accumulation_steps}"
+        + (f", max_grad_norm={optimizer.max_grad_norm}" if optimizer.max_grad_norm is not None else "")
+        + (", fp16" if optimizer.loss_scale is not None else "")
+        + ", those gradients stay until zero_grad(), which needs more device memory than planned. Wrap with "
+          "accumulation_steps=1 and no clipping (not fp16), or plan with updates_in_backward=False", stacklevel=4)
 
 
 def _refuse_original_step(optimizer, args, kwargs):

@@ -114,7 +114,8 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], dev
     kept on the host per rank (default: the free RAM shared by `world_size` ranks).
     `search_checkpointing=False` keeps the module's own activation-checkpointing setting.
     `updates_in_backward=True` plans for a loop whose CPU updates start during the last backward
-    (wrap with accumulation_steps, no max_grad_norm, not fp16), which hides more of them.
+    (wrap with accumulation_steps, no max_grad_norm, not fp16), which hides more of them; with
+    `grad_accum=1` device chunks' gradients are then released once applied, which frees memory.
     `time_compute` (default: whether `hardware.device` is this process's) times the step's kernels
     on the device, a few seconds; otherwise compute is the traced FLOPs at the matmul rate.
     `low_host_grads=False` keeps host chunks' gradients in fp32 even with bf16 and `grad_accum=1`

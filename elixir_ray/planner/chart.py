@@ -21,7 +21,8 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     backward's gradients, recomputed blocks), so the curve reaches the activation peak even where
     it falls between two moments (a GPT's logits and their gradient, after the last parameter is
     read); the buffers are those the planner counts at each moment (`plan_buffers_by_sample`), and
-    at the step every device chunk's gradient with the Deep Optimizer States buffer. A trace
+    at the step every device chunk's gradient (none where they are released once applied in
+    backward) with the Deep Optimizer States buffer. A trace
     without samples (a profile from an older version) is drawn per access, its buffers flat.
     """
     lay = plan_layout(profile, plan)

@@ -71,7 +71,8 @@ class Layout:
     event_buffers: Optional[np.ndarray] = None
     event_flying: Optional[np.ndarray] = None
     # per memory sample and chunk: its gradient handed on by the end of the sample's interval (a
-    # device chunk's gradient then holds that buffer until the step's zero_grad)
+    # device chunk's gradient then holds that buffer until the step's zero_grad, or, where updates
+    # start in backward with one micro-step, until its update right after: `gradients_released`)
     event_handed: Optional[np.ndarray] = None
 
 
@@ -291,7 +292,8 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
         *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
-                        grad_bytes, gradients_freed(choice.grads_low, grad_accum))
+                        grad_bytes, gradients_freed(choice.grads_low, grad_accum),
+                        released=gradients_released(updates_in_backward, grad_accum))
     memory = {part: int(values[0]) for part, values in rows.items()}
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
@@ -305,12 +307,24 @@ def gradients_freed(grads_low: bool, grad_accum: int) -> bool:
     return grads_low and grad_accum == 1
 
 
+def gradients_released(updates_in_backward: bool, grad_accum: int) -> bool:
+    """Whether a device chunk's gradient exists only while it is collected: with one backward per
+    step whose updates start in it (`updates_start_in_backward`: accumulation declared, no clipping,
+    not fp16), the engine updates a device chunk as soon as its gradient is final and releases the
+    gradient right after (`ChunkedAdam._release_gradient`). Its buffer is then the chunk's staging
+    buffer, counted in "gradient staging" until it is handed on, and nothing of it is left at the
+    optimizer step. The engine refuses a second backward in the step, and one after `step()`
+    without `zero_grad()`, so no gradient outlives its update. With several micro-steps a gradient
+    is kept from the first backward to the last, alive at every moment as without the release."""
+    return updates_in_backward and grad_accum == 1
+
+
 MEMORY_PARTS = ("pool blocks", "optimizer state on device", "gradients of device chunks", "activations",
                 "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
 
 
 def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, elem_bytes: int, world: int,
-                 upload: bool, grad_bytes: int = 4, freed: bool = False,
+                 upload: bool, grad_bytes: int = 4, freed: bool = False, released: bool = False,
                  ranking: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
 
@@ -319,7 +333,9 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     conversion buffer, and, where gradients are `freed` (`gradients_freed`), the gradients of
     the device chunks handed on by then. The optimizer step holds every device gradient and the
     Deep Optimizer States buffers, which are held at every moment (`_dos_buffer_bytes`); the
-    largest counts. Host gradients in
+    largest counts. Where gradients are `released` (`gradients_released`), each device chunk's is
+    gone as soon as it is handed on (its update runs then), in every row, all on the device too:
+    the worst moment holds only the buffers still collecting, and the step none. Host gradients in
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
     here by running sums instead of a product per row."""
@@ -342,9 +358,11 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         if not len(rows):
             continue
         # a plan with every chunk on the device records no host_grads_low, the flag that carries
-        # the promise of one backward per step: its gradients are costed as always alive
-        row_freed = freed and host
-        out["optimizer state on device"][rows] = (STATE_BYTES - 4 if row_freed else STATE_BYTES) * device_elems[rows]
+        # the promise of one backward per step: its gradients are costed as always alive, unless
+        # they are released in backward (promised by the plan's micro-steps and where its updates start)
+        row_freed = freed and host and not released
+        apart = row_freed or released  # the gradient is not part of the state: counted where it is alive
+        out["optimizer state on device"][rows] = (STATE_BYTES - 4 if apart else STATE_BYTES) * device_elems[rows]
         in_flight = MAX_REDUCTIONS_IN_FLIGHT if host else 0  # host chunks' gradients on their way out
         cast = shard * grad_bytes if grad_bytes < 4 else 0
         fetch = _fetch_bytes(lay, elem_bytes, world, host, upload)
@@ -512,8 +530,9 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                  + hostf @ parts.host_cast)
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
+    released = gradients_released(parts.updates_in_backward, parts.micro_steps)
     peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
-                                        freed, ranking).values()) for dos in (False, True)}
+                                        freed, released, ranking).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -560,7 +579,8 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     caller cannot promise one micro-step per step).
 
     `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
-    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden.
+    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
+    one micro-step, device chunks' gradients are released once applied (`gradients_released`).
     Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
     """
     if replicate not in REPLICATE_CHOICES:
@@ -582,7 +602,7 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     if best.choice is None:
         fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget,
-                                           fully))
+                                           fully, updates_in_backward))
     found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
                            note="searched: fastest predicted step within the budget",
                            updates_in_backward=updates_in_backward, host_budget=host_budget)
@@ -597,12 +617,23 @@ def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
     return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
 
 
-def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum: int = 1) -> Optional[np.ndarray]:
+def _plan_gradients(plan: Plan, grad_accum: Optional[int], updates_in_backward: Optional[bool]) -> tuple[bool, bool]:
+    """(`gradients_freed`, `gradients_released`) for a plan, as `_memory_rows` takes them; the
+    micro-steps and where the updates start default to the plan's own (a plan older than version 4
+    says one, and at `step()`), as in `plan_step_seconds`."""
+    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
+    updates_in_backward = plan.updates_in_backward if updates_in_backward is None else updates_in_backward
+    return gradients_freed(plan.host_grads_low, grad_accum), gradients_released(updates_in_backward, grad_accum)
+
+
+def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum: Optional[int] = None,
+                           updates_in_backward: Optional[bool] = None) -> Optional[np.ndarray]:
     """Per memory sample of the trace, then at the optimizer step, the device bytes beside state,
     pool and activations that the plan holds: in backward, gradient buffers (open and in flight),
-    the gradients of the device chunks handed on by then and the fetch conversion buffer; at the
-    step, `_step_bytes`. None without the trace's samples. For the chart: the same moments
-    `_memory_rows` takes the worst of."""
+    the gradients of the device chunks handed on by then (none where they are released once
+    applied, `gradients_released`) and the fetch conversion buffer; at the step, `_step_bytes`.
+    None without the trace's samples. For the chart: the same moments `_memory_rows` takes the
+    worst of."""
     if lay.event_activations is None or lay.event_handed is None:
         return None
     device = np.array([p == "device" for p in plan.placements])
@@ -610,7 +641,8 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
     staged = _staged_by_sample(lay, has_host, host_grad_bytes(plan.host_grads_low))
     any_sharded = plan.world_size > 1 and not bool(lay.replicated.all())
     fetch = _fetch_bytes(lay, elem_bytes, plan.world_size, has_host, plan.upload_copies)
-    freed = gradients_freed(plan.host_grads_low, grad_accum)
+    freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
+    freed = freed and has_host and not released  # as `_memory_rows` takes a row's
     grads = lay.event_handed @ (4.0 * lay.shards * device) if freed else np.zeros(len(staged))
     in_backward = staged + (int(lay.shards.max()) * 4 if any_sharded else 0) + fetch + grads
     in_backward += _dos_buffer_bytes(lay, plan.dos_gap, has_host)  # DOS updates may run at any moment
@@ -618,15 +650,17 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
     return np.append(in_backward.astype(float), float(step))
 
 
-def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: int = 1) -> dict[str, int]:
+def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: Optional[int] = None,
+                updates_in_backward: Optional[bool] = None) -> dict[str, int]:
     """The peak device bytes by part that this version's cost model predicts for an existing plan
     (its placement, pool, DOS gap, copies), traced as `profile`: to set a plan measured earlier
-    beside the model as it is now."""
+    beside the model as it is now. The micro-steps and where the updates start default to the
+    plan's own (`_plan_gradients`)."""
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
+    freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
     rows = _memory_rows(lay, plan.n_blocks, device[None, :], plan.dos_gap, elem_bytes, plan.world_size,
-                        plan.upload_copies, host_grad_bytes(plan.host_grads_low),
-                        gradients_freed(plan.host_grads_low, grad_accum))
+                        plan.upload_copies, host_grad_bytes(plan.host_grads_low), freed, released)
     return {part: int(values[0]) for part, values in rows.items()}
 
 
@@ -684,6 +718,10 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
              + ("and Deep Optimizer States on streams of their own " if choice.dos_gap else "")
              + f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
              hw.rates()]
+    if gradients_released(updates_in_backward, grad_accum) and bool(choice.device.any()):
+        notes.append("device chunks' gradients: each chunk is updated as soon as its gradient is final in the "
+                     "backward and its gradient released then, so none is counted beyond the buffers still "
+                     "collecting (gradient staging)")
     timing = lay.profile.compute
     if timing is not None:
         estimated = sorted(set(timing.estimated))
@@ -727,14 +765,15 @@ def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
 
 
 def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
-                       grad_accum: int, host_budget: Optional[int], fully_searched: bool = False) -> str:
+                       grad_accum: int, host_budget: Optional[int], fully_searched: bool = False,
+                       updates_in_backward: bool = False) -> str:
     """`fully_searched`: a profile that recomputes every block was among those searched, so more
     checkpointing is no advice to give (that setting needed more than the smallest plan)."""
     if "choice" not in smallest:
         return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
                 f"state): give the device more memory, add ranks, or free host memory")
     choice: Choice = smallest["choice"]
-    memory, _, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
+    memory, _, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
     part, value = max(memory.items(), key=lambda kv: kv[1])
     prof = choice.layout.profile
     if part == "activations":
