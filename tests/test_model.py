@@ -64,17 +64,60 @@ def test_selective_checkpointing_recomputes_norms_and_activations_but_no_matmul(
     # whose output nothing saved)
     assert whole["addmm"] - kept["addmm"] >= 3 * 3
     assert selective["addmm"] == kept["addmm"]  # selective: the matmuls' outputs were kept
+    assert selective["mm"] == kept["mm"]  # and their gradients take the same matmuls
     assert kept["gelu"] == 0 and selective["gelu"] == whole["gelu"] == 3  # the GELU is recomputed
     assert selective["native_layer_norm"] == whole["native_layer_norm"] == 2 * 3
 
 
-def test_selective_blocks_warn_when_checkpoint_early_stop_is_off():
+def test_selective_blocks_rerun_no_matmul_with_checkpoint_early_stop_off():
+    """Selective blocks recompute in their own autograd Functions, not through
+    torch.utils.checkpoint, so its early-stop setting changes nothing (with torch's checkpoint,
+    turning it off reran the matmuls)."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    model = GPT(GPTConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=50, seq_len=16, activation_checkpointing="selective"))
-    batch = torch.randint(0, 50, (2, 17))
-    with set_checkpoint_early_stop(False), pytest.warns(UserWarning, match="rerun their matmuls"):
-        model(batch).backward()
+    kept = _backward_ops("none")
+    with set_checkpoint_early_stop(False):
+        selective = _backward_ops("selective")
+    assert selective["addmm"] == kept["addmm"] and selective["mm"] == kept["mm"]
+
+
+@pytest.mark.parametrize("dtype, autocast, frozen", [
+    (torch.float32, None, False), (torch.float32, torch.bfloat16, False), (torch.bfloat16, None, False),
+    (torch.float64, None, False), (torch.float32, None, True), (torch.float32, torch.bfloat16, True)])
+def test_selective_blocks_give_the_loss_and_gradients_of_plain_ones(dtype, autocast, frozen):
+    """Every block selective against none: the same loss and gradients, in the model's dtype and
+    under CPU autocast (whose casts the pieces' backward differentiates as autograd does), also
+    with some parameters frozen (the embeddings too, so no block's input needs a gradient)."""
+    def step(mode):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=32, n_layers=3, n_heads=2, vocab_size=50, seq_len=16,
+                              activation_checkpointing=mode)).to(dtype)
+        if frozen:
+            for p in (model.wte.weight, model.wpe.weight, *(p for b in model.blocks for p in
+                      (b.ln1.weight, b.attn.qkv.bias, b.mlp.up.weight, b.mlp.down.weight))):
+                p.requires_grad_(False)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(torch.randint(0, 50, (3, 17)))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    (plain_loss, plain), (loss, grads) = step("none"), step("selective")
+    low = dtype == torch.bfloat16 or autocast is not None
+    tol = dict(rtol=2e-2, atol=1e-3) if low else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, plain_loss, **tol)
+    for name, g in plain.items():
+        if g is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_selective_blocks_on_the_meta_device():
+    """The engine's plan-time trace runs the model on meta tensors: a selective step must too."""
+    model = build_gpt(dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16), "selective", device="meta")
+    loss = model(torch.randint(0, 50, (2, 17), device="meta"))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
 
 
 def test_checkpointing_modes_are_checked():

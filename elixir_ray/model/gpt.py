@@ -9,7 +9,6 @@ Build it under `torch.device("meta")` to get the shape of a huge model without m
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 # outputs are 6 of the 16 hidden-size units a block saves per token, for a few memory-bound
 # kernels); or the whole block (its forward again, matmuls included: a third more compute)
 CHECKPOINT_MODES = ("none", "selective", "full")
+
+_GELU = "tanh"  # the MLP's GELU approximation (a selective block's backward recomputes the same)
 
 
 def checkpoint_mode(value) -> str:
@@ -79,21 +80,141 @@ class MLP(nn.Module):
         return self.drop(self.project(self.up(x)))
 
     def project(self, u: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(u, approximate="tanh"))
+        return self.down(F.gelu(u, approximate=_GELU))
 
 
-def _then(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return second(first(x))
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-_PIECE = dict(use_reentrant=False, preserve_rng_state=False)  # a selective block's checkpointed pieces
+def _autocast_of(t: torch.Tensor):
+    """(device type, dtype) of the autocast on for `t`'s device, or None (also on devices without
+    autocast, such as meta). Reads nothing of `t` while no autocast is on anywhere: in the engine's
+    forward a torch-function mode handles every tensor attribute read."""
+    if _any_autocast is not None and not _any_autocast():
+        return None
+    device_type = t.device.type
+    try:
+        return (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
+    except RuntimeError:
+        return None
 
 
-def _warn_if_early_stop_is_off() -> None:
-    if getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is False:
-        warnings.warn("activation checkpointing's early stop is off (set_checkpoint_early_stop(False)): "
-                      "selectively checkpointed GPT blocks rerun their matmuls in backward, which costs what "
-                      "recomputing whole blocks does and frees less", stacklevel=3)
+def _cast(t: torch.Tensor, amp) -> torch.Tensor:
+    """What autocast (`amp`, or None) does to a matmul's operand: floating tensors other than
+    float64 go to its dtype."""
+    if amp is None or t.dtype == amp[1] or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(amp[1])
+
+
+# A selective block's pieces: autograd Functions that keep for backward only what the matmuls take
+# (and the parameters, views that cost no memory). Each norm (or the GELU) is a `_Norm` (`_Gelu`)
+# that keeps its input and recomputes its output in backward, and the matmul after it a `_Linear`
+# that keeps only its weight; the weight's gradient needs that recomputed output, so the `_Linear`'s
+# backward leaves its output's gradient in a list (`box`) shared with the Function before it, which
+# runs next and computes it there (the weight is an input of both: autograd sums their gradients).
+# Split so, each backward unpacks the parameters of one layer, as autograd's own nodes do: the
+# engine fetches an evicted parameter as it is unpacked and, while recomputed chunks are pinned,
+# may evict one unpacked earlier, so one node that unpacked a norm's and a matmul's weights from
+# two chunks could read freed memory. The modules are called in forward as without checkpointing
+# (their forward hooks fire in the same order); `amp` is the autocast the forward ran under, or
+# None. Gradients go back in the dtype of what they are for: autograd casts those of another dtype
+# (the matmul's, under autocast), as it would through autocast's casts.
+
+
+class _Linear(torch.autograd.Function):
+    """`linear(h)`, keeping only the weight; gives the gradients of `h` and of the bias."""
+
+    @staticmethod
+    def forward(ctx, h, linear, weight, bias, box):
+        y = linear(h)  # the module itself, so that its forward hooks fire as without this
+        ctx.box, ctx.amp = box, _autocast_of(h)
+        ctx.save_for_backward(weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        weight, = ctx.saved_tensors
+        need_h, _, need_w, need_b, _ = ctx.needs_input_grad
+        if need_w:
+            ctx.box.append(gy)
+        gh = gb = None
+        if need_h:
+            gh = torch.matmul(gy, _cast(weight, ctx.amp))
+        if need_b:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return gh, None, None, gb, None
+
+
+def _weight_grad(box: list, h: torch.Tensor, amp) -> torch.Tensor:
+    """The gradient of the weight of the `_Linear` that took `h`, from its output's gradient,
+    which its backward left in `box`."""
+    gy = box.pop()
+    h = _cast(h, amp)
+    return gy.reshape(-1, gy.shape[-1]).t().mm(h.reshape(-1, h.shape[-1]))
+
+
+class _Norm(torch.autograd.Function):
+    """`norm(x)` (a LayerNorm) feeding a `_Linear` whose weight is `weight`: keeps `x` and the norm's
+    parameters, and gives the gradients of those and of `weight`. Without autocast its backward
+    calls the norm's kernels itself, not autograd."""
+
+    @staticmethod
+    def forward(ctx, x, norm, norm_weight, norm_bias, weight, box):
+        h = norm(x)  # the module itself, so that its forward hooks fire as without this
+        ctx.box, ctx.shape, ctx.eps, ctx.amp = box, norm.normalized_shape, norm.eps, _autocast_of(x)
+        ctx.save_for_backward(x, norm_weight, norm_bias)
+        return h
+
+    @staticmethod
+    def backward(ctx, gh):
+        x, nw, nb = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        amp = ctx.amp
+        if amp is None:
+            h, mean, rstd = torch.native_layer_norm(x, ctx.shape, nw, nb, ctx.eps)
+            gw = _weight_grad(ctx.box, h, None) if need[4] else None
+            gx, gnw, gnb = torch.ops.aten.native_layer_norm_backward(
+                gh, x, ctx.shape, mean, rstd, nw, nb, [need[0], need[2], need[3]])
+            return gx, None, gnw, gnb, gw, None
+        # under autocast: the norm again with the forward's autocast state, differentiated by
+        # autograd (through the casts autocast put around it)
+        inputs = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((0, x), (2, nw), (3, nb))]
+        with torch.enable_grad(), torch.autocast(amp[0], dtype=amp[1]):
+            h = F.layer_norm(inputs[0], ctx.shape, inputs[1], inputs[2], ctx.eps)
+        gw = _weight_grad(ctx.box, h.detach(), amp) if need[4] else None
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        found = iter(torch.autograd.grad(h, wanted, gh) if wanted else ())
+        gx, gnw, gnb = (next(found) if t is not None and t.requires_grad else None for t in inputs)
+        return gx, None, gnw, gnb, gw, None
+
+
+class _Gelu(torch.autograd.Function):
+    """The MLP's GELU of `u` feeding a `_Linear` whose weight is `weight`: keeps `u`, and gives
+    the gradients of `u` and of `weight`."""
+
+    @staticmethod
+    def forward(ctx, u, weight, box):
+        ctx.box, ctx.amp = box, _autocast_of(u)
+        ctx.save_for_backward(u)
+        return F.gelu(u, approximate=_GELU)
+
+    @staticmethod
+    def backward(ctx, ga):
+        u, = ctx.saved_tensors
+        need_u, need_w, _ = ctx.needs_input_grad
+        amp = ctx.amp
+        if amp is None:
+            a = F.gelu(u, approximate=_GELU)
+            gw = _weight_grad(ctx.box, a, None) if need_w else None
+            gu = torch.ops.aten.gelu_backward(ga, u, approximate=_GELU) if need_u else None
+            return gu, gw, None
+        with torch.enable_grad(), torch.autocast(amp[0], dtype=amp[1]):
+            leaf = u.detach().requires_grad_(need_u)
+            a = F.gelu(leaf, approximate=_GELU)
+        gw = _weight_grad(ctx.box, a.detach(), amp) if need_w else None
+        gu = torch.autograd.grad(a, leaf, ga)[0] if need_u else None
+        return gu, gw, None
 
 
 class Block(nn.Module):
@@ -108,20 +229,25 @@ class Block(nn.Module):
         """`selective`: keep for backward only what the matmuls and attention take and make, and
         recompute each norm's and the GELU's output there (the same result and gradients).
 
-        Each of the three checkpointed pieces ends in a matmul whose inputs are the last thing it
-        saves, so recomputation stops before that matmul runs (torch's early stop, on unless
-        `torch.utils.checkpoint.set_checkpoint_early_stop(False)` turns it off, which would rerun
-        the matmuls too; that is warned about). No piece draws random numbers, so none keeps the
-        RNG state. The pieces call `attn.attend` and `mlp.project`, not the modules `attn` and
-        `mlp`: hooks on those two (not on their layers) do not fire in this mode.
+        Each of ln1, ln2 and the GELU is an autograd Function (`_Norm`, `_Gelu`) that keeps only
+        its input, and the matmul after it a `_Linear` that keeps only its weight: backward
+        recomputes the norm's or the GELU's output, never a matmul, whatever torch's checkpoint
+        settings. The layers are called in the same order as without, so hooks on them fire as they
+        would; hooks on the modules `attn` and `mlp` (not on their layers) do not fire in this mode.
         """
         if not (selective and torch.is_grad_enabled()):
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
-        _warn_if_early_stop_is_off()
-        x = x + self.attn.attend(checkpoint(_then, self.ln1, self.attn.qkv, x, **_PIECE))
-        u = checkpoint(_then, self.ln2, self.mlp.up, x, **_PIECE)
-        return x + self.mlp.drop(checkpoint(self.mlp.project, u, **_PIECE))
+        ln1, qkv, ln2, up, down = self.ln1, self.attn.qkv, self.ln2, self.mlp.up, self.mlp.down
+        box = []  # each _Linear's output gradient, for the weight gradient of the Function before it
+        h = _Norm.apply(x, ln1, ln1.weight, ln1.bias, qkv.weight, box)
+        x = x + self.attn.attend(_Linear.apply(h, qkv, qkv.weight, qkv.bias, box))
+        box = []
+        h = _Norm.apply(x, ln2, ln2.weight, ln2.bias, up.weight, box)
+        u = _Linear.apply(h, up, up.weight, up.bias, box)
+        box = []
+        a = _Gelu.apply(u, down.weight, box)
+        return x + self.mlp.drop(_Linear.apply(a, down, down.weight, down.bias, box))
 
 
 class GPT(nn.Module):
