@@ -25,6 +25,8 @@ from torch.overrides import TorchFunctionMode
 from elixir_ray.engine.chunks import ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction  # modes and subclasses alike
+
 
 def _slots_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[ParamSlot]:
     """Slots of the wrapped parameters among an op's arguments, also inside list or tuple arguments
@@ -215,9 +217,14 @@ class EngineHooks:
     def pack(self, t: torch.Tensor):
         saved = self._saved
         if saved is not None:
-            chunk = self.store.chunk_of(t)
+            # past the forward's torch-function mode: an op's own saves run inside the mode's handler,
+            # where it is off anyway, but a custom autograd Function's (save_for_backward outside any
+            # op, as the GPT's selective blocks do) would make each storage read a Python call
+            with _NO_TORCH_FUNCTION():
+                chunk = self.store.chunk_of(t)
+                offset = t.storage_offset() if chunk is not None else 0
             if chunk is not None:  # a parameter, or a view of one (w.t())
-                slot = self._slot_at(chunk, t.storage_offset())
+                slot = self._slot_at(chunk, offset)
                 if slot is not None and id(slot) not in saved:
                     saved[id(slot)] = (slot, slot.changes)
         return t
