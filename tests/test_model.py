@@ -112,6 +112,95 @@ def test_selective_blocks_give_the_loss_and_gradients_of_plain_ones(dtype, autoc
             torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("where", ["forward hook", "full backward hook", "pre-hook returning an input"])
+def test_selective_blocks_with_hooks_on_their_layers_train_like_plain_ones(where):
+    """A hook that changes a layer's result (an adapter added by a forward hook, a pre-hook that
+    returns a changed input) or needs its autograd (a full backward hook) gets it: such blocks
+    take torch's checkpointed pieces, so the adapter's own weight gets its gradient and every
+    gradient upstream of it is that of the plain model; the backward hook fires as often."""
+    def step(mode):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16,
+                              activation_checkpointing=mode))
+        adapter = torch.nn.Parameter(torch.randn(32, 96) * 0.1)
+        fired = []
+        for b in model.blocks:
+            if where == "forward hook":
+                b.attn.qkv.register_forward_hook(lambda m, inp, out: out + inp[0] @ adapter)
+            elif where == "full backward hook":
+                b.mlp.up.register_full_backward_hook(lambda m, gi, go: fired.append(1))
+            else:
+                b.ln2.register_forward_pre_hook(lambda m, args: (args[0] * 1.5,))
+        loss = model(torch.randint(0, 50, (3, 17)))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), grads, adapter.grad, len(fired)
+
+    plain_loss, plain, plain_adapter, plain_fired = step("none")
+    loss, grads, adapter, fired = step("selective")
+    torch.testing.assert_close(loss, plain_loss)
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    if where == "forward hook":
+        assert plain_adapter is not None
+        torch.testing.assert_close(adapter, plain_adapter, rtol=1e-5, atol=1e-6)
+    assert fired == plain_fired == (2 if where == "full backward hook" else 0)
+
+
+def test_a_double_backward_through_selective_blocks():
+    """Without autocast a gradient penalty through selective blocks is that of plain ones (the
+    pieces' backward is differentiable); under autocast, whose recomputation differentiates
+    detached inputs, it is refused rather than silently dropping second-order terms."""
+    def penalty(mode, autocast):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=16, n_layers=2, n_heads=2, vocab_size=30, seq_len=8,
+                              activation_checkpointing=mode)).double()
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(torch.randint(0, 30, (2, 9)))
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            sum(g.square().sum() for g in grads).backward()
+        return [p.grad for p in model.parameters()]
+
+    for got, want in zip(penalty("selective", False), penalty("none", False)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    with pytest.raises(RuntimeError, match="double backward .* under autocast is not supported"):
+        penalty("selective", True)
+
+
+def test_a_partial_backward_leaves_nothing_behind_in_a_selective_block():
+    """A gradient of only a linear's bias runs that linear's backward but not the norm's before
+    it: the output gradient it leaves for the weight's gradient is one slot, overwritten, not a
+    pile that grows with each such call (and the full backward after is still exact)."""
+    torch.manual_seed(0)
+    cfg = dict(d_model=16, n_layers=1, n_heads=2, vocab_size=30, seq_len=8)
+    model, plain = GPT(GPTConfig(**cfg, activation_checkpointing="selective")), GPT(GPTConfig(**cfg))
+    plain.load_state_dict(model.state_dict())
+    batch = torch.randint(0, 30, (2, 9))
+    boxes = []
+    from elixir_ray.model import gpt as gpt_module
+    apply = gpt_module._Linear.apply
+
+    def keep_box(h, linear, weight, bias, box):
+        boxes.append(box)
+        return apply(h, linear, weight, bias, box)
+
+    gpt_module._Linear.apply = keep_box
+    try:
+        loss = model(batch)
+    finally:
+        gpt_module._Linear.apply = apply
+    qkv = model.blocks[0].attn.qkv
+    for _ in range(3):
+        torch.autograd.grad(loss, [qkv.bias], retain_graph=True)
+    assert max(len(b) for b in boxes) <= 1
+    loss.backward()
+    plain(batch).backward()
+    assert all(len(b) == 0 for b in boxes)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_selective_blocks_on_the_meta_device():
     """The engine's plan-time trace runs the model on meta tensors: a selective step must too."""
     model = build_gpt(dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16), "selective", device="meta")

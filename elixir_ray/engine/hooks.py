@@ -212,6 +212,9 @@ class EngineHooks:
                 self.pool.access(chunks, pin=True)
             else:
                 self.pool.access(chunks)
+        # it returns nothing and changes nothing a layer computes: the built-in GPT's selective blocks
+        # may run their layers inside autograd Functions with it (model/gpt.py, KEEPS_RESULT)
+        hook.keeps_layer_result = True
         return hook
 
     def pack(self, t: torch.Tensor):

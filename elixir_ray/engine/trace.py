@@ -350,6 +350,8 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         def pre_hook(mod, args):
             record(direct[mod], "forward" if state["phase"] == "forward" else "recompute")
 
+        pre_hook.keeps_layer_result = True  # reads only: the GPT's selective blocks trace as they run (model/gpt.py)
+
         def pack(t):
             if t.layout != torch.strided:  # sparse gradients' parts: not counted
                 return t

@@ -111,13 +111,14 @@ def _cast(t: torch.Tensor, amp) -> torch.Tensor:
 # (and the parameters, views that cost no memory). Each norm (or the GELU) is a `_Norm` (`_Gelu`)
 # that keeps its input and recomputes its output in backward, and the matmul after it a `_Linear`
 # that keeps only its weight; the weight's gradient needs that recomputed output, so the `_Linear`'s
-# backward leaves its output's gradient in a list (`box`) shared with the Function before it, which
+# backward leaves its output's gradient in a one-slot list (`box`) shared with the Function before it, which
 # runs next and computes it there (the weight is an input of both: autograd sums their gradients).
 # Split so, each backward unpacks the parameters of one layer, as autograd's own nodes do: the
 # engine fetches an evicted parameter as it is unpacked and, while recomputed chunks are pinned,
 # may evict one unpacked earlier, so one node that unpacked a norm's and a matmul's weights from
 # two chunks could read freed memory. The modules are called in forward as without checkpointing
-# (their forward hooks fire in the same order); `amp` is the autocast the forward ran under, or
+# (their pre-hooks fire in the same order; a layer with hooks that could change its result takes
+# the checkpointed pieces instead, `_hooks_may_change`); `amp` is the autocast the forward ran under, or
 # None. Gradients go back in the dtype of what they are for: autograd casts those of another dtype
 # (the matmul's, under autocast), as it would through autocast's casts.
 
@@ -137,13 +138,23 @@ class _Linear(torch.autograd.Function):
         weight, = ctx.saved_tensors
         need_h, _, need_w, need_b, _ = ctx.needs_input_grad
         if need_w:
-            ctx.box.append(gy)
+            ctx.box[:] = [gy]  # one slot: a partial backward that never reaches the Function before leaves no pile
         gh = gb = None
         if need_h:
             gh = torch.matmul(gy, _cast(weight, ctx.amp))
         if need_b:
             gb = gy.reshape(-1, gy.shape[-1]).sum(0)
         return gh, None, None, gb, None
+
+
+def _refuse_double_backward() -> None:
+    """Under autocast a selective block's backward differentiates its recomputed norm or GELU on
+    detached inputs, which a double backward (create_graph=True: a gradient penalty) would get wrong
+    without a word."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("a double backward (create_graph=True) through a selectively checkpointed GPT block "
+                           "under autocast is not supported: use activation checkpointing \"none\" or \"full\" for "
+                           "that model, or train without autocast (the engine's dtype= needs none)")
 
 
 def _weight_grad(box: list, h: torch.Tensor, amp) -> torch.Tensor:
@@ -179,6 +190,7 @@ class _Norm(torch.autograd.Function):
             return gx, None, gnw, gnb, gw, None
         # under autocast: the norm again with the forward's autocast state, differentiated by
         # autograd (through the casts autocast put around it)
+        _refuse_double_backward()
         inputs = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((0, x), (2, nw), (3, nb))]
         with torch.enable_grad(), torch.autocast(amp[0], dtype=amp[1]):
             h = F.layer_norm(inputs[0], ctx.shape, inputs[1], inputs[2], ctx.eps)
@@ -209,12 +221,39 @@ class _Gelu(torch.autograd.Function):
             gw = _weight_grad(ctx.box, a, None) if need_w else None
             gu = torch.ops.aten.gelu_backward(ga, u, approximate=_GELU) if need_u else None
             return gu, gw, None
+        _refuse_double_backward()
         with torch.enable_grad(), torch.autocast(amp[0], dtype=amp[1]):
             leaf = u.detach().requires_grad_(need_u)
             a = F.gelu(leaf, approximate=_GELU)
         gw = _weight_grad(ctx.box, a.detach(), amp) if need_w else None
         gu = torch.autograd.grad(a, leaf, ga)[0] if need_u else None
         return gu, gw, None
+
+
+def _then(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return second(first(x))
+
+
+_PIECE = dict(use_reentrant=False, preserve_rng_state=False)  # the checkpointed pieces, where hooks need them
+
+# A forward pre-hook marked so promises to return nothing and change nothing the layer computes
+# (the engine's, which fetch parameters): the selective Functions may run its layer without autograd.
+KEEPS_RESULT = "keeps_layer_result"
+
+
+def _hooks_may_change(layers) -> bool:
+    """Whether a hook could change what one of `layers` computes or needs its autograd: forward or
+    backward hooks on it or on every module, or a forward pre-hook not marked `KEEPS_RESULT`."""
+    from torch.nn.modules import module as mm
+
+    if mm._global_forward_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks or any(
+            not getattr(h, KEEPS_RESULT, False) for h in mm._global_forward_pre_hooks.values()):
+        return True
+    for layer in layers:
+        if layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks or any(
+                not getattr(h, KEEPS_RESULT, False) for h in layer._forward_pre_hooks.values()):
+            return True
+    return False
 
 
 class Block(nn.Module):
@@ -232,13 +271,24 @@ class Block(nn.Module):
         Each of ln1, ln2 and the GELU is an autograd Function (`_Norm`, `_Gelu`) that keeps only
         its input, and the matmul after it a `_Linear` that keeps only its weight: backward
         recomputes the norm's or the GELU's output, never a matmul, whatever torch's checkpoint
-        settings. The layers are called in the same order as without, so hooks on them fire as they
-        would; hooks on the modules `attn` and `mlp` (not on their layers) do not fire in this mode.
+        settings. The layers are called in the same order as without, inside the Functions, where
+        autograd is off: so where a layer has a hook that could change its result or needs its
+        autograd (a forward or backward hook, on it or on every module, or a forward pre-hook not
+        marked `KEEPS_RESULT`, as the engine's are), the block runs its three pieces through
+        `torch.utils.checkpoint` instead (the same results, more host time; torch's early stop keeps
+        the matmuls from rerunning). Hooks on the modules `attn` and `mlp` (not on their layers) do
+        not fire in this mode.
         """
         if not (selective and torch.is_grad_enabled()):
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
         ln1, qkv, ln2, up, down = self.ln1, self.attn.qkv, self.ln2, self.mlp.up, self.mlp.down
+        if _hooks_may_change((ln1, qkv, ln2, up, down)):
+            # inside the Functions the layers run without autograd: what a hook adds (an adapter) would
+            # get no gradient and backward hooks would not fire; checkpoints keep both, at a host cost
+            x = x + self.attn.attend(checkpoint(_then, ln1, qkv, x, **_PIECE))
+            u = checkpoint(_then, ln2, up, x, **_PIECE)
+            return x + self.mlp.drop(checkpoint(self.mlp.project, u, **_PIECE))
         box = []  # each _Linear's output gradient, for the weight gradient of the Function before it
         h = _Norm.apply(x, ln1, ln1.weight, ln1.bias, qkv.weight, box)
         x = x + self.attn.attend(_Linear.apply(h, qkv, qkv.weight, qkv.bias, box))
