@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as _module_hooks  # its every-module hook registries
 from torch.utils.checkpoint import checkpoint
 
 # per block, what backward recomputes instead of keeping: nothing; the norms and the GELU (whose
@@ -241,19 +242,20 @@ _PIECE = dict(use_reentrant=False, preserve_rng_state=False)  # the checkpointed
 KEEPS_RESULT = "keeps_layer_result"
 
 
+def _may_change(forward_hooks, backward_hooks, backward_pre_hooks, forward_pre_hooks) -> bool:
+    return bool(forward_hooks or backward_hooks or backward_pre_hooks) or any(
+        not getattr(h, KEEPS_RESULT, False) for h in forward_pre_hooks.values())
+
+
 def _hooks_may_change(layers) -> bool:
     """Whether a hook could change what one of `layers` computes or needs its autograd: forward or
     backward hooks on it or on every module, or a forward pre-hook not marked `KEEPS_RESULT`."""
-    from torch.nn.modules import module as mm
-
-    if mm._global_forward_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks or any(
-            not getattr(h, KEEPS_RESULT, False) for h in mm._global_forward_pre_hooks.values()):
+    g = _module_hooks
+    if _may_change(g._global_forward_hooks, g._global_backward_hooks, g._global_backward_pre_hooks,
+                   g._global_forward_pre_hooks):
         return True
-    for layer in layers:
-        if layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks or any(
-                not getattr(h, KEEPS_RESULT, False) for h in layer._forward_pre_hooks.values()):
-            return True
-    return False
+    return any(_may_change(m._forward_hooks, m._backward_hooks, m._backward_pre_hooks, m._forward_pre_hooks)
+               for m in layers)
 
 
 class Block(nn.Module):

@@ -617,12 +617,17 @@ def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
     return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
 
 
+def _plan_loop(plan: Plan, grad_accum: Optional[int], updates_in_backward: Optional[bool]) -> tuple[int, bool]:
+    """(micro-steps, updates start in backward) to re-cost a plan with: those given, else the plan's
+    own (a plan older than version 4 says one, and at `step()`)."""
+    return (plan.grad_accum if grad_accum is None else grad_accum,
+            plan.updates_in_backward if updates_in_backward is None else updates_in_backward)
+
+
 def _plan_gradients(plan: Plan, grad_accum: Optional[int], updates_in_backward: Optional[bool]) -> tuple[bool, bool]:
-    """(`gradients_freed`, `gradients_released`) for a plan, as `_memory_rows` takes them; the
-    micro-steps and where the updates start default to the plan's own (a plan older than version 4
-    says one, and at `step()`), as in `plan_step_seconds`."""
-    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
-    updates_in_backward = plan.updates_in_backward if updates_in_backward is None else updates_in_backward
+    """(`gradients_freed`, `gradients_released`) for a plan, as `_memory_rows` takes them, for the
+    loop `_plan_loop` gives."""
+    grad_accum, updates_in_backward = _plan_loop(plan, grad_accum, updates_in_backward)
     return gradients_freed(plan.host_grads_low, grad_accum), gradients_released(updates_in_backward, grad_accum)
 
 
@@ -669,9 +674,8 @@ def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, el
     """The step time this version's cost model predicts for an existing plan (its placement, pool,
     DOS gap, copies), traced as `profile` with its compute set, at the rates `hw`: to set a plan
     measured earlier beside the model as it is now. The micro-steps and where the updates start
-    default to the plan's own (a plan older than version 4 says one, and at `step()`)."""
-    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
-    updates_in_backward = plan.updates_in_backward if updates_in_backward is None else updates_in_backward
+    default to the plan's own (`_plan_loop`)."""
+    grad_accum, updates_in_backward = _plan_loop(plan, grad_accum, updates_in_backward)
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low)
