@@ -32,6 +32,9 @@ mkdir -p "$OUT"
     "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1
     nproc; free -g | sed -n 2p
+    # the host's cores: model, sockets, threads per core (hyperthreads share a core with the
+    # training thread's Python), and the clock; what the host-bound steps depend on
+    lscpu 2>/dev/null | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|CPU max MHz|CPU MHz|NUMA node\(s\))" || true
 } | tee "$OUT/machine.txt"
 site=/tmp/site
 mkdir -p "$site"

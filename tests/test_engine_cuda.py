@@ -12,12 +12,14 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from elixir_ray.engine import manual_plan, wrap
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
+from engine_models import VOCAB, Toy, batches, engine_run, param_groups, reference_run  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -361,6 +363,48 @@ def test_parameters_read_between_forward_and_backward_hold_their_values(monkeypa
         opt.step()
         opt.zero_grad()
     assert checked > 0 and model.engine_stats()["prefetches"] > 0
+
+
+class ReadsAhead(nn.Module):
+    """Reads the next layer's weight in a functional call before that layer runs: its chunk, which
+    the pool prefetches then, may still be copying in when it is read."""
+
+    def __init__(self, d: int = 32, n: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for i, layer in enumerate(self.layers):
+            if i + 1 < len(self.layers):
+                h = h + 0.1 * torch.tanh(F.linear(h, self.layers[i + 1].weight))
+            h = h + torch.tanh(layer(h))
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def test_a_parameter_read_while_its_prefetch_is_copying_waits_for_the_copy(monkeypatch):
+    """No per-op mode for this model (no view kept across fetches): its parameter, guarded until
+    the compute stream waits for its prefetch, must fetch through the guard. Copies held back."""
+    from elixir_ray.engine import chunks
+
+    def slowed_fill(self, *args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds of the copy stream's time
+        return fill(self, *args, **kwargs)
+
+    fill = chunks.ChunkStore._fill
+    torch.manual_seed(0)
+    base = ReadsAhead()
+    data = batches(6, 8)
+    ref_losses, ref_state = reference_run(base, data, 6, 1, None, device="cuda")
+    model, opt = _engine(copy.deepcopy(base), 8, accumulation_steps=1, prefetch=2, chunk_size=1100, n_blocks=3)
+    assert model.hooks.per_op_reason == ""
+    monkeypatch.setattr(chunks.ChunkStore, "_fill", slowed_fill)
+    losses = engine_run(model, opt, data, 6, 1, device="cuda")
+    assert model.engine_stats()["prefetches"] > 0
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_FP32_TOL
+    assert _max_diff(model.state_dict(), ref_state) <= CUDA_FP32_TOL
 
 
 def test_a_failed_page_lock_leaves_no_cuda_error_for_the_next_kernel():

@@ -86,6 +86,128 @@ def test_a_view_of_a_parameter_kept_across_other_modules_is_fetched_again():
     assert model.engine_stats()["evictions"] > 0
 
 
+class ReadsAfterItsChildren(nn.Module):
+    """Parameters read outside their own modules: its own weight after its children ran (their
+    fetches evict its chunk), another layer's weight in a functional call, and two weights in a
+    list (torch.cat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.scale = nn.Parameter(torch.ones(D))
+        self.mid = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for m in self.mid:
+            h = h + torch.tanh(m(h))
+        h = h * self.scale + F.linear(h, self.mid[0].weight)
+        w = torch.cat([self.mid[1].weight, self.mid[2].weight], 0)
+        h = h + F.linear(h, w)[..., :D]
+        return F.cross_entropy(self.head(h).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+class MixedReads(nn.Module):
+    """One op reading an evicted parameter beside a resident one, and beside a plain view of one
+    made just before: the guard's fetch of the first must not evict the others. With
+    `view_across`, also a view taken before guard fetches of other layers' weights and used after
+    them: the trace must count those fetches as it counts modules' pre-hooks."""
+
+    def __init__(self, view_across: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mid = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.head = nn.Linear(D, V)
+        self.view_across = view_across
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        for m in self.mid:
+            h = h + torch.tanh(m(h))
+        if self.view_across:
+            wt = self.mid[2].weight.t()
+            h = h + F.linear(h, self.mid[0].weight) + F.linear(h, self.emb.weight[:D])
+            return F.cross_entropy(self.head(h + h @ wt).reshape(-1, V), x[:, 1:].reshape(-1))
+        w = torch.cat([self.mid[1].weight, self.mid[0].weight], 0)
+        h = h + F.linear(h, w)[..., :D]
+        w = torch.cat([self.mid[2].weight.t(), self.mid[0].weight], 0)
+        h = h + F.linear(h, w)[..., :D]
+        return F.cross_entropy(self.head(h).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+class Vmapped(nn.Module):
+    """A forward through torch.vmap, whose batched tensors have no storage to look at."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = torch.vmap(lambda r: self.lin(r) + r * self.lin.weight.sum(0))(self.emb(x[:, :-1]))
+        return F.cross_entropy(self.head(h).reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def test_parameters_read_outside_their_modules_are_fetched_by_their_guards_without_a_per_op_mode():
+    torch.manual_seed(0)
+    data = _data([0, 1, 2])
+    # one chunk per module and a pool of two blocks: every read after the children finds its chunk evicted
+    model = _side_by_side(ReadsAfterItsChildren(), (data[0],), data, chunk_size=1100, n_blocks=2)
+    assert model.hooks.per_op_reason == ""  # no view kept across fetches: the guards are enough
+    assert model.engine_stats()["evictions"] > 0
+
+
+def test_an_op_reading_an_evicted_parameter_beside_resident_ones_and_views_trains_as_torch():
+    torch.manual_seed(0)
+    data = _data([0, 1, 2])
+    # a layer a chunk, the head's prefetched beside the layer used last: a fetch in the op evicts one
+    model = _side_by_side(MixedReads(), (data[0],), data, chunk_size=1700, n_blocks=2)
+    assert model.hooks.per_op_reason == "" and model.engine_stats()["evictions"] > 0
+
+
+def test_a_view_kept_across_the_guards_fetches_takes_the_per_op_mode_and_trains_as_torch():
+    torch.manual_seed(0)
+    data = _data([0, 1, 2])
+    model = _side_by_side(MixedReads(view_across=True), (data[0],), data, chunk_size=1100, n_blocks=2)
+    assert "view of a parameter" in model.hooks.per_op_reason
+
+
+def test_a_forward_through_vmap_is_traced_and_trains_as_torch():
+    torch.manual_seed(0)
+    data = _data([0, 1])
+    model = _side_by_side(Vmapped(), (data[0],), data, chunk_size=1100, n_blocks=2)
+    assert model.hooks.per_op_reason == ""
+
+
+def test_a_resident_parameter_still_pickles():
+    """The engine's fetch is kept where the guard finds it (GradReads) and dropped when a parameter
+    is pickled or copied: a parameter (its data and attributes) pickles as it did before wrap."""
+    import pickle
+
+    torch.manual_seed(0)
+    base = ReadsAfterItsChildren()
+    x, = _data([0])
+    model, _ = wrap(base, torch.optim.AdamW(base.parameters()), sample_inputs=(x,), device="cpu",
+                    plan=manual_plan(base, (x,), chunk_size=1 << 20, n_blocks=1))
+    model(x)  # one chunk, resident after the forward
+    copy_ = pickle.loads(pickle.dumps(base.mid[0].weight))
+    assert torch.equal(copy_, base.mid[0].weight) and copy_._engine_grad_reads.fetch is None
+
+
+def test_only_a_forward_that_keeps_a_view_of_a_parameter_across_fetches_takes_the_per_op_mode():
+    torch.manual_seed(0)
+    data = _data([0])
+    for base, per_op in ((HeldView(), True), (EarlyExit(), False), (ReadsAfterItsChildren(), False)):
+        model, _ = wrap(base, torch.optim.AdamW(base.parameters()), sample_inputs=(data[0],), device="cpu",
+                        plan=manual_plan(base, (data[0],), chunk_size=1100, n_blocks=2))
+        reason = model.hooks.per_op_reason
+        assert bool(reason) == per_op, (type(base).__name__, reason)
+        if per_op:
+            assert "view of a parameter" in reason and "linear" in reason
+
+
 def test_an_untraced_path_is_counted_and_not_prefetched_from_a_stale_place():
     torch.manual_seed(0)
     short, long = _data([1, 2])
@@ -96,6 +218,11 @@ def test_an_untraced_path_is_counted_and_not_prefetched_from_a_stale_place():
     assert traced_short.engine_stats()["untraced_accesses"] > 0
     # off the trace the pool loads little more than on it (it was 42 loads against 24)
     assert traced_short.engine_stats()["fetches"] <= traced_long.engine_stats()["fetches"] + 4
+    # a path the trace did not see may keep views it never saw kept: later forwards check every op
+    assert traced_long.hooks.per_op_reason == ""
+    with torch.no_grad():
+        traced_short(long)
+    assert "path the trace did not" in traced_short.hooks.per_op_reason
 
 
 def test_a_training_step_larger_than_the_sample_warns_once_and_is_counted():

@@ -249,10 +249,12 @@ class ChunkStore:
         return c.ready is None and c.resident
 
     def make_usable(self, c: Chunk) -> None:
-        """Order the compute stream after the chunk's prefetch (a no-op when none is pending)."""
+        """Order the compute stream after the chunk's prefetch (a no-op when none is pending); its
+        parameters, guarded while the copy was pending, become plain ones."""
         if c.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(c.ready)
             c.ready = None
+            mark_evicted(c.guarded, self.grad_reads.held)
 
     def refresh_upload(self, c: Chunk) -> None:
         """Recast the master into the compute-dtype upload copy, after the master changed."""
@@ -316,6 +318,9 @@ class ChunkStore:
                     self._fill(c)
                     c.ready = torch.cuda.Event(blocking=True)  # a blocking wait sleeps instead of spinning a core
                     c.ready.record(self.copy_stream)
+                # guarded until make_usable: a read outside the module's pre-hook (which makes it usable)
+                # fetches through the guard, which waits for the copy (param_guard.py)
+                mark_evicted(c.guarded, True)
             except BaseException:
                 self._unfill(c)
                 raise
@@ -370,7 +375,7 @@ class ChunkStore:
         self.grad_reads.held = held
         for c in self.chunks:
             if c.resident:
-                mark_evicted(c.guarded, held)
+                mark_evicted(c.guarded, held or c.ready is not None)
 
     # -- gradients ------------------------------------------------------------------------------
 

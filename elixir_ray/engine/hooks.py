@@ -1,7 +1,12 @@
 """Where the engine meets autograd: fetch before use, collect gradients into chunks, reduce.
 
-- Forward: a pre-hook on every module with parameters fetches its chunks; a torch-function mode
-  catches a parameter used outside its own module (for example a tied weight used by the parent).
+- Forward: a pre-hook on every module with parameters fetches its chunks. A parameter used
+  outside its own module (a tied weight used by the parent), or after another module's fetch
+  evicted its chunk, is fetched by its guard (param_guard.ChunkParameter) when an op reads it.
+  A model whose forward keeps a view of a parameter across other modules' fetches (seen in the
+  trace at wrap), several ranks (which record the parameters a forward uses), or a parameter of
+  another class than nn.Parameter (which the guard leaves alone) take a torch-function mode
+  instead, which checks every op's arguments (a Python call per op).
 - Backward: autograd's saved-tensor unpack hook fetches the chunk of any saved parameter view whose
   copy was evicted; a module forward during backward is recomputation (activation checkpointing),
   and its chunks stay pinned until the next recomputed region starts.
@@ -14,7 +19,9 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import threading
 import warnings
 from typing import Optional
 
@@ -26,6 +33,7 @@ from elixir_ray.engine.chunks import ChunkStore, ParamSlot
 from elixir_ray.engine.pool import ChunkPool
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction  # modes and subclasses alike
+_NO_MODE = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def _slots_used(slots: dict, args: tuple, kwargs: Optional[dict]) -> list[ParamSlot]:
@@ -115,8 +123,48 @@ def _in_backward() -> bool:
     return task_id is None or task_id() != -1
 
 
+def _module_tables(module: nn.Module) -> list[tuple[nn.Module, list, list]]:
+    """Each module with what its own parameter and submodule tables held (values, in order)."""
+    return [(m, list(m._parameters.values()), list(m._modules.values())) for m in module.modules()]
+
+
+def _tables_unchanged(tables: list[tuple[nn.Module, list, list]]) -> bool:
+    """Whether no module's own parameters or submodules were added, removed or replaced since
+    `_module_tables`: then the module holds the same parameters (a new one lives in some module's
+    table, and a new module hangs in its parent's)."""
+    for m, params, children in tables:
+        now_params, now_children = m._parameters, m._modules
+        if len(now_params) != len(params) or len(now_children) != len(children):
+            return False
+        for a, b in zip(now_params.values(), params):
+            if a is not b:
+                return False
+        for a, b in zip(now_children.values(), children):
+            if a is not b:
+                return False
+    return True
+
+
+def _per_op_reason(ordered: bool, slots: list[ParamSlot], store: ChunkStore, held_view: Optional[str]) -> str:
+    """Why a forward needs the per-op mode (`_FetchParamsMode`), or "" when the pre-hooks and the
+    parameters' guards fetch everything it reads."""
+    if ordered:
+        return "several ranks record which parameters each forward uses"
+    guarded = {id(p) for c in store.chunks for p in c.guarded}
+    if any(id(s.param) not in guarded for s in slots):
+        return "a parameter of another class than nn.Parameter, which the guard leaves alone"
+    if held_view is None:
+        return "the trace did not watch for views of parameters kept across fetches"
+    if held_view:
+        return f"forward keeps a view of a parameter across other modules' fetches ({held_view})"
+    return ""
+
+
 class EngineHooks:
-    def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot]):
+    def __init__(self, module: nn.Module, store: ChunkStore, pool: ChunkPool, slots: list[ParamSlot],
+                 held_view: Optional[str] = None):
+        """`held_view`: the trace's `AccessTrace.held_view` ("" when forward keeps no view of a
+        parameter across another module's fetch; None when unknown, taken as one)."""
         self.module, self.store, self.pool = module, store, pool
         self.slot_by_param = {id(s.param): s for s in slots}
         self.slots = slots
@@ -143,8 +191,13 @@ class EngineHooks:
         self._next_reduce = 0
         self._deferred = []  # reduced, but a parameter had no gradient here: its update waits for all ranks' flags
         self._calling = False  # the wrapped model's forward is calling the module
+        # why every op in forward goes through _FetchParamsMode, or "" when the guards suffice
+        self.per_op_reason = _per_op_reason(self.ordered, slots, store, held_view)
+        self._forward_thread = None  # the thread running the wrapped forward, while it runs
+        store.grad_reads.fetch = self.fetch_for_op  # the guards' call (param_guard._fetch_for_op)
         self.handles = [module.register_forward_pre_hook(self._refuse_direct_call)]
         self._names = {id(mod): name for name, mod in module.named_modules()}  # for the refusal
+        self._tables = _module_tables(module)  # what _refuse_new_parameters compares with
         for mod in module.modules():
             chunks = tuple(dict.fromkeys(self.slot_by_param[id(p)].chunk for p in mod.parameters(recurse=False)))
             if chunks:
@@ -179,7 +232,12 @@ class EngineHooks:
     def _refuse_new_parameters(self) -> None:
         """A parameter that is not in the chunks (a layer replaced or added after wrap: the module's
         resize_token_embeddings, an adapter injected) would be used without the engine, and the
-        optimizer would never update it: a silent no-training. One pass over the parameters."""
+        optimizer would never update it: a silent no-training. Every forward compares each module's
+        own tables of parameters and submodules with what they held at the last full check (a few
+        identity checks a module); only a change runs the full pass over the module's parameters,
+        whose recursion took about a tenth of a 48-block GPT's forward host time."""
+        if _tables_unchanged(self._tables):
+            return
         known = self.slot_by_param
         for p in self.module.parameters():
             if id(p) not in known:
@@ -189,10 +247,12 @@ class EngineHooks:
                     f"replaced or added, resize_token_embeddings, an adapter): the engine packed the module's "
                     f"parameters into chunks at wrap and would neither fetch nor train it. Change the module "
                     f"before wrap, with an optimizer built over its parameters then")
+        self._tables = _module_tables(self.module)  # a change that added none (a layer replaced by itself)
 
     def _order_pending_prefetches(self) -> None:
         """Chunks prefetched for the backward may still be copying when forward returns, and their
-        parameters are plain (resident) ones: code between forward and backward that reads them (a
+        parameters, guarded until then, would be waited for only by an op that reads one itself, not
+        by one that reads a view of it: code between forward and backward that reads them (a
         regulariser, a logged norm) would read a half-copied block. The compute stream waits for
         those copies now; they are the backward's first chunks, so little overlap is lost. Nothing
         is pending off CUDA."""
@@ -216,6 +276,23 @@ class EngineHooks:
         # may run their layers inside autograd Functions with it (model/gpt.py, KEEPS_RESULT)
         hook.keeps_layer_result = True
         return hook
+
+    def fetch_for_op(self, args: tuple, kwargs: dict) -> None:
+        """The guards' call (param_guard._fetch_for_op) for an op that reads a guarded parameter:
+        inside the wrapped forward, on its thread, the chunks of every parameter (and parameter
+        view) the op reads are fetched together, as the per-op mode does, so that the fetch for one
+        cannot evict another. Elsewhere (another thread, outside forward) nothing is fetched: a
+        chunk still being copied in is only waited for, and the guard refuses an evicted read."""
+        chunks = tuple(dict.fromkeys(s.chunk for s in _slots_used(self.slot_by_param, args, kwargs)))
+        store = self.store
+        if self._calling and self._forward_thread == threading.get_ident():
+            if not all(store.usable(store.chunks[c]) for c in chunks):
+                self.pool.access(chunks)
+            return
+        for c in chunks:
+            chunk = store.chunks[c]
+            if chunk.resident:
+                store.make_usable(chunk)
 
     def pack(self, t: torch.Tensor):
         saved = self._saved
@@ -290,17 +367,21 @@ class EngineHooks:
         if torch.is_grad_enabled():
             self._warn_if_gradients_alive()
         self.store.hold_gradients(False)  # resident parameters back to the plain class: no handler per op
+        if not self.per_op_reason and self.store.counts["untraced_accesses"]:
+            # a path the trace did not take may keep a view of a parameter the trace never saw kept
+            self.per_op_reason = "a step took a path the trace did not (engine_stats()['untraced_accesses'])"
         self.phase = "forward"
         # several ranks: the parameters this forward uses with gradients off (a reentrant checkpointed
         # region runs so, and backward gives them gradients all the same); the graph shows the rest
         self.recording = set() if self.ordered and torch.is_grad_enabled() else None
         self._saved = {}  # also under no_grad: a forward may turn gradients on inside
         try:
-            self._calling = True
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), _FetchParamsMode(self):
+            self._calling, self._forward_thread = True, threading.get_ident()
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), \
+                    (_FetchParamsMode(self) if self.per_op_reason else _NO_MODE):
                 out = fn(*args, **kwargs)
         finally:
-            self._calling = False
+            self._calling, self._forward_thread = False, None
             self.phase = "backward"
             self._order_pending_prefetches()
             self._recompute_open = False

@@ -12,6 +12,13 @@ to the device and dtype it has, or to meta) passes. The class is
 switched back to nn.Parameter when the chunk is fetched, so ops in forward and backward, where
 the engine fetches before every use, pay nothing for the guard: a class assignment per parameter
 per fetch and eviction instead of a Python call per op.
+
+Inside the wrapped model's forward the guard fetches instead of refusing: a parameter read outside
+its own module (a tied weight used by the parent, a layer's weight passed to a functional call) or
+after another module's fetch evicted its chunk gets its chunk back first, with the chunks of every
+other parameter the op reads (`GradReads.fetch`, set by the engine's hooks). A chunk still being
+copied in by a prefetch keeps the class until the compute stream is ordered after the copy
+(`ChunkStore.make_usable`), so a read waits for it, in forward or not.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -115,6 +123,17 @@ class GradReads:
     held: bool = False
     warned: set = field(default_factory=set)  # "__get__", "__set__"
     released: bool = False
+    # the engine's hooks' fetch (EngineHooks.fetch_for_op): called with an op's arguments when it
+    # reads a guarded parameter; one per wrapped model, shared by its parameters (dropped when
+    # one is pickled or copied)
+    fetch: Optional[Callable] = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "fetch": None}
+
+
+# hand out the parameter's memory itself (a custom kernel's pointer): fetched in forward like a read
+_HANDS_OUT_MEMORY = frozenset({torch.Tensor.data_ptr, torch.Tensor.untyped_storage})
 
 
 # reads .grad only to convert it with the weights (module.to(...), .float()): not a loop looking for gradients
@@ -170,9 +189,26 @@ def outside_torch_and_us() -> int:
     return level
 
 
+def _fetch_for_op(args: tuple, kwargs: dict) -> None:
+    """The engine of each guarded parameter among an op's arguments (one level into lists:
+    `torch.cat([a.weight, b.weight])`) gets the op's arguments: inside its forward it fetches the
+    chunks of all the parameters they hold, plain ones too (a fetch for one must not evict another
+    the op reads); elsewhere it only waits for a copy in flight, and an evicted read is refused."""
+    engines = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if type(t) is ChunkParameter:
+                    reads = getattr(t, "_engine_grad_reads", None)
+                    if reads is not None and reads.fetch is not None and not any(r is reads for r in engines):
+                        engines.append(reads)
+    for reads in engines:
+        reads.fetch(args, kwargs)
+
+
 class ChunkParameter(nn.Parameter):
-    """An nn.Parameter whose chunk is evicted, or whose gradient the engine holds (see the module
-    docstring and GradReads)."""
+    """An nn.Parameter whose chunk is evicted (or still being copied in), or whose gradient the
+    engine holds (see the module docstring and GradReads)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -180,7 +216,10 @@ class ChunkParameter(nn.Parameter):
         if getattr(func, "__self__", None) is _GRAD and args:
             _warn_grad_access(args[0], func)
         with _NO_SUBCLASS():  # results are plain tensors, as nn.Parameter's are; the checks call no handler
-            if not _reads_no_data(func) and not (func in _CONVERSIONS and _converts_to_itself(func, args, kwargs)):
+            reads_data = not _reads_no_data(func)
+            if reads_data or func in _HANDS_OUT_MEMORY:
+                _fetch_for_op(args, kwargs)
+            if reads_data and not (func in _CONVERSIONS and _converts_to_itself(func, args, kwargs)):
                 _refuse_evicted(func, args, kwargs)
             return func(*args, **kwargs)
 

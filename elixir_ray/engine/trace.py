@@ -68,6 +68,10 @@ class AccessTrace:
     # the step read values computed from the weights (a learned router): traced with the real weights
     # beside the meta ones, and another step, or another rank, may use other parameters
     weights_read: bool = False
+    # forward used a view of a parameter taken before another module's parameters were fetched
+    # (`wa, wb = self.gate.weight.chunk(2)`, used after other layers ran), which the engine must
+    # catch per op (hooks.py): a description of the first such use, "" for none, None when not watched
+    held_view: Optional[str] = None
 
 
 def unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -183,6 +187,63 @@ class _GroupedMmAtAnyDtype(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _HeldViewWatch(TorchFunctionMode):
+    """Finds a forward that keeps a view of a parameter across another fetch.
+
+    The engine fetches a module's chunks in its pre-hook, and an evicted parameter fetches itself
+    when an op reads it (param_guard.ChunkParameter). A view of a parameter is a plain tensor,
+    though: taken while its chunk was resident and read after another fetch may have evicted that
+    chunk, it would read freed memory. Such a model needs the engine's per-op check (a Python call
+    per op in forward), which every other model is spared. Here each view of a parameter made in
+    forward (any tensor on a parameter's storage: `w.t()`, `w.chunk(2)`, `w.detach()`) is noted
+    with the count of fetches (`epoch`) so far, and an op that takes one made before the latest
+    fetch is the use that needs it. Fetches are the modules' pre-hooks and, since a guard may
+    fetch there, ops that read a parameter of another module than the one fetched last.
+    Only the sample's path is seen: the engine takes the per-op check for good once a step takes
+    a path the trace did not (hooks.py).
+    """
+
+    def __init__(self, param_keys: set, param_ids: set, phase: dict):
+        super().__init__()
+        self.param_keys, self.param_ids, self.phase = param_keys, param_ids, phase
+        self.epoch = 0
+        self.own: set = set()  # ids of the parameters of the module fetched last
+        self.views: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (the view, held so that its id stays its own; epoch)
+        self.found = ""
+
+    def fetched(self, module: nn.Module) -> None:
+        """A module's pre-hook ran."""
+        self.epoch += 1
+        self.own = {id(p) for p in module.parameters(recurse=False)}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found or self.phase["phase"] != "forward":
+            return func(*args, **kwargs)
+        foreign = False
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                seen = self.views.get(id(t))
+                if seen is not None and seen[1] != self.epoch:
+                    self.found = (f"{getattr(func, '__name__', func)} took a view of a parameter made before "
+                                  f"{self.epoch - seen[1]} later fetch(es)")
+                elif id(t) in self.param_ids and id(t) not in self.own:
+                    foreign = True
+        if foreign:  # after the check: a view and a parameter read by one op are fetched together
+            self.epoch += 1
+            self.own = set()
+        out = func(*args, **kwargs)
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "meta":
+                try:
+                    key = storage_key(t)
+                except (NotImplementedError, RuntimeError):  # a wrapper without storage (vmap's batched tensors)
+                    continue
+                if key in self.param_keys:
+                    self.views[id(t)] = (t, self.epoch)
+        return out
+
+
 def _cpu_index(index):
     if isinstance(index, list) and index and all(type(i) in (int, bool) for i in index) \
             and len({type(i) for i in index}) == 1:
@@ -279,24 +340,26 @@ def check_not_wrapped(module: nn.Module) -> None:
                              f"(copy.deepcopy(module) before the first wrap)")
 
 
-def trace_step(module: nn.Module, sample_inputs, loss_fn=None, dtype: Optional[torch.dtype] = None
-               ) -> AccessTrace:
+def trace_step(module: nn.Module, sample_inputs, loss_fn=None, dtype: Optional[torch.dtype] = None,
+               watch_views: bool = False) -> AccessTrace:
     """Trace one step on the meta device. A step that reads values computed from the weights (which
     experts a learned router picks) is traced again with the weights' real values carried beside
-    the meta tensors: every kernel then also runs on the CPU, so this costs a real step there."""
+    the meta tensors: every kernel then also runs on the CPU, so this costs a real step there.
+    `watch_views`: also find whether forward keeps a view of a parameter across another module's
+    fetch (`AccessTrace.held_view`; wrap asks, the planner need not)."""
     sample_inputs = as_sample_inputs(sample_inputs)
     check_not_wrapped(module)
     try:
-        return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False)
+        return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=False, watch_views=watch_views)
     except ValueReadError as exc:
         if any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]):
             raise ValueReadError(f"{exc}; this module's weights are on the meta device, so there are no values "
                                  f"to read: build it with real weights") from exc.__cause__
-    return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=True)
+    return _trace_step(module, sample_inputs, loss_fn, dtype, with_weights=True, watch_views=watch_views)
 
 
 def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: Optional[torch.dtype],
-                with_weights: bool, cache_kernels: bool = True) -> AccessTrace:
+                with_weights: bool, cache_kernels: bool = True, watch_views: bool = False) -> AccessTrace:
     """`cache_kernels=False` runs every meta kernel (the tests compare the two)."""
     named = unique_parameters(module)
     params = [p for _, p in named]
@@ -347,8 +410,12 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         direct = {mod: [key_to_index[storage_key(p)] for p in mod.parameters(recurse=False)]
                   for mod in module.modules()}
 
+        watch = _HeldViewWatch(set(key_to_index), {id(p) for p in metas}, state) if watch_views else None
+
         def pre_hook(mod, args):
             record(direct[mod], "forward" if state["phase"] == "forward" else "recompute")
+            if watch is not None:
+                watch.fetched(mod)
 
         pre_hook.keeps_layer_result = True  # reads only: the GPT's selective blocks trace as they run (model/gpt.py)
 
@@ -390,6 +457,7 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
             # it is never called, and a dispatch layer would cost every op of the trace (~10%)
             grouped = _GroupedMmAtAnyDtype() if any(p.dim() == 3 for p in metas) else nullcontext()
             with grouped, kernels, recorder, live, _FusedAttentionOnMeta(), _IndexListsOnCpu(), \
+                    (watch if watch is not None else nullcontext()), \
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack), shadows:
                 inputs = tree_map(lambda x: _to_meta(x, dtype), given)
                 for meta, real in zip(tree_flatten(inputs)[0], real_inputs):
@@ -414,4 +482,5 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
                        forward_flops=sum(op.flops * op.forward_count for op in ops),
                        grad_epochs=grad_epochs, grad_order=grad_order, ops=ops,
                        activation_peak_bytes=live.peak, live_before=live_before, live_high=live_high,
-                       memory_samples=memory_samples, weights_read=with_weights)
+                       memory_samples=memory_samples, weights_read=with_weights,
+                       held_view=watch.found if watch is not None else None)

@@ -498,7 +498,8 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
             raise ValueError(f"the plan sets activation checkpointing but {type(module).__name__} has no "
                              f"set_checkpointing(mask)")
         module.set_checkpointing(plan.activation_checkpointing)
-    trace = trace_step(module, sample_inputs, loss_fn, dtype=dtype)  # as the planner traced it
+    # as the planner traced it; watching for views of parameters kept across fetches (hooks.py)
+    trace = trace_step(module, sample_inputs, loss_fn, dtype=dtype, watch_views=True)
     # ---- nothing above modified the module; from here on it is converted ----
     index = {n: i for i, n in enumerate(names)}
     ordered = [params[index[n]] for n in plan.param_order]
@@ -525,7 +526,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         store.refresh_upload(c)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
                      keep_recent=max(1, min_blocks - 1), prefetch_depth=prefetch)
-    hooks = EngineHooks(module, store, pool, slots)
+    hooks = EngineHooks(module, store, pool, slots, held_view=trace.held_view)
     loss_scale = DynamicLossScale() if dtype == torch.float16 else None
     model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale,
                           _input_sizes(sample_inputs.args, sample_inputs.kwargs))
