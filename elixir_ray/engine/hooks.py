@@ -123,6 +123,16 @@ def _in_backward() -> bool:
     return task_id is None or task_id() != -1
 
 
+class _SavedParam:
+    """What autograd keeps for a saved parameter or parameter view (hooks.pack): the tensor and
+    the index of its chunk, which unpack fetches again if it was evicted since."""
+
+    __slots__ = ("tensor", "chunk")
+
+    def __init__(self, tensor: torch.Tensor, chunk: int):
+        self.tensor, self.chunk = tensor, chunk
+
+
 def _module_tables(module: nn.Module) -> list[tuple[nn.Module, list, list]]:
     """Each module with what its own parameter and submodule tables held (values, in order)."""
     return [(m, list(m._parameters.values()), list(m._modules.values())) for m in module.modules()]
@@ -295,19 +305,23 @@ class EngineHooks:
                 store.make_usable(chunk)
 
     def pack(self, t: torch.Tensor):
+        """A saved parameter (or view of one) is kept as a `_SavedParam`, which names its chunk for
+        `unpack`; anything else as itself, so that unpack, which runs for every saved tensor in
+        backward, looks at no storage."""
+        # past the forward's torch-function mode: an op's own saves run inside the mode's handler,
+        # where it is off anyway, but a custom autograd Function's (save_for_backward outside any
+        # op, as the GPT's selective blocks do) would make each storage read a Python call
+        with _NO_TORCH_FUNCTION():
+            chunk = self.store.chunk_of(t)
+            if chunk is None:
+                return t
+            offset = t.storage_offset()
         saved = self._saved
-        if saved is not None:
-            # past the forward's torch-function mode: an op's own saves run inside the mode's handler,
-            # where it is off anyway, but a custom autograd Function's (save_for_backward outside any
-            # op, as the GPT's selective blocks do) would make each storage read a Python call
-            with _NO_TORCH_FUNCTION():
-                chunk = self.store.chunk_of(t)
-                offset = t.storage_offset() if chunk is not None else 0
-            if chunk is not None:  # a parameter, or a view of one (w.t())
-                slot = self._slot_at(chunk, offset)
-                if slot is not None and id(slot) not in saved:
-                    saved[id(slot)] = (slot, slot.changes)
-        return t
+        if saved is not None:  # a parameter, or a view of one (w.t())
+            slot = self._slot_at(chunk, offset)
+            if slot is not None and id(slot) not in saved:
+                saved[id(slot)] = (slot, slot.changes)
+        return _SavedParam(t, chunk.index)
 
     def _changes_now(self) -> dict:
         return {id(slot): slot.changes for slot in self.slots}
@@ -320,12 +334,12 @@ class EngineHooks:
                 return slot
         return None
 
-    def unpack(self, t: torch.Tensor):
-        chunk = self.store.chunk_of(t)
-        if chunk is not None:
-            self._recompute_open = False
-            self.pool.access((chunk.index,))  # also when resident: keeps the pool's place in the trace for prefetch
-        return t
+    def unpack(self, saved):
+        if type(saved) is not _SavedParam:
+            return saved
+        self._recompute_open = False
+        self.pool.access((saved.chunk,))  # also when resident: keeps the pool's place in the trace for prefetch
+        return saved.tensor
 
     def forward(self, *args, **kwargs):
         return self.call(self.module, *args, **kwargs)
