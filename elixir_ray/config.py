@@ -84,6 +84,7 @@ class EngineConfig:
     search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
     replicate: str = "auto"  # several workers: "auto" (searched), "all" chunks whole on every worker, "none"
     time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
+    memory_margin: float = 0.2  # fraction of the device budget the plan keeps back for the allocator
 
 
 CHECKPOINT_VIA = ("auto", "object_store", "storage")
@@ -385,6 +386,10 @@ def validate(cfg: RunConfig) -> None:
             _positive("engine.device_memory", parse_bytes(cfg.engine.device_memory))
         except ValueError as exc:
             raise ConfigError(f"engine.device_memory: {exc}") from None
+    margin = cfg.engine.memory_margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"engine.memory_margin must be a fraction in [0, 1) of the device budget kept back for "
+                          f"the allocator's fragmentation, got {margin!r} (default 0.2)")
     if cfg.engine.replicate not in ("auto", "all", "none"):
         raise ConfigError(f"engine.replicate must be auto, all or none, got {cfg.engine.replicate!r}")
     ck = cfg.checkpoint

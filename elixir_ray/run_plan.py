@@ -112,7 +112,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
                                        rates, getattr(torch, dtype), trace_loss(cfg), accum, host_budget,
                                        cfg.engine.search_checkpointing,
                                        updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels,
-                                       replicate=cfg.engine.replicate)
+                                       replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

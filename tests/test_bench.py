@@ -24,6 +24,20 @@ BREAKDOWN = {*CATEGORIES, "compute_and_waits"}
 
 
 @pytest.mark.slow
+def test_bench_passes_the_memory_margin_to_elixir_ray_and_the_allocator_settings_to_every_system(tmp_path):
+    from elixir_ray.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--smoke", "--systems", "reference", "elixir_ray", "--cap", "64MiB", "--memory-margin",
+                 "0.5", "--alloc-conf", "expandable_segments:True", "--out", str(out)]) == 0
+    rows = {r["system"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert {r["alloc_conf"] for r in rows.values()} == {"expandable_segments:True"}
+    plan = rows["elixir_ray"]["plan"]
+    assert plan["memory_margin"] == 0.5 and plan["predicted_peak_bytes"] <= 32 * 2**20
+    with pytest.raises(SystemExit):
+        main(["bench", "--smoke", "--memory-margin", "1.5", "--out", str(out)])
+
+
 def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     from elixir_ray.cli import main
 

@@ -371,6 +371,16 @@ def test_a_tied_weight_that_another_holder_resets_is_initialised():
     assert torch.isfinite(weight).all() and 0 < weight.abs().max() <= 8 ** -0.5  # Linear's kaiming bound
 
 
+def test_a_memory_margin_beside_a_given_plan_is_refused():
+    """The margin is the plan search's: with a plan given it would silently do nothing."""
+    torch.manual_seed(0)
+    module, data = Toy(), batches(1, 4)
+    plan = manual_plan(module, (data[0],), chunk_size=4096, n_blocks=2)
+    with pytest.raises(ValueError, match="memory_margin is the plan search's, and a plan was given"):
+        wrap(module, torch.optim.AdamW(module.parameters()), sample_inputs=(data[0],), device="cpu", plan=plan,
+             memory_margin=0.1)
+
+
 def test_a_layer_replaced_after_wrap_is_refused_at_the_next_forward():
     """Its new parameter is in no chunk: it was used without the engine and never updated (a
     Hugging Face resize_token_embeddings or an adapter injected after wrap does this)."""

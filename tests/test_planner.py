@@ -126,6 +126,31 @@ def test_plan_is_the_search_over_the_traced_settings():
             == elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, world_size=2, host_memory=host))
 
 
+def test_a_smaller_memory_margin_fits_more_of_the_budget_and_is_recorded():
+    with torch.device("meta"):
+        model = Stack([48, 256, 256])
+    minimum = _min_budget(model, _sample(4), hardware=GPU)  # at the default margin, 0.2
+    budget = int(minimum * 0.95)
+    with pytest.raises(elixir_ray.PlanError):
+        elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU)
+    plan = elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, memory_margin=0.1)
+    assert plan.memory_margin == 0.1 and plan.predicted_peak_bytes <= budget * 0.9
+    assert any("kept back" in n and "10%" in n for n in plan.notes)
+    assert elixir_ray.Plan.from_json(plan.to_json()).memory_margin == 0.1
+    roomy = 3 * minimum  # a smaller margin leaves more of the same budget: never a slower step
+    assert (elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU, memory_margin=0.05)
+            .predicted_step_seconds <= elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU)
+            .predicted_step_seconds * (1 + 1e-12))
+
+
+@pytest.mark.parametrize("margin", [-0.1, 1.0, "0.1"])
+def test_a_memory_margin_outside_zero_to_one_is_refused_before_planning(margin):
+    with torch.device("meta"):
+        model = Stack([48])
+    with pytest.raises(ValueError, match=r"memory_margin must be a fraction of the budget in \[0, 1\)"):
+        elixir_ray.plan(model, _sample(4), device_memory="1GiB", hardware=GPU, memory_margin=margin)
+
+
 def test_too_small_budget_names_the_minimum_and_what_dominates():
     with torch.device("meta"):
         model = Stack([256, 256])

@@ -1,6 +1,7 @@
 """Measure one system in a fresh process (so peak memory and CUDA state are its own); writes JSON."""
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -20,6 +21,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")
+    parser.add_argument("--memory-margin", type=float, default=None,
+                        help="elixir_ray only: the share of the cap its plan search keeps back")
     args = parser.parse_args()
     plan = None
     if args.plan:
@@ -32,12 +35,14 @@ def main() -> int:
 
     try:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
-                            steps=args.steps, warmup=args.warmup, plan=plan, keep=keep).to_dict()
+                            steps=args.steps, warmup=args.warmup, plan=plan, keep=keep,
+                            memory_margin=args.memory_margin).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure
         traceback.print_exc()
         result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
+    result["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # the caching allocator's settings
     write_json(args.out, result)
     return 0
 

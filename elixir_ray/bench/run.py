@@ -20,10 +20,13 @@ from elixir_ray.units import format_bytes
 
 
 def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6,
-              warmup: int = 2, device: Optional[str] = None, progress=print) -> tuple[list[dict], dict]:
+              warmup: int = 2, device: Optional[str] = None, progress=print,
+              memory_margin: Optional[float] = None, alloc_conf: Optional[str] = None) -> tuple[list[dict], dict]:
     """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
     every other system once per cap, in the caps' order. With several caps each capped result is
-    kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report."""
+    kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report.
+    `memory_margin`: elixir_ray's plan search keeps this share of the cap back (default: the
+    planner's); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process alike."""
     caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
     several = len(caps) > 1
     runs = [("reference", None)] if "reference" in systems else []  # first: the ratios' base
@@ -42,7 +45,10 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
                 cmd += ["--cap-bytes", str(cap_bytes)]
             if device:
                 cmd += ["--device", device]
-            code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"))
+            if memory_margin is not None and system == "elixir_ray":
+                cmd += ["--memory-margin", str(memory_margin)]
+            env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf is not None else {}
+            code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"), env=env)
             if os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
@@ -79,7 +85,7 @@ def _one_line(r: dict) -> str:
             f"peak host {format_bytes(r.get('peak_host_bytes') or 0)}")
 
 
-def run_logged(cmd: list[str], path: str, title: str = "") -> tuple[int, str]:
+def run_logged(cmd: list[str], path: str, title: str = "", env: Optional[dict] = None) -> tuple[int, str]:
     """Run a measured process with its whole output going into `path` as it comes (a failure's
     traceback is there, and so is what a process stopped midway had printed); returns its exit
     status and the output's last 300 characters."""
@@ -88,7 +94,7 @@ def run_logged(cmd: list[str], path: str, title: str = "") -> tuple[int, str]:
         log.flush()
         start = log.tell()
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}).returncode
     with open(path, errors="replace") as log:
         log.seek(start)
         tail = log.read()[-300:].strip()
@@ -117,7 +123,8 @@ def main_args(args) -> int:
     steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
     results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
-                               device="cpu" if args.smoke else None)
+                               device="cpu" if args.smoke else None, memory_margin=args.memory_margin,
+                               alloc_conf=args.alloc_conf)
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
@@ -127,6 +134,18 @@ def main_args(args) -> int:
               f"{os.path.join(args.out, 'SYSTEM.log')})", file=sys.stderr)
         return 1
     return 0
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a fraction in [0, 1), got {text!r}")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -141,5 +160,11 @@ def add_arguments(p) -> None:
                    help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")
     p.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
+    p.add_argument("--memory-margin", type=_fraction, default=None,
+                   help="elixir_ray's plan search keeps this fraction of the cap back for the allocator "
+                        "(default: the planner's, 0.2)")
+    p.add_argument("--alloc-conf", default=None,
+                   help="PYTORCH_CUDA_ALLOC_CONF for every system's process alike, e.g. "
+                        "expandable_segments:True (default: this environment's); each result records it")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each "
                                                        "system's output, SYSTEM.log (default: runs/bench)")

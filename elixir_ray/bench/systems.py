@@ -145,7 +145,8 @@ def _check_tied(model, system: str) -> None:
         raise RuntimeError(f"{system}: head.weight and wte.weight are no longer tied after to_empty")
 
 
-def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int], plan=None):
+def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int], plan=None,
+           memory_margin: Optional[float] = None):
     """(step function taking a batch and returning the loss, parameter count, StepTimer or None).
 
     The timer, for elixir_ray, is its engine's (`model.store.timer`), disabled until
@@ -224,7 +225,8 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
         wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes, plan=plan,
                              dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers),
-                             accumulation_steps=1)  # one backward per step: CPU updates start during it
+                             accumulation_steps=1,  # one backward per step: CPU updates start during it
+                             memory_margin=memory_margin)
 
         def step(batch):
             loss = wrapped(batch)
@@ -246,11 +248,13 @@ def reference_parameters(shape: BenchShape) -> int:
 
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
-               steps: int = 6, warmup: int = 2, plan=None, keep=None) -> SystemResult:
+               steps: int = 6, warmup: int = 2, plan=None, keep=None,
+               memory_margin: Optional[float] = None) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
     given, is called with the result as it stands after the timed steps and again after the
     breakdown's steps, before the profiled one: a process that dies in the extra steps (a
-    profiler's crash) still leaves what the timed steps measured."""
+    profiler's crash) still leaves what the timed steps measured. `memory_margin` (elixir_ray
+    only, without `plan`): the share of the cap its plan search keeps back."""
     torch.manual_seed(0)
     device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
@@ -259,7 +263,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    step, params, timer = _build(system, shape, device, cap_bytes, plan)
+    step, params, timer = _build(system, shape, device, cap_bytes, plan, memory_margin)
     peak_build = 0
     if device.type == "cuda":
         peak_build = torch.cuda.max_memory_allocated(device)

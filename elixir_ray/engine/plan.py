@@ -52,6 +52,8 @@ class Plan:
     forward_compute_seconds: float = 0.0
     grad_accum: int = 1
     updates_in_backward: bool = False
+    # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked)
+    memory_margin: float = 0.20
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
 

@@ -422,7 +422,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
          dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
          init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None,
-         accumulation_steps: Optional[int] = None, prefetch: int = 1):
+         accumulation_steps: Optional[int] = None, prefetch: int = 1, memory_margin: Optional[float] = None):
     """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`.
 
     `sample_inputs` is one step's inputs, traced to order the chunks: a tuple of forward's positional
@@ -433,6 +433,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     host chunks start their CPU update during the N-th backward, and device chunks update there and
     release their gradients once applied (see docs/engine.md); `prefetch`
     is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py).
+    `memory_margin`: the fraction of `device_memory` the plan search keeps back for the allocator
+    (default 0.2; only where wrap searches the plan).
     """
     check_optimizer(optimizer)
     check_not_wrapped(module)
@@ -444,17 +446,23 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
                          f"or None, got {accumulation_steps!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (chunks to load ahead), got {prefetch!r}")
+    if memory_margin is not None:
+        if plan is not None:
+            raise ValueError("memory_margin is the plan search's, and a plan was given: pass it to elixir_ray.plan "
+                             "instead, or drop plan= to let wrap search")
+        from elixir_ray.planner.search import check_margin  # the planner imports the engine: here, when needed
+        check_margin(memory_margin)
     device = resolve_device(device)
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
     with device_scope(device):
         return _wrap(module, optimizer, as_sample_inputs(sample_inputs) if sample_inputs is not None else None,
                      device_memory, plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn,
-                     accumulation_steps, prefetch)
+                     accumulation_steps, prefetch, memory_margin)
 
 
 def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, max_grad_norm, dtype, device,
-          init_fn, loss_fn, accumulation_steps, prefetch):
+          init_fn, loss_fn, accumulation_steps, prefetch, memory_margin=None):
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
@@ -472,6 +480,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                          "order parameters are used in")
     if plan is None:  # the planner imports the engine, so it is imported here, when needed
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
+        from elixir_ray.planner.search import SAFETY
 
         def search() -> Plan:
             with random_state_kept(device):
@@ -479,7 +488,8 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                     module, sample_inputs, device_memory, comm.world, quick_hardware(device, device_memory),
                     dtype, loss_fn, grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
                     updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
-                                                                  dtype == torch.float16))
+                                                                  dtype == torch.float16),
+                    memory_margin=SAFETY if memory_margin is None else memory_margin)
 
         plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:

@@ -24,18 +24,18 @@ OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
 
 
 def _fits(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, budget: int,
-          host_budget: Optional[int]) -> bool:
+          host_budget: Optional[int], margin: float = SAFETY) -> bool:
     memory, _, host_bytes, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
-    return sum(memory.values()) <= budget * (1 - SAFETY) and (host_budget is None or host_bytes <= host_budget)
+    return sum(memory.values()) <= budget * (1 - margin) and (host_budget is None or host_bytes <= host_budget)
 
 
 def _misfit(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, budget: int,
-            host_budget: Optional[int]) -> str:
+            host_budget: Optional[int], margin: float = SAFETY) -> str:
     """Why a placement at its smallest pool does not fit: device memory, host memory, or both."""
     memory, _, host_bytes, _ = evaluate(choice, hw, world, elem_bytes, grad_accum)
     reasons = []
-    if sum(memory.values()) > budget * (1 - SAFETY):
-        reasons.append(f"device needs {format_bytes(int(sum(memory.values()) / (1 - SAFETY)))}")
+    if sum(memory.values()) > budget * (1 - margin):
+        reasons.append(f"device needs {format_bytes(int(sum(memory.values()) / (1 - margin)))}")
     if host_budget is not None and host_bytes > host_budget:
         reasons.append(f"host needs {format_bytes(host_bytes)} per rank of {format_bytes(host_budget)}")
     return ", ".join(reasons) or "does not fit"
@@ -51,11 +51,12 @@ def _largest_pool(lay: Layout, device: np.ndarray, grads_low: bool, *args) -> Op
 
 def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, dtype_name: str, elem_bytes: int,
                     grad_accum: int = 1, host_budget: Optional[int] = None,
-                    updates_in_backward: bool = False, why_not: Optional[dict] = None) -> dict[str, Optional[Plan]]:
-    """name -> Plan, or None where that recipe does not fit the budget (`why_not`, when given, gets
-    name -> what does not fit for those). Host gradients follow the same rule as in the search
-    (`host_grads_low_applies`), so only the placement differs."""
-    args = (hw, world, elem_bytes, grad_accum, budget, host_budget)
+                    updates_in_backward: bool = False, why_not: Optional[dict] = None,
+                    margin: float = SAFETY) -> dict[str, Optional[Plan]]:
+    """name -> Plan, or None where that recipe does not fit the budget less `margin` (`why_not`, when
+    given, gets name -> what does not fit for those). Host gradients follow the same rule as in the
+    search (`host_grads_low_applies`), so only the placement differs."""
+    args = (hw, world, elem_bytes, grad_accum, budget, host_budget, margin)
     low = host_grads_low_applies(dtype_name, grad_accum)
     n_chunks = len(lay.sizes)
 
@@ -83,5 +84,5 @@ def hand_made_plans(lay: Layout, hw: HardwareProfile, budget: int, world: int, d
     return {name: None if c is None else choice_to_plan(c, hw, world, dtype_name, elem_bytes, grad_accum, budget,
                                                          note=f"hand-made: {name}",
                                                          updates_in_backward=updates_in_backward,
-                                                         host_budget=host_budget)
+                                                         host_budget=host_budget, margin=margin)
             for name, c in choices.items()}

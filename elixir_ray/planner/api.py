@@ -16,7 +16,7 @@ from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
-from elixir_ray.planner.search import HOST_FRACTION, plan_search
+from elixir_ray.planner.search import HOST_FRACTION, SAFETY, check_margin, plan_search
 from elixir_ray.units import parse_bytes
 
 
@@ -64,7 +64,7 @@ def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInp
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
                   low_host_grads: bool = True, replicate: str = "auto",
                   progress: Optional[Callable[[str], None]] = None,
-                  variants: Optional[list] = None) -> tuple[Plan, ModelProfile]:
+                  variants: Optional[list] = None, memory_margin: float = SAFETY) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
@@ -96,7 +96,7 @@ def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInp
     say("searching chunk sizes, pool blocks and placements")
     found = plan_search(profiles, hardware, budget, world_size, str(dtype).replace("torch.", ""), elem, grad_accum,
                         host_budget=host_budget, updates_in_backward=updates_in_backward,
-                        low_host_grads=low_host_grads, replicate=replicate)
+                        low_host_grads=low_host_grads, replicate=replicate, memory_margin=memory_margin)
     chosen = next(p for p in profiles if p.checkpointing == found.activation_checkpointing)
     return found, chosen
 
@@ -106,8 +106,9 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], dev
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
          search_checkpointing: bool = True, updates_in_backward: bool = False,
          time_compute: Optional[bool] = None, low_host_grads: bool = True, replicate: str = "auto",
-         progress: Optional[Callable[[str], None]] = None) -> Plan:
-    """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB").
+         progress: Optional[Callable[[str], None]] = None, memory_margin: float = SAFETY) -> Plan:
+    """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB"), less
+    `memory_margin` of it (default 0.2), kept back for the allocator's fragmentation.
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
     defaults to a measurement of this machine's device. `host_memory` bounds the optimizer state
@@ -130,11 +131,13 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], dev
     with random_state_kept(torch.device(hardware.device) if hardware is not None else None):
         return _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, loss_fn, grad_accum,
                      host_memory, search_checkpointing, updates_in_backward, time_compute, low_host_grads,
-                     replicate, progress)
+                     replicate, progress, memory_margin)
 
 
 def _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, loss_fn, grad_accum, host_memory,
-          search_checkpointing, updates_in_backward, time_compute, low_host_grads, replicate, progress) -> Plan:
+          search_checkpointing, updates_in_backward, time_compute, low_host_grads, replicate, progress,
+          memory_margin) -> Plan:
+    check_margin(memory_margin)  # before any measuring or tracing
     if hardware is None:
         if progress:
             progress("measuring this machine's copy, AdamW and matmul rates")
@@ -147,7 +150,8 @@ def _plan(module, sample_inputs, device_memory, world_size, hardware, dtype, los
         time_compute = device_is_here(hardware)
     return search_module(module, sample_inputs, budget, world_size, hardware, dtype, loss_fn, grad_accum, host,
                          search_checkpointing, updates_in_backward, time_compute,
-                         low_host_grads=low_host_grads, replicate=replicate, progress=progress)[0]
+                         low_host_grads=low_host_grads, replicate=replicate, progress=progress,
+                         memory_margin=memory_margin)[0]
 
 
 def time_run_kernels(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], hardware: HardwareProfile,

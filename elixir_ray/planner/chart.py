@@ -79,8 +79,9 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
                  colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
     if budget_drawn:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
-        ax.axhline(plan.budget_bytes * (1 - SAFETY) / gib, color="black", linestyle=":", linewidth=1,
-                   label=f"usable: budget less {SAFETY:.0%} margin")
+        margin = getattr(plan, "memory_margin", SAFETY)
+        ax.axhline(plan.budget_bytes * (1 - margin) / gib, color="black", linestyle=":", linewidth=1,
+                   label=f"usable: budget less {margin:.0%} margin")
     ax.axhline(plan.predicted_peak_bytes / gib, color="#c44e52", linestyle=":", linewidth=1, label="predicted peak")
     total = t["state"] + t["pool"] + t["buffers"] + t["activations"]
     worst = int(np.argmax(total))  # often one moment wide (backward's first gradients): marked, or it is not seen

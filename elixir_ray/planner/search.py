@@ -40,7 +40,16 @@ DOS_GAPS = (0, *range(1, 17))
 # measured ones, and that hid headroom the caching allocator uses (it reserved 1.2-1.5x the bytes
 # allocated, up to the cap, and retried once at 67% of a 16 GiB cap). 20% keeps plans at or below
 # the fills measured there (67-80% of the cap); lower it once plans near the budget are measured.
+# The default of `memory_margin`, which plan_search (and `elixir_ray.plan`, `wrap`, the config's
+# engine.memory_margin) take, so that a lower one can be measured (bench --memory-margin).
 SAFETY = 0.20
+
+
+def check_margin(margin: float) -> float:
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"memory_margin must be a fraction of the budget in [0, 1), got {margin!r} "
+                         f"(default {SAFETY}: kept back for the allocator's fragmentation and short-lived buffers)")
+    return float(margin)
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state by default; the rest for the process, data and pinning
 
 
@@ -465,7 +474,7 @@ class _Best:
 
 def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
                    host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
-                   upload: bool, grads_low: bool = False) -> None:
+                   upload: bool, grads_low: bool = False, margin: float = SAFETY) -> None:
     """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
     grad_bytes = host_grad_bytes(grads_low)
     costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
@@ -488,7 +497,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
                              updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
-                             limit, host_budget, best, smallest)
+                             limit, host_budget, best, smallest, margin)
 
 
 @dataclass
@@ -510,8 +519,10 @@ class _PrefixParts:
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
                      costs: ChunkCosts, parts: _PrefixParts, elem_bytes: int, world: int,
-                     limit: float, host_budget: Optional[int], best: _Best, smallest: dict) -> None:
-    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n."""
+                     limit: float, host_budget: Optional[int], best: _Best, smallest: dict,
+                     margin: float = SAFETY) -> None:
+    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (`margin`: the
+    budget's share kept back, for the smallest need a refusal names)."""
     n_chunks = len(lay.sizes)
     rank_of = np.empty(n_chunks, dtype=np.int64)
     rank_of[ranking] = np.arange(n_chunks)
@@ -549,11 +560,11 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                                   dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
                                   *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
         peaks = peaks_with[gap > 0]
-        unbounded = float(peaks.min()) / (1 - SAFETY)  # as if the host could hold any optimizer state
+        unbounded = float(peaks.min()) / (1 - margin)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
         if host_ok.any():  # the first smallest peak within the host limit (a loop here was a third of the search)
             k = int(np.flatnonzero(host_ok)[np.argmin(peaks[host_ok])])
-            need = peaks[k] / (1 - SAFETY)
+            need = peaks[k] / (1 - margin)
             if need < smallest.get("need", float("inf")):
                 smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low))
         ok = host_ok & (peaks <= limit)
@@ -568,8 +579,10 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
 def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
                 dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
                 host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
-                updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto") -> Plan:
-    """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes.
+                updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto",
+                memory_margin: float = SAFETY) -> Plan:
+    """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes
+    less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers).
 
     `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
     all-gather on each fetch, for world-size times their state), "all" replicates every chunk
@@ -588,7 +601,8 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     routed = world_size > 1 and replicate == "auto" and any(p.trace.weights_read for p in profiles)
     if routed:  # which parameters a step uses depends on the weights, so it may differ between ranks
         replicate = "all"
-    limit = budget * (1 - SAFETY)
+    margin = check_margin(memory_margin)
+    limit = budget * (1 - margin)
     best, smallest = _Best(), {}
     grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
     for profile in profiles:
@@ -598,14 +612,14 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
             for lay in replication_layouts(sharded, world_size, elem_bytes, hw, replicate):
                 for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
                     _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                                   updates_in_backward, upload, grads_low)
+                                   updates_in_backward, upload, grads_low, margin)
     if best.choice is None:
         fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
         raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget,
-                                           fully, updates_in_backward))
+                                           fully, updates_in_backward, margin))
     found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
                            note="searched: fastest predicted step within the budget",
-                           updates_in_backward=updates_in_backward, host_budget=host_budget)
+                           updates_in_backward=updates_in_backward, host_budget=host_budget, margin=margin)
     if routed:
         found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
                            "learned router, say), so ranks may use different parameters in a step")
@@ -709,14 +723,14 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
 
 def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
                    grad_accum: int, budget: int, note: str, updates_in_backward: bool = False,
-                   host_budget: Optional[int] = None) -> Plan:
+                   host_budget: Optional[int] = None, margin: float = SAFETY) -> Plan:
     memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
     lay = choice.layout
     start = "from the last backward" if updates_in_backward else "from step()"
     host_limit = f" (of {format_bytes(host_budget)} allowed, host_memory)" if host_budget is not None else ""
     notes = [note,
-             f"device memory usable: {format_bytes(int(budget * (1 - SAFETY)))} of the {format_bytes(budget)} "
-             f"budget ({SAFETY:.0%} kept back for the allocator's fragmentation and short-lived buffers)",
+             f"device memory usable: {format_bytes(int(budget * (1 - margin)))} of the {format_bytes(budget)} "
+             f"budget ({margin:.0%} kept back for the allocator's fragmentation and short-lived buffers)",
              f"optimizer state on the host: {format_bytes(host_bytes)} per rank{host_limit}",
              "the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
              + ("and Deep Optimizer States on streams of their own " if choice.dos_gap else "")
@@ -747,20 +761,20 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
         memory=memory, time=time, notes=notes, hardware=json.loads(hw.to_json()),
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
-        updates_in_backward=updates_in_backward,
+        updates_in_backward=updates_in_backward, memory_margin=margin,
     )
 
 
-def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int) -> str:
+def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int, margin: float = SAFETY) -> str:
     """The micro-batch that would fit, taking activations as proportional to it (an estimate: the
     caller's config or loop sets the micro-batch, and only a plan at that size is exact)."""
-    rest = need * (1 - SAFETY) - activations  # what does not shrink with the micro-batch
+    rest = need * (1 - margin) - activations  # what does not shrink with the micro-batch
     per_row = activations / max(1, batch)
-    fits = int((budget * (1 - SAFETY) - rest) // per_row) if per_row > 0 else 0
+    fits = int((budget * (1 - margin) - rest) // per_row) if per_row > 0 else 0
     if fits >= 1 and batch > 1:
         return (f"use micro-batch {min(fits, batch - 1)} or less, an estimate that takes activations as "
                 f"proportional to the micro-batch")
-    return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - SAFETY)))}: use shorter "
+    return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - margin)))}: use shorter "
             f"sequences or a smaller model, or give the device more memory")
 
 
@@ -770,7 +784,7 @@ def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
 
 def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
                        grad_accum: int, host_budget: Optional[int], fully_searched: bool = False,
-                       updates_in_backward: bool = False) -> str:
+                       updates_in_backward: bool = False, margin: float = SAFETY) -> str:
     """`fully_searched`: a profile that recomputes every block was among those searched, so more
     checkpointing is no advice to give (that setting needed more than the smallest plan)."""
     if "choice" not in smallest:
@@ -787,7 +801,7 @@ def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: 
         elif ckpt is not None and not _recomputes_every_block(ckpt) and not fully_searched:
             hint = "enable activation checkpointing"
         else:
-            hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size)
+            hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size, margin)
             if prof.checkpointing_hint:
                 hint = f"{prof.checkpointing_hint} (activation checkpointing), or {hint}"
         dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
