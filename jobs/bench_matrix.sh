@@ -19,9 +19,9 @@
 #   gpt-4b-40   plain PyTorch and elixir_ray, gpt-4b capped at 40 GiB
 #   gpt-4b-24   plain PyTorch and elixir_ray, gpt-4b capped at 24 GiB
 #   gpt-4b-16   plain PyTorch and elixir_ray, gpt-4b capped at 16 GiB (the planner's third budget)
-#   gpt-4b-40-margin  gpt-4b-40 with elixir_ray's plan keeping 10% of the cap back instead of 20%,
-#               every process on the allocator's expandable segments (the reserved bytes and retries
-#               say whether the smaller margin holds)
+#   gpt-4b-margin  plain PyTorch once and elixir_ray at 40 and 24 GiB, its plans keeping 10% of the
+#               cap back instead of 20%, every process on the allocator's expandable segments (the
+#               reserved bytes and retries say whether the smaller margin holds)
 #   gpt-4b-caps, gpt-1.5b-caps  plain PyTorch once and elixir_ray at 40, 24 and 16 GiB, in one run (the
 #               three stages of each shape above, two references fewer)
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
@@ -53,7 +53,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-40-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 gpt-4b-24-all plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 gpt-4b-24-all plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -69,7 +69,7 @@ stage_command() {
         gpt-1.5b-40) "$PY" jobs/bench.py --shape gpt-1.5b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-1.5b-16) "$PY" jobs/bench.py --shape gpt-1.5b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-40) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;
-        gpt-4b-40-margin) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB --systems reference elixir_ray \
+        gpt-4b-margin) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB --systems reference elixir_ray \
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         gpt-4b-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-16) "$PY" jobs/bench.py --shape gpt-4b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
