@@ -84,7 +84,8 @@ class EngineConfig:
     search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
     replicate: str = "auto"  # several workers: "auto" (searched), "all" chunks whole on every worker, "none"
     time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
-    memory_margin: float = 0.2  # fraction of the device budget the plan keeps back for the allocator
+    # fraction of the device budget the plan keeps back for the allocator; None: the planner's (0.2)
+    memory_margin: Optional[float] = None
 
 
 CHECKPOINT_VIA = ("auto", "object_store", "storage")
@@ -177,7 +178,9 @@ def _coerce(path: str, value: Any, tp) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not isinstance(value, (int, float)):
             try:
                 return float(value)  # YAML reads "1e-3" as a string
             except (TypeError, ValueError):
@@ -387,9 +390,9 @@ def validate(cfg: RunConfig) -> None:
         except ValueError as exc:
             raise ConfigError(f"engine.device_memory: {exc}") from None
     margin = cfg.engine.memory_margin
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
         raise ConfigError(f"engine.memory_margin must be a fraction in [0, 1) of the device budget kept back for "
-                          f"the allocator's fragmentation, got {margin!r} (default 0.2)")
+                          f"the allocator's fragmentation, got {margin!r} (default: the planner's, 0.2)")
     if cfg.engine.replicate not in ("auto", "all", "none"):
         raise ConfigError(f"engine.replicate must be auto, all or none, got {cfg.engine.replicate!r}")
     ck = cfg.checkpoint

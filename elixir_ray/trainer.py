@@ -69,6 +69,7 @@ class RankTrainer:
         self.model, self.optimizer = wrap(
             module, base_opt, sample_inputs=sample_inputs(cfg, plan.micro_batch), loss_fn=trace_loss(cfg),
             plan=Plan.from_dict(plan.engine) if plan.engine else None,
+            memory_margin=None if plan.engine else cfg.engine.memory_margin,
             device_memory=plan.device_memory_bytes, process_group=group,
             max_grad_norm=cfg.optim.max_grad_norm, dtype=self.compute_dtype, device=device,
             init_fn=init_fn_for(cfg, module),

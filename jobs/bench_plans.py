@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from elixir_ray.bench.plans import plan_table_markdown, run_plan_table  # noqa: E402
+from elixir_ray.bench.run import fraction  # noqa: E402
+from elixir_ray.planner.search import SAFETY  # noqa: E402
 from elixir_ray.cli import at_least  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware  # noqa: E402
@@ -31,6 +33,8 @@ def main() -> int:
     parser.add_argument("--steps", type=at_least(1), default=None, help="timed steps per plan; default 4, 2 with --smoke")
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny shape on CPU with a 24 MiB cap (--shape and --cap are ignored)")
+    parser.add_argument("--memory-margin", type=fraction, default=SAFETY,
+                        help=f"the share of the cap every plan keeps back for the allocator (default {SAFETY})")
     parser.add_argument("--out", default="runs/bench_plans.json")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -44,7 +48,8 @@ def main() -> int:
         hw = profile_hardware("cpu" if args.smoke else None)
     steps = args.steps if args.steps is not None else (2 if args.smoke else 4)
     rows = run_plan_table(shape, cap, hw, steps=steps, warmup=1 if args.smoke else 2,
-                          device="cpu" if args.smoke else None, log_dir=os.path.dirname(os.path.abspath(args.out)))
+                          device="cpu" if args.smoke else None, log_dir=os.path.dirname(os.path.abspath(args.out)),
+                          memory_margin=args.memory_margin)
     print(plan_table_markdown(rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"

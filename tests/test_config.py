@@ -36,7 +36,7 @@ def test_explicit_fields_override_named_size():
     ({"engine": {"device_memory": "lots"}}, "engine.device_memory"),
     ({"cluster": {"num_workers": 0}}, "cluster.num_workers must be a positive number"),
     ({"engine": {"memory_margin": 1.0}}, "engine.memory_margin must be a fraction in [0, 1)"),
-    ({"engine": {"memory_margin": True}}, "engine.memory_margin must be a fraction in [0, 1)"),
+    ({"engine": {"memory_margin": False}}, "engine.memory_margin: expected a number, got False"),
     ({"model": {"activation_checkpointing": "some"}}, "model.activation_checkpointing must be true, false, selective"),
     ({"model": {"activation_checkpointing": None}}, "model.activation_checkpointing: expected true or false or a string"),
     ({"checkpoint": {"via": "disk"}}, "checkpoint.via must be auto, object_store or storage, got 'disk'"),

@@ -143,7 +143,7 @@ def test_a_smaller_memory_margin_fits_more_of_the_budget_and_is_recorded():
             .predicted_step_seconds * (1 + 1e-12))
 
 
-@pytest.mark.parametrize("margin", [-0.1, 1.0, "0.1"])
+@pytest.mark.parametrize("margin", [-0.1, 1.0, "0.1", False])
 def test_a_memory_margin_outside_zero_to_one_is_refused_before_planning(margin):
     with torch.device("meta"):
         model = Stack([48])
@@ -169,6 +169,17 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
     assert plan.activation_checkpointing[0] is True
     off = _min_budget(model, sample, hardware=GPU, search_checkpointing=False)
     assert off > minimum
+
+
+def test_a_configs_memory_margin_is_the_plans_and_its_alternatives():
+    cfg = config_from_dict({"model": {"size": "tiny"}, "train": {"micro_batch": 2},
+                            "engine": {"memory_margin": 0.1}})
+    planned = plan_config(cfg, GPU, device_memory="64MiB")
+    assert planned.plan.memory_margin == 0.1 and planned.plan.predicted_peak_bytes <= 0.9 * 64 * 2**20
+    assert {p.memory_margin for p in planned.alternatives.values() if p is not None} == {0.1}
+    default = plan_config(config_from_dict({"model": {"size": "tiny"}, "train": {"micro_batch": 2}}), GPU,
+                          device_memory="64MiB")
+    assert default.plan.memory_margin == 0.2
 
 
 def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
@@ -364,6 +375,12 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
     # version 2 wrote activation checkpointing as True/False per block, which still means the same
     old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
     assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]
+    # before version 5 the margin is read off the plan's note (8% until 2026-11-26), else 20%
+    older = {k: v for k, v in data.items() if k != "memory_margin"}
+    eight = [n.replace("20% kept back", "8% kept back") for n in data["notes"]]
+    assert any("8% kept back" in n for n in eight)
+    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": eight}).memory_margin == pytest.approx(0.08)
+    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": []}).memory_margin == 0.2
     assert "1 of 2 blocks recomputed whole" in old.explain()
 
 

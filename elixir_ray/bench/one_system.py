@@ -30,8 +30,10 @@ def main() -> int:
 
         with open(args.plan) as f:
             plan = Plan.from_json(f.read())
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # the caching allocator's settings, in every result
+
     def keep(partial) -> None:  # the figures so far, in case the process dies in the steps after
-        write_json(args.out, partial.to_dict())
+        write_json(args.out, {**partial.to_dict(), "alloc_conf": alloc_conf})
 
     try:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
@@ -42,7 +44,7 @@ def main() -> int:
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure
         traceback.print_exc()
         result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
-    result["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # the caching allocator's settings
+    result["alloc_conf"] = alloc_conf
     write_json(args.out, result)
     return 0
 

@@ -22,11 +22,11 @@ from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import profile_model
 from elixir_ray.planner.op_timing import device_is_here, time_ops
-from elixir_ray.planner.search import make_layout, plan_search
+from elixir_ray.planner.search import SAFETY, make_layout, plan_search
 from elixir_ray.units import format_bytes
 
 
-def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile) -> dict:
+def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile, memory_margin: float = SAFETY) -> dict:
     from elixir_ray.model.gpt import build_gpt
 
     shape = SHAPES[shape_name]
@@ -38,17 +38,20 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile) 
     if device_is_here(hardware):
         profile.compute = time_ops(profile.trace.ops, hardware, max_bytes=cap_bytes // 2)
     # the benchmark's loop declares one backward per step and does not clip: CPU updates start in backward
-    searched = plan_search([profile], hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True)
+    searched = plan_search([profile], hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True,
+                           memory_margin=memory_margin)
     layout = make_layout(profile, searched.chunk_size, 1)
     return {"searched": searched, **hand_made_plans(layout, hardware, cap_bytes, 1, shape.dtype, elem,
-                                                    updates_in_backward=True)}
+                                                    updates_in_backward=True, margin=memory_margin)}
 
 
 def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 2,
-                   device: Optional[str] = None, progress=print, log_dir: Optional[str] = None) -> list[dict]:
-    """`log_dir`: where each run's whole output goes (plan-N.log), a failure's traceback included."""
+                   device: Optional[str] = None, progress=print, log_dir: Optional[str] = None,
+                   memory_margin: float = SAFETY) -> list[dict]:
+    """`log_dir`: where each run's whole output goes (plan-N.log), a failure's traceback included.
+    `memory_margin`: the share of the cap every plan keeps back."""
     rows = []
-    plans = candidate_plans(shape_name, cap_bytes, hardware)
+    plans = candidate_plans(shape_name, cap_bytes, hardware, memory_margin)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,6 +16,7 @@ from typing import Optional
 from elixir_ray import storage
 from elixir_ray.bench.report import add_ratios, device_peak, label, markdown_table, write_report
 from elixir_ray.bench.systems import SHAPES, SYSTEMS
+from elixir_ray.planner.search import SAFETY, check_margin
 from elixir_ray.units import format_bytes
 
 
@@ -28,6 +29,10 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
     `memory_margin`: elixir_ray's plan search keeps this share of the cap back (default: the
     planner's); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process alike."""
     caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
+    if memory_margin is not None:
+        check_margin(memory_margin)  # before the reference's minutes
+        if "elixir_ray" not in systems:
+            progress(f"note: --memory-margin {memory_margin} applies to elixir_ray only, which is not among the systems")
     several = len(caps) > 1
     runs = [("reference", None)] if "reference" in systems else []  # first: the ratios' base
     runs += [(system, cap) for cap in caps for system in systems if system != "reference"]
@@ -136,7 +141,8 @@ def main_args(args) -> int:
     return 0
 
 
-def _fraction(text: str) -> float:
+def fraction(text: str) -> float:
+    """An argparse type: a fraction in [0, 1) (a memory margin)."""
     import argparse
 
     try:
@@ -160,9 +166,9 @@ def add_arguments(p) -> None:
                    help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")
     p.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
-    p.add_argument("--memory-margin", type=_fraction, default=None,
-                   help="elixir_ray's plan search keeps this fraction of the cap back for the allocator "
-                        "(default: the planner's, 0.2)")
+    p.add_argument("--memory-margin", type=fraction, default=None,
+                   help=f"elixir_ray's plan search keeps this fraction of the cap back for the allocator "
+                        f"(default: the planner's, {SAFETY})")
     p.add_argument("--alloc-conf", default=None,
                    help="PYTORCH_CUDA_ALLOC_CONF for every system's process alike, e.g. "
                         "expandable_segments:True (default: this environment's); each result records it")

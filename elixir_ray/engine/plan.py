@@ -9,13 +9,26 @@ check the prediction against what the run measures.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 # 3: activation checkpointing per block by mode name (version 2's True/False still read); 4: the
-# hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3)
-PLAN_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
+# hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3);
+# 5: the memory margin the plan was searched with (read from 2 to 4 off their "kept back" note:
+# 8% before 2026-11-26's exact memory model, 20% after)
+PLAN_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
+
+
+def _margin_of(notes: list) -> float:
+    """The margin an older plan (before version 5) was searched with, from its note "device memory
+    usable: ... (N% kept back ...)"; 20% (the margin since 2026-11-26) where no note says."""
+    for note in notes:
+        found = re.search(r"\((\d+(?:\.\d+)?)% kept back", str(note))
+        if found:
+            return float(found.group(1)) / 100
+    return 0.20
 
 
 @dataclass
@@ -52,7 +65,8 @@ class Plan:
     forward_compute_seconds: float = 0.0
     grad_accum: int = 1
     updates_in_backward: bool = False
-    # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked)
+    # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked;
+    # from an older plan, what its notes say, `_margin_of`)
     memory_margin: float = 0.20
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
@@ -81,6 +95,8 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"plan has unknown fields {unknown}")
+        if "memory_margin" not in data:
+            data = {**data, "memory_margin": _margin_of(data.get("notes") or [])}
         return cls(**{**data, "version": PLAN_VERSION})  # an older version's fields mean the same here
 
     @classmethod

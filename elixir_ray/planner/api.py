@@ -52,6 +52,12 @@ def planning_budget(device_memory: Union[int, str, None], hardware: HardwareProf
 
 
 
+def config_margin(cfg) -> float:
+    """A run config's engine.memory_margin, or the planner's default (SAFETY) where it is unset."""
+    margin = cfg.engine.memory_margin
+    return SAFETY if margin is None else margin
+
+
 def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) -> int:
     """Host RAM for optimizer state per rank: a fraction of what is free, shared by the ranks on the host."""
     free = available_host_bytes() if free_bytes is None else free_bytes
@@ -73,6 +79,7 @@ def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInp
     Ray run) costs compute instead, when it covers every kernel of every setting traced.
     `progress` gets a line as each stage starts (tracing a 10B GPT's settings takes tens of seconds).
     `variants`: the checkpointing settings to trace, instead of those `search_checkpointing` picks."""
+    check_margin(memory_margin)  # before tracing and timing
     say = progress or (lambda line: None)
     if variants is None:
         variants = checkpointing_variants(module) if search_checkpointing else [None]

@@ -7,7 +7,7 @@ import numpy as np
 from elixir_ray.engine.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
-from elixir_ray.planner.search import SAFETY, plan_buffers_by_sample, plan_layout
+from elixir_ray.planner.search import plan_buffers_by_sample, plan_layout
 from elixir_ray.units import format_bytes
 
 
@@ -79,7 +79,7 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
                  colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
     if budget_drawn:
         ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--", linewidth=1, label="budget")
-        margin = getattr(plan, "memory_margin", SAFETY)
+        margin = plan.memory_margin
         ax.axhline(plan.budget_bytes * (1 - margin) / gib, color="black", linestyle=":", linewidth=1,
                    label=f"usable: budget less {margin:.0%} margin")
     ax.axhline(plan.predicted_peak_bytes / gib, color="#c44e52", linestyle=":", linewidth=1, label="predicted peak")

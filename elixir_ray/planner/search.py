@@ -12,6 +12,7 @@ search to seconds.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,7 +47,7 @@ SAFETY = 0.20
 
 
 def check_margin(margin: float) -> float:
-    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
         raise ValueError(f"memory_margin must be a fraction of the budget in [0, 1), got {margin!r} "
                          f"(default {SAFETY}: kept back for the allocator's fragmentation and short-lived buffers)")
     return float(margin)
