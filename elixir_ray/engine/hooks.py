@@ -3,10 +3,11 @@
 - Forward: a pre-hook on every module with parameters fetches its chunks. A parameter used
   outside its own module (a tied weight used by the parent), or after another module's fetch
   evicted its chunk, is fetched by its guard (param_guard.ChunkParameter) when an op reads it.
-  A model whose forward keeps a view of a parameter across other modules' fetches (seen in the
-  trace at wrap), several ranks (which record the parameters a forward uses), or a parameter of
-  another class than nn.Parameter (which the guard leaves alone) take a torch-function mode
-  instead, which checks every op's arguments (a Python call per op).
+  A model whose forward keeps a view of a parameter across other fetches (seen in the trace at
+  wrap), one whose step took a path the trace did not (from its next forward on), several ranks
+  (which record the parameters a forward uses), or a parameter of another class than
+  nn.Parameter (which the guard leaves alone) take a torch-function mode instead, which checks
+  every op's arguments (a Python call per op): `per_op_reason` says which.
 - Backward: autograd's saved-tensor unpack hook fetches the chunk of any saved parameter view whose
   copy was evicted; a module forward during backward is recomputation (activation checkpointing),
   and its chunks stay pinned until the next recomputed region starts.
