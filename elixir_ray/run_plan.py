@@ -88,7 +88,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     import torch
 
     from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
-    from elixir_ray.planner.api import config_margin, default_host_budget, search_module
+    from elixir_ray.planner.api import default_host_budget, search_module
     from elixir_ray.planner.for_config import config_hints
     from elixir_ray.planner.hardware import HardwareProfile
 
@@ -112,7 +112,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
                                        rates, getattr(torch, dtype), trace_loss(cfg), accum, host_budget,
                                        cfg.engine.search_checkpointing,
                                        updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels,
-                                       replicate=cfg.engine.replicate, memory_margin=config_margin(cfg))
+                                       replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

@@ -42,7 +42,7 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile, 
                            memory_margin=memory_margin)
     layout = make_layout(profile, searched.chunk_size, 1)
     return {"searched": searched, **hand_made_plans(layout, hardware, cap_bytes, 1, shape.dtype, elem,
-                                                    updates_in_backward=True, margin=memory_margin)}
+                                                    updates_in_backward=True, margin=searched.memory_margin)}
 
 
 def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 2,

@@ -480,7 +480,6 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                          "order parameters are used in")
     if plan is None:  # the planner imports the engine, so it is imported here, when needed
         from elixir_ray.planner.api import plan as search_plan, quick_hardware
-        from elixir_ray.planner.search import SAFETY
 
         def search() -> Plan:
             with random_state_kept(device):
@@ -489,7 +488,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
                     dtype, loss_fn, grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
                     updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
                                                                   dtype == torch.float16),
-                    memory_margin=SAFETY if memory_margin is None else memory_margin)
+                    memory_margin=memory_margin)
 
         plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:

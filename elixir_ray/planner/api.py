@@ -16,7 +16,7 @@ from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
-from elixir_ray.planner.search import HOST_FRACTION, SAFETY, check_margin, plan_search
+from elixir_ray.planner.search import HOST_FRACTION, check_margin, plan_search
 from elixir_ray.units import parse_bytes
 
 
@@ -52,12 +52,6 @@ def planning_budget(device_memory: Union[int, str, None], hardware: HardwareProf
 
 
 
-def config_margin(cfg) -> float:
-    """A run config's engine.memory_margin, or the planner's default (SAFETY) where it is unset."""
-    margin = cfg.engine.memory_margin
-    return SAFETY if margin is None else margin
-
-
 def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) -> int:
     """Host RAM for optimizer state per rank: a fraction of what is free, shared by the ranks on the host."""
     free = available_host_bytes() if free_bytes is None else free_bytes
@@ -70,7 +64,7 @@ def search_module(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInp
                   time_compute: bool = False, kernel_seconds: Optional[dict] = None,
                   low_host_grads: bool = True, replicate: str = "auto",
                   progress: Optional[Callable[[str], None]] = None,
-                  variants: Optional[list] = None, memory_margin: float = SAFETY) -> tuple[Plan, ModelProfile]:
+                  variants: Optional[list] = None, memory_margin: Optional[float] = None) -> tuple[Plan, ModelProfile]:
     """Profile `module` (once per checkpointing setting tried) and search; also returns the chosen profile.
 
     `time_compute`: time the traced kernels on `hardware.device`, which must be this process's;
@@ -113,9 +107,9 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], dev
          loss_fn: Optional[Callable] = None, grad_accum: int = 1, host_memory: Union[int, str, None] = None,
          search_checkpointing: bool = True, updates_in_backward: bool = False,
          time_compute: Optional[bool] = None, low_host_grads: bool = True, replicate: str = "auto",
-         progress: Optional[Callable[[str], None]] = None, memory_margin: float = SAFETY) -> Plan:
+         progress: Optional[Callable[[str], None]] = None, memory_margin: Optional[float] = None) -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB"), less
-    `memory_margin` of it (default 0.2), kept back for the allocator's fragmentation.
+    `memory_margin` of it (default, None: 0.2), kept back for the allocator's fragmentation.
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
     defaults to a measurement of this machine's device. `host_memory` bounds the optimizer state

@@ -13,7 +13,7 @@ from elixir_ray.config import RunConfig
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.plan import Plan, recomputation
 from elixir_ray.planner.alternatives import hand_made_plans
-from elixir_ray.planner.api import config_margin, default_host_budget, planning_budget, search_module
+from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants
 from elixir_ray.planner.op_timing import device_is_here
@@ -111,7 +111,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
         return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), budget, world_size,
                              hardware, dtype, trace_loss(cfg), cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
                              in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say,
-                             variants=variants, memory_margin=config_margin(cfg))
+                             variants=variants, memory_margin=cfg.engine.memory_margin)
 
     def fits(micro_batch: int) -> bool:
         """Whether some checkpointing setting has a plan at `micro_batch`: memory alone decides (no
@@ -134,7 +134,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     layout = plan_layout(chosen, plan)
     why_not: dict = {}
     alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
-                                   in_backward, why_not, margin=config_margin(cfg))
+                                   in_backward, why_not, margin=plan.memory_margin)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives, misfits=why_not,
                       host_budget=host)
 

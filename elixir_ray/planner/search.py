@@ -46,11 +46,16 @@ DOS_GAPS = (0, *range(1, 17))
 SAFETY = 0.20
 
 
-def check_margin(margin: float) -> float:
+def check_margin(margin: Optional[float]) -> float:
+    """The margin to plan with: `margin`, or SAFETY for None; refused outside [0, 1)."""
+    if margin is None:
+        return SAFETY
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
         raise ValueError(f"memory_margin must be a fraction of the budget in [0, 1), got {margin!r} "
                          f"(default {SAFETY}: kept back for the allocator's fragmentation and short-lived buffers)")
     return float(margin)
+
+
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state by default; the rest for the process, data and pinning
 
 
@@ -581,9 +586,10 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                 dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
                 host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
                 updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto",
-                memory_margin: float = SAFETY) -> Plan:
+                memory_margin: Optional[float] = None) -> Plan:
     """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes
-    less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers).
+    less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers;
+    None: SAFETY).
 
     `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
     all-gather on each fetch, for world-size times their state), "all" replicates every chunk
