@@ -112,8 +112,9 @@ def test_selective_blocks_give_the_loss_and_gradients_of_plain_ones(dtype, autoc
             torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("where", ["forward hook", "full backward hook", "pre-hook returning an input"])
-def test_selective_blocks_with_hooks_on_their_layers_train_like_plain_ones(where):
+def test_checkpointed_blocks_with_hooks_on_their_layers_train_like_plain_ones(where, mode):
     """A hook that changes a layer's result (an adapter added by a forward hook, a pre-hook that
     returns a changed input) or needs its autograd (a full backward hook) gets it: such blocks
     take torch's checkpointed pieces, so the adapter's own weight gets its gradient and every
@@ -137,7 +138,7 @@ def test_selective_blocks_with_hooks_on_their_layers_train_like_plain_ones(where
         return loss.detach(), grads, adapter.grad, len(fired)
 
     plain_loss, plain, plain_adapter, plain_fired = step("none")
-    loss, grads, adapter, fired = step("selective")
+    loss, grads, adapter, fired = step(mode)
     torch.testing.assert_close(loss, plain_loss)
     for name, g in plain.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
@@ -166,6 +167,111 @@ def test_a_double_backward_through_selective_blocks():
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
     with pytest.raises(RuntimeError, match="double backward .* under autocast is not supported"):
         penalty("selective", True)
+
+
+def _whole_blocks_taken(model, batch):
+    """How many blocks a step of `model` recomputed through `_WholeBlock` (not torch's checkpoint)."""
+    from elixir_ray.model import gpt as gpt_module
+    apply, taken = gpt_module._WholeBlock.apply, []
+
+    def counted(*args):
+        taken.append(1)
+        return apply(*args)
+
+    gpt_module._WholeBlock.apply = counted
+    try:
+        loss = model(batch)
+    finally:
+        gpt_module._WholeBlock.apply = apply
+    return loss, len(taken)
+
+
+@pytest.mark.parametrize("dtype, autocast, frozen", [
+    (torch.float32, None, False), (torch.float32, torch.bfloat16, False), (torch.float64, None, False),
+    (torch.float32, None, True), (torch.float32, torch.bfloat16, True)])
+def test_whole_recomputed_blocks_give_the_loss_and_gradients_of_plain_ones(dtype, autocast, frozen):
+    """Blocks recomputed whole go through `_WholeBlock` and give the loss and gradients of kept
+    ones, under CPU autocast too, and with the embeddings frozen (no block's input needs a
+    gradient: torch's reentrant checkpoint would give its parameters none)."""
+    def step(mode):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=32, n_layers=3, n_heads=2, vocab_size=50, seq_len=16,
+                              activation_checkpointing=mode)).to(dtype)
+        if frozen:
+            for p in (model.wte.weight, model.wpe.weight, model.blocks[1].attn.qkv.weight):
+                p.requires_grad_(False)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss, taken = _whole_blocks_taken(model, torch.randint(0, 50, (3, 17)))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, taken
+
+    (plain_loss, plain, _), (loss, grads, taken) = step("none"), step("full")
+    assert taken == 3
+    tol = dict(rtol=2e-2, atol=1e-3) if autocast is not None else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, plain_loss, **tol)
+    for name, g in plain.items():
+        if g is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_autograd_grad_and_a_double_backward_through_whole_recomputed_blocks():
+    """torch.autograd.grad through blocks recomputed whole returns the plain model's gradients and
+    leaves .grad alone (torch's reentrant checkpoint refuses it); a gradient penalty through them
+    (create_graph) is that of plain blocks."""
+    def grads(mode):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=16, n_layers=2, n_heads=2, vocab_size=30, seq_len=8,
+                              activation_checkpointing=mode)).double()
+        batch = torch.randint(0, 30, (2, 9))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            loss, taken = _whole_blocks_taken(model, batch)
+            first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            assert all(p.grad is None for p in model.parameters())
+            penalty = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            sum(g.square().sum() for g in penalty).backward()
+        return first, [p.grad for p in model.parameters()], taken
+
+    plain_first, plain_second, _ = grads("none")
+    first, second, taken = grads("full")
+    assert taken == 2
+    for got, want in zip(first, plain_first):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    for got, want in zip(second, plain_second):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
+def test_blocks_with_dropout_or_hooks_recompute_through_torchs_checkpoint():
+    """`_WholeBlock` replays no random state and runs its forward without autograd: blocks with
+    dropout, or with a hook that could change a layer's result, take torch's checkpoint."""
+    batch = torch.randint(0, 50, (2, 17))
+    cfg = dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16, activation_checkpointing="full")
+    assert _whole_blocks_taken(GPT(GPTConfig(**cfg)), batch)[1] == 2
+    assert _whole_blocks_taken(GPT(GPTConfig(**cfg, dropout=0.1)), batch)[1] == 0
+    hooked = GPT(GPTConfig(**cfg))
+    hooked.blocks[1].mlp.up.register_forward_hook(lambda m, inp, out: out * 2)
+    assert _whole_blocks_taken(hooked, batch)[1] == 1
+
+    class Adapted(torch.nn.Module):  # a layer replaced by one with a weight of its own beside the old
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.extra = base, torch.nn.Parameter(torch.zeros(base.out_features))
+
+        def forward(self, h):
+            return self.base(h) + self.extra
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**{**cfg, "activation_checkpointing": "none"}))
+    adapted = GPT(GPTConfig(**cfg))
+    adapted.load_state_dict(plain.state_dict())
+    for model in (plain, adapted):
+        model.blocks[0].mlp.up = Adapted(model.blocks[0].mlp.up)
+    loss, taken = _whole_blocks_taken(adapted, batch)
+    assert taken == 1  # the other block
+    loss.backward()
+    plain(batch).backward()
+    torch.testing.assert_close(adapted.blocks[0].mlp.up.extra.grad, plain.blocks[0].mlp.up.extra.grad)
 
 
 def test_a_partial_backward_leaves_nothing_behind_in_a_selective_block():

@@ -196,7 +196,7 @@ def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
     assert plan_config(small, GPU, device_memory="4MiB").plan.predicted_peak_bytes <= 4 * 2**20
     # where even one row does not fit, no micro-batch is named
     with pytest.raises(elixir_ray.PlanError, match=r"even micro-batch 1 does not fit \(a plan at 1 was tried\)"):
-        plan_config(cfg, GPU, device_memory="3450KiB")  # the estimate says 1 row fits; the plan at 1 does not
+        plan_config(cfg, GPU, device_memory="3700KiB")  # the estimate says 1 row fits; the plan at 1 does not
 
 
 def test_a_hugging_face_models_plan_names_the_config_key_that_turns_on_its_checkpointing():
@@ -232,7 +232,7 @@ def test_micro_batch_probes_try_the_most_recomputation_first_and_stop_at_the_fir
         return config_from_dict({"model": {"size": "tiny"}, "engine": {"search_checkpointing": True},
                                  "train": {"micro_batch": micro_batch}})
 
-    budget = "6144KiB"  # micro-batch 16 does not fit; the estimate, 4, does not either; 3 does
+    budget = "6912KiB"  # micro-batch 16 does not fit; the estimate, 4, does not either; 3 does
     lines: list = []
     with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d) \(a plan at \d fits") as err:
         plan_config(cfg(16), GPU, device_memory=budget, progress=lines.append)
@@ -463,11 +463,15 @@ def test_searched_plan_is_what_its_choice_costs():
     assert True in uploads  # the case that matters was exercised
 
 
-@pytest.mark.parametrize("model_name,ordered", [("toy", False), ("gpt", False), ("toy", True), ("gpt", True)])
+@pytest.mark.parametrize("model_name,ordered", [("toy", False), ("gpt", False), ("toy", True), ("gpt", True),
+                                                ("gpt-full", False), ("gpt-full", True)])
 def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(model_name, ordered):
     """The planner counts, from the traced gradient order, how many chunks collect gradients at once
     (each an fp32 buffer on the device); the engine's real backward holds exactly that many. In the
-    toy model a chunk boundary splits a layer, so two are open at once; in our GPT one at a time.
+    toy model a chunk boundary splits a layer, so two are open at once. In our GPT the order is
+    not layer by layer: a selective block's norm gives the next matmul's weight gradient, and a
+    block recomputed whole gives all of its gradients at once, in the order of autograd's ready
+    queue, so the chunks a block spans may be open together; the count follows the trace all the same.
     `ordered`: reductions in the fixed order several ranks use (run here on one rank), which wait
     only for the parameters used in forward: the toy's chunk with the unused branch closes at once."""
     import os
@@ -485,7 +489,8 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
         model, sample, expected = Toy(), (batches(1, 4)[0],), 1 if ordered else 2
     else:
         shape = dict(d_model=32, n_layers=4, n_heads=4, vocab_size=97, seq_len=16)
-        model, sample, expected = build_gpt(shape, True), (torch.randint(0, 97, (2, 17)),), 1
+        mode = "full" if model_name == "gpt-full" else "selective"
+        model, sample, expected = build_gpt(shape, mode), (torch.randint(0, 97, (2, 17)),), None
     names = [n for n, _ in unique_parameters(model)]
     trace = trace_step(model, sample)
     plan = manual_plan(model, sample, chunk_size=4096, n_blocks=3)  # chunks span layers
@@ -509,7 +514,7 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
         opt.zero_grad()
     n_chunks = len(store.chunks)
     assert n_chunks >= 3 and held, n_chunks
-    assert max(held) == predicted == expected
+    assert max(held) == predicted == (predicted if expected is None else expected)
 
 
 def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step():

@@ -420,7 +420,10 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         pre_hook.keeps_layer_result = True  # reads only: the GPT's selective blocks trace as they run (model/gpt.py)
 
         def pack(t):
-            if t.layout != torch.strided:  # sparse gradients' parts: not counted
+            # sparse gradients' parts are not counted, nor what backward saves: a recomputation's
+            # (a block recomputed whole in its own autograd Function, model/gpt.py) lives only while
+            # backward goes through that block, which the live bytes follow
+            if t.layout != torch.strided or state["phase"] != "forward":
                 return t
             key = storage_key(t)
             if key not in resident:
