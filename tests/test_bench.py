@@ -7,6 +7,7 @@ activity lands in which category, and that a disabled timer changes nothing.
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -93,6 +94,9 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
         assert py[0][0] == "step" and py[0][1] > 0 and py[0][2] > 0, py
         self_ms = [row[2] for row in py[1:]]
         assert self_ms == sorted(self_ms, reverse=True) and all(row[3] >= row[2] for row in py[1:])
+    for system in ("reference", "fsdp2_offload", "elixir_ray"):  # the training thread's CPU time, and the process's
+        r = rows[system]
+        assert 0 < r["host_thread_cpu_seconds"] <= r["process_cpu_seconds"] * (1 + 1e-6) + 1e-6, r
     engine_files = ("hooks.py", "pool.py", "chunks.py", "optimizer.py")  # the engine's own Python is among the busiest
     assert any(row[0].startswith(engine_files) for row in ex["python_profile"][1:]), ex["python_profile"]
     for system in rows:  # each system's whole output, beside the report
@@ -106,6 +110,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert "| cpu_adam (background) |" in md
     assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md and "one profiled step" in md
     assert "Loss from the first warm-up step to the last timed one: reference " in md
+    assert "CPU time per timed step of the training thread" in md and " ms in all threads)" in md
     assert "Python on the training thread" in md and "- reference: step " in md and "Python calls; " in md
     assert "| reference |" in capsys.readouterr().out
 

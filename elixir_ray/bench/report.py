@@ -57,11 +57,26 @@ def markdown_table(results: list[dict]) -> str:
     predictions = prediction_lines(results)
     if predictions:
         lines += ["", *predictions]
+    cpu = host_cpu_line(results)
+    if cpu:
+        lines += ["", cpu]
     python = python_lines(results)
     if python:
         lines += ["", "Python on the training thread, one more step under cProfile (self time; it slows Python calls, "
                       "so read the shares):", *python]
     return "\n".join(lines)
+
+
+def host_cpu_line(results: list[dict]) -> str:
+    """The training thread's CPU time per timed step beside the step, per system: near the step,
+    that thread's own work bounds it; the process's adds the background threads."""
+    parts = [f"{label(r)} {r['host_thread_cpu_seconds'] * 1e3:.0f} ms of {r['step_seconds'] * 1e3:.0f} ms "
+             f"({r['process_cpu_seconds'] * 1e3:.0f} ms in all threads)"
+             for r in results if not r.get("skipped") and r.get("host_thread_cpu_seconds") is not None]
+    if not parts:
+        return ""
+    return ("CPU time per timed step of the training thread (near the step: the host's own work bounds it; "
+            "much less: it waits), and of the whole process: " + "; ".join(parts) + ".")
 
 
 def python_lines(results: list[dict], top: int = 8) -> list[str]:

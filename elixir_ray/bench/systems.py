@@ -104,6 +104,12 @@ class SystemResult:
     # ["step", Python calls, wall ms, 0] first, then [function, calls, self ms, inclusive ms] by self
     # time. Where a step is bound by the host (the device waits for it), this says which Python
     python_profile: list = field(default_factory=list)
+    # every system: CPU seconds per timed step of the training thread (time.thread_time) and of the
+    # whole process (time.process_time: elixir_ray's background CPU updates too). A training thread
+    # busy for about the whole step bounds it with its own work (Python, launches); one busy for
+    # much less of a step the device did not fill waits instead (a lock, the GIL, a sync)
+    host_thread_cpu_seconds: Optional[float] = None
+    process_cpu_seconds: Optional[float] = None
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -279,7 +285,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         first_loss = float(loss.detach()) if first_loss is None else first_loss
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
-    seconds, loss = _timed_window(step, batch, device, steps, timer)
+    seconds, loss, thread_cpu, process_cpu = _timed_window(step, batch, device, steps, timer)
     pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
             for k, v in step.pool_counts().items()} if counts_before else {}
     allocator = {k: (v - allocator_before[k]) / steps for k, v in allocator_counts(device).items()}
@@ -300,6 +306,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         predicted_peak_bytes=getattr(getattr(step, "plan", None), "predicted_peak_bytes", None),
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
         timeline=timeline, pool=pool, allocator=allocator,
+        host_thread_cpu_seconds=thread_cpu, process_cpu_seconds=process_cpu,
     )
     if timer is not None:  # elixir_ray: where its time goes, in extra steps after the timed ones
         if keep is not None:
@@ -403,8 +410,10 @@ def timeline_events(timer) -> list:
     return [[c, round(a - origin, 6), round(b - origin, 6), chunk, n] for c, a, b, chunk, n in sorted(events, key=lambda e: e[1])]
 
 
-def _timed_window(step, batch, device: torch.device, steps: int, timer=None) -> tuple[float, torch.Tensor]:
-    """Mean seconds per step over `steps` steps run back to back, as a training loop runs them:
+def _timed_window(step, batch, device: torch.device, steps: int,
+                  timer=None) -> tuple[float, torch.Tensor, float, float]:
+    """Mean seconds per step over `steps` steps run back to back, as a training loop runs them
+    (with the last loss, and the CPU seconds per step of this thread and of the process):
     the device is synced before the first and after the last, not between them, so work a system
     leaves running into the next step (elixir_ray's Deep Optimizer States copies, on their own
     streams beside the next forward; its CPU updates on their thread) overlaps it there instead of
@@ -415,7 +424,7 @@ def _timed_window(step, batch, device: torch.device, steps: int, timer=None) -> 
     if timer is not None:
         timer.timeline = []  # the measured steps' events, timed without device syncs
     _sync(device)
-    start = time.perf_counter()
+    start, thread_start, process_start = time.perf_counter(), time.thread_time(), time.process_time()
     loss = None
     for _ in range(steps):
         if timer is not None:
@@ -425,7 +434,8 @@ def _timed_window(step, batch, device: torch.device, steps: int, timer=None) -> 
     if settle is not None:
         settle()
     _sync(device)
-    return (time.perf_counter() - start) / steps, loss
+    return ((time.perf_counter() - start) / steps, loss, (time.thread_time() - thread_start) / steps,
+            (time.process_time() - process_start) / steps)
 
 
 def _timed_step(step, batch, device: torch.device) -> tuple[float, torch.Tensor]:
