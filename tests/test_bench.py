@@ -409,3 +409,18 @@ def test_off_cuda_a_mark_records_no_device_event():
     timer.timeline = []
     timer.mark("step")
     assert [e[0] for e in timer.timeline] == ["step"] and timer.device_marks == [] and timer.device_timeline() == []
+
+
+def test_checkpoint_host_bench_times_every_mode_and_refuses_bad_sizes():
+    """jobs/bench_checkpoint_host.py: a row per checkpointing mode with its fastest and median host
+    times, the checkpointed modes set against the kept blocks; a bad size is one error, exit 2."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "jobs", "bench_checkpoint_host.py")
+    out = subprocess.run([sys.executable, script, "--layers", "3", "--steps", "2", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"mode", "none", "selective", "full"}, out.stdout
+    assert re.search(r"\| full \| [\d.]+ / [\d.]+ \([\d.]+x\) \| [\d.]+ / [\d.]+ \([\d.]+x\) \|", rows["full"]), out.stdout
+    bad = subprocess.run([sys.executable, script, "--width", "15"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--width" in bad.stderr
