@@ -424,3 +424,21 @@ def test_checkpoint_host_bench_times_every_mode_and_refuses_bad_sizes():
     assert re.search(r"\| full \| [\d.]+ / [\d.]+ \([\d.]+x\) \| [\d.]+ / [\d.]+ \([\d.]+x\) \|", rows["full"]), out.stdout
     bad = subprocess.run([sys.executable, script, "--width", "15"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--width" in bad.stderr
+
+
+def test_engine_host_bench_runs_a_measured_plan_on_a_small_gpt_and_refuses_other_files(tmp_path):
+    """jobs/bench_engine_host.py: the fifth H100 session's gpt-1.5b plan, its chunks scaled to a
+    GPT of the same depth 50 wide, through the engine beside plain PyTorch on the CPU; a file that
+    is not a bench result is one error naming it, exit 2."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "jobs", "bench_engine_host.py")
+    out = subprocess.run([sys.executable, script, "--steps", "1", "--warmup", "0"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "(11 chunks, 5 on the device, pool 3, 30 of 48 blocks recomputed whole)" in out.stdout, out.stdout
+    for name in ("plain PyTorch", "the engine"):
+        assert re.search(rf"\| {name} \| [\d.]+ / [\d.]+ \| [\d.]+ / [\d.]+ \|", out.stdout), out.stdout
+    other = tmp_path / "compute.json"
+    other.write_text(json.dumps({"rows": []}))
+    bad = subprocess.run([sys.executable, script, str(other)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and str(other) in bad.stderr and "not an elixir_ray result" in bad.stderr
