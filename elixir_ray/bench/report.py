@@ -75,8 +75,8 @@ def host_cpu_line(results: list[dict]) -> str:
              for r in results if not r.get("skipped") and r.get("host_thread_cpu_seconds") is not None]
     if not parts:
         return ""
-    return ("CPU time per timed step of the training thread (near the step: the host's own work bounds it; "
-            "much less: it waits), and of the whole process: " + "; ".join(parts) + ".")
+    return ("CPU time per timed step of the training thread (near the step: the host's own work bounds it, "
+            "a spinning CUDA sync included; much less: it waits), and of the whole process: " + "; ".join(parts) + ".")
 
 
 def python_lines(results: list[dict], top: int = 8) -> list[str]:

@@ -107,7 +107,9 @@ class SystemResult:
     # every system: CPU seconds per timed step of the training thread (time.thread_time) and of the
     # whole process (time.process_time: elixir_ray's background CPU updates too). A training thread
     # busy for about the whole step bounds it with its own work (Python, launches); one busy for
-    # much less of a step the device did not fill waits instead (a lock, the GIL, a sync)
+    # much less of a step the device did not fill waits instead (a lock, the GIL, a sleep). A CUDA
+    # sync (cudaEventSynchronize, .item()) spins by default, so a wait for the device counts as busy:
+    # python_profile's C-function rows say how long those took
     host_thread_cpu_seconds: Optional[float] = None
     process_cpu_seconds: Optional[float] = None
     skipped: Optional[str] = None
