@@ -409,3 +409,28 @@ def test_ranks_wait_for_every_output_of_a_forward():
         opt.step()
         opt.zero_grad()
     assert _max_diff(state, ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_wrap_trace_has_the_accesses_a_real_backward_makes(mode):
+    """The pool prefetches along the wrap-time trace, so the trace must hold the accesses the
+    engine really makes. A GPT block recomputed whole differentiates its recomputation inside
+    its backward, whose saved tensors the engine's hooks (on in forward only) never see: the
+    trace must not count their unpacks as accesses either (with them it had twice the backward
+    accesses, and prefetched the chunks it already held instead of the next block's)."""
+    from elixir_ray.engine.trace import trace_step
+    from elixir_ray.model.gpt import build_gpt
+
+    torch.manual_seed(0)
+    model = build_gpt(dict(d_model=32, n_layers=3, n_heads=2, vocab_size=60, seq_len=16), mode)
+    sample = (torch.randint(0, 60, (2, 17)),)
+    traced = trace_step(copy.deepcopy(model), sample)
+    wrapped, _ = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_inputs=sample,
+                      plan=manual_plan(model, sample, chunk_size=2048, n_blocks=3), device="cpu")
+    calls, access = [], wrapped.pool.access
+    wrapped.pool.access = lambda ids, pin=False: (calls.append(tuple(ids)), access(ids, pin))[1]
+    loss = wrapped(sample[0])
+    in_forward = len(calls)
+    loss.backward()
+    assert in_forward == traced.phases.count("forward")
+    assert len(calls) - in_forward == len(traced.phases) - traced.phases.count("forward")

@@ -274,6 +274,91 @@ def test_blocks_with_dropout_or_hooks_recompute_through_torchs_checkpoint():
     torch.testing.assert_close(adapted.blocks[0].mlp.up.extra.grad, plain.blocks[0].mlp.up.extra.grad)
 
 
+def _plain_and_full(change=None, **extra):
+    """The same GPT kept and recomputed whole (equal weights), each changed by `change(model)`."""
+    cfg = dict(d_model=32, n_layers=2, n_heads=2, vocab_size=50, seq_len=16, **extra)
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**cfg))
+    full = GPT(GPTConfig(**cfg, activation_checkpointing="full"))
+    full.load_state_dict(plain.state_dict())
+    if change is not None:
+        change(plain)
+        change(full)
+    return plain, full
+
+
+def _assert_same_grads(plain, full):
+    for (name, p), q in zip(plain.named_parameters(), full.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_blocks_whole_recomputation_does_not_know_take_torchs_checkpoint():
+    """What `_WholeBlock` would get wrong goes through torch's checkpoint, with the plain model's
+    gradients: a parameter tied to another of the same block (passed twice, counted twice), a
+    subclass computing otherwise (here a ReLU MLP, or a forward replaced on an instance), a
+    dropout replaced by nn.Identity."""
+    from elixir_ray.model import gpt as gpt_module
+
+    class ReluMLP(gpt_module.MLP):
+        def project(self, u):
+            return self.down(torch.relu(u))
+
+    def tie(model):
+        block = model.blocks[0]
+        block.ln2.weight, block.ln2.bias = block.ln1.weight, block.ln1.bias
+
+    def relu(model):
+        old = model.blocks[0].mlp
+        new = ReluMLP(model.cfg)
+        new.load_state_dict(old.state_dict())
+        model.blocks[0].mlp = new
+
+    def instance_forward(model):
+        block = model.blocks[0]
+        block.forward = lambda x, selective=False: x + block.attn(block.ln1(x))  # no MLP
+
+    def identity_dropout(model):
+        for block in model.blocks:
+            block.mlp.drop = torch.nn.Identity()
+
+    batch = torch.randint(0, 50, (2, 17))
+    for change, whole in ((tie, 1), (relu, 1), (instance_forward, 1), (identity_dropout, 0)):
+        plain, full = _plain_and_full(change)
+        loss, taken = _whole_blocks_taken(full, batch)
+        assert taken == whole, change.__name__
+        loss.backward()
+        plain(batch).backward()
+        _assert_same_grads(plain, full)
+
+
+def test_whole_recomputed_blocks_under_functional_call_and_an_autocast_only_in_backward():
+    """torch.func.functional_call's tensors are not the block's parameters, which its backward
+    reruns with: such a forward takes torch's checkpoint, and autograd.grad reaches them. A
+    backward called inside an autocast that the forward ran without recomputes without it, and
+    runs the backward's own kernels under it, as autograd does for kept blocks (bit for bit)."""
+    batch = torch.randint(0, 50, (2, 17))
+    plain, full = _plain_and_full()
+    wanted = {}
+    for model in (plain, full):
+        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, params, (batch,))
+        wanted[model] = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    for name, g in wanted[plain].items():
+        torch.testing.assert_close(wanted[full][name], g, rtol=1e-5, atol=1e-6)
+
+    plain, full = _plain_and_full()
+    for model in (plain, full):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", enabled=False):
+                loss, taken = _whole_blocks_taken(model, batch)
+            loss.backward()
+        assert taken == (2 if model is full else 0)
+    for p, q in zip(plain.parameters(), full.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_partial_backward_leaves_nothing_behind_in_a_selective_block():
     """A gradient of only a linear's bias runs that linear's backward but not the norm's before
     it: the output gradient it leaves for the weight's gradient is one slot, overwritten, not a

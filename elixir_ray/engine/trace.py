@@ -280,6 +280,16 @@ _VALUE_READS = ("cannot be called on meta tensors", "data-independent implementa
                 "no fake impl or Meta kernel", "Cannot copy out of meta tensor")
 
 
+class _SavedInBackward:
+    """A tensor autograd saved during backward (a recomputation's), as the trace keeps it: its
+    unpack is no parameter access."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class ValueReadError(RuntimeError):
     """The step read the values of a tensor the trace has none for."""
 
@@ -422,8 +432,11 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
         def pack(t):
             # sparse gradients' parts are not counted, nor what backward saves: a recomputation's
             # (a block recomputed whole in its own autograd Function, model/gpt.py) lives only while
-            # backward goes through that block, which the live bytes follow
-            if t.layout != torch.strided or state["phase"] != "forward":
+            # backward goes through that block, which the live bytes follow; and its unpacks are no
+            # accesses, as the engine, whose saved-tensor hooks are on in forward only, makes none
+            if state["phase"] != "forward":
+                return _SavedInBackward(t)
+            if t.layout != torch.strided:
                 return t
             key = storage_key(t)
             if key not in resident:
@@ -436,6 +449,8 @@ def _trace_step(module: nn.Module, sample_inputs: SampleInputs, loss_fn, dtype: 
             return t
 
         def unpack(t):
+            if type(t) is _SavedInBackward:
+                return t.tensor
             i = key_to_index.get(storage_key(t)) if t.layout == torch.strided else None
             if i is not None and state["phase"] == "backward":
                 record([i], "backward")

@@ -261,15 +261,13 @@ def _hooks_may_change(layers) -> bool:
 
 
 def _autocast_states(device_type: str) -> list:
-    """[(device type, dtype)] of the autocasts on now, for `device_type` and the CPU: what a whole
-    block's recomputation in backward must run under to compute what its forward did."""
-    if _any_autocast is not None and not _any_autocast():
-        return []
+    """[(device type, on, dtype)] of autocast now, for `device_type` and the CPU: what a whole
+    block's recomputation in backward must run under to compute what its forward did, off
+    included (a backward called inside an autocast must not recompute under it)."""
     states = []
     for kind in dict.fromkeys((device_type, "cpu")):
         try:
-            if torch.is_autocast_enabled(kind):
-                states.append((kind, torch.get_autocast_dtype(kind)))
+            states.append((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
         except RuntimeError:  # a device type without autocast (meta)
             pass
     return states
@@ -280,8 +278,13 @@ def _pre_hooks_only(module: nn.Module, args: tuple) -> None:
     recomputation skips a module whose output backward does not need, the hooks that read (the
     engine's fetch of its chunk) see it as without. Only for hooks marked `KEEPS_RESULT`, which
     return nothing and change nothing (`Block.whole_recompute_parameters` checks)."""
-    for hook in (*_module_hooks._global_forward_pre_hooks.values(), *module._forward_pre_hooks.values()):
+    for hook in _module_hooks._global_forward_pre_hooks.values():
         hook(module, args)
+    for hook_id, hook in module._forward_pre_hooks.items():
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, args, {})
+        else:
+            hook(module, args)
 
 
 def _module_tree(module: nn.Module) -> list[nn.Module]:
@@ -291,6 +294,10 @@ def _module_tree(module: nn.Module) -> list[nn.Module]:
         if child is not None:
             out += _module_tree(child)
     return out
+
+
+# methods `_WholeBlock` relies on the classes' own versions of: one set on an instance computes otherwise
+_REPLACEABLE = frozenset(("forward", "attend", "project", "up_to_down_projection"))
 
 
 class _WholeBlock(torch.autograd.Function):
@@ -313,7 +320,7 @@ class _WholeBlock(torch.autograd.Function):
     The price: a block's parameter gradients come back together, and go into .grad in the order of
     autograd's ready queue rather than layer by layer, so the chunks a block spans may collect
     gradients at once. The planner traces the model through this same code, so it budgets what
-    happens (for gpt-1.5b's and gpt-4b's plans the predicted peaks did not change). Accumulating
+    happens (for gpt-1.5b's and gpt-4b's H100 plans the predicted peaks did not change). Accumulating
     them into .grad inside this backward instead would keep the layer order, but autograd then
     runs the parameters' post-accumulate hooks a second time, with no gradient.
     """
@@ -332,21 +339,29 @@ class _WholeBlock(torch.autograd.Function):
         higher = torch.is_grad_enabled()  # create_graph: the gradients must lead back to x and the parameters
         inp = x if higher and need[0] else x.detach().requires_grad_(need[0])
         params = ctx.params
+        if any(a is not b for a, b in zip(block.own_parameters(), params)):
+            raise RuntimeError("a GPT block recomputed whole (activation checkpointing \"full\") had its parameters "
+                               "replaced between its forward and this backward: it recomputes with the block's own "
+                               "parameters, so their gradients would not be those of the forward's. Run the forward "
+                               "again after replacing them")
         down = block.mlp.down
         with torch.enable_grad(), contextlib.ExitStack() as autocasts:
-            for kind, dtype in ctx.amp:
-                autocasts.enter_context(torch.autocast(kind, dtype=dtype))
+            for kind, on, dtype in ctx.amp:
+                autocasts.enter_context(torch.autocast(kind, dtype=dtype, enabled=on))
             _pre_hooks_only(block, (inp,))
             x1, a = block.up_to_down_projection(inp)
             _pre_hooks_only(down, (a,))
-            # the down projection's backward, as autograd's linear would run it (under autocast,
-            # in its dtype: autograd casts the weight's gradient back to the weight's)
+            # what the down projection's forward would have saved: its operands as its autocast cast them
             amp = _autocast_of(a)
-            weight = _cast(down.weight, amp)
-            ga = torch.matmul(gy.to(weight.dtype), weight) if a.requires_grad else None
-            flat = gy.to(weight.dtype).reshape(-1, gy.shape[-1])
-            gw = flat.t().mm(_cast(a, amp).reshape(-1, a.shape[-1])) if need[11] else None
-            gb = flat.sum(0) if need[12] and down.bias is not None else None
+            weight, a_saved = _cast(down.weight, amp), _cast(a, amp)
+        # its backward, as autograd's linear runs it: under the autocast (or none) that backward
+        # runs in, like every other backward kernel (autograd casts the weight's gradient back to
+        # the weight's dtype)
+        gy_low = gy.to(weight.dtype)
+        ga = torch.matmul(gy_low, weight) if a.requires_grad else None
+        flat = gy_low.reshape(-1, gy.shape[-1])
+        gw = flat.t().mm(a_saved.reshape(-1, a.shape[-1])) if need[11] else None
+        gb = flat.sum(0) if need[12] and down.bias is not None else None
         grads = [None] * (len(params) + 1)
         grads[11], grads[12] = gw, gb
         wanted = [(i, t) for i, t in enumerate((inp, *params[:10])) if need[i] and t.requires_grad]
@@ -377,27 +392,45 @@ class Block(nn.Module):
         _pre_hooks_only(self.mlp, (h,))
         return x1, F.gelu(self.mlp.up(h), approximate=_GELU)
 
+    def own_parameters(self) -> list:
+        """The twelve parameters of a block as `Block` builds it, in the order `_WholeBlock` takes
+        them (AttributeError where a layer was replaced by a module without them)."""
+        attn, mlp = self.attn, self.mlp
+        return [self.ln1.weight, self.ln1.bias, attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias,
+                self.ln2.weight, self.ln2.bias, mlp.up.weight, mlp.up.bias, mlp.down.weight, mlp.down.bias]
+
     def whole_recompute_parameters(self) -> Optional[list[torch.Tensor]]:
         """The block's parameters in the order `_WholeBlock` takes them, or None where it would not
-        compute what torch's checkpoint does: with dropout (whose random state it does not replay),
-        with hooks that could change a layer's result or need its autograd (its forward runs
-        without autograd), with a module or parameter it does not know of (an adapter put in a
-        layer's place). Checked at each forward, by walking the block's own tables: a tenth of
-        what `nn.Module.modules()` and `parameters()` cost, which took most of a small block's
-        forward (development VM)."""
-        if self.attn.dropout > 0 or self.mlp.drop.p > 0:
+        compute what torch's checkpoint does. `_WholeBlock` recomputes this class's forward, layer
+        by layer, so the block must be one as built here: these classes exactly (a subclass may
+        compute otherwise), no method replaced on an instance, no dropout (whose random state it
+        does not replay), twelve distinct `nn.Parameter`s and no other (not a parameter tied to
+        another of the same block, whose gradient it would count twice; not tensors swapped in by
+        `torch.func.functional_call`, which its backward would not see), and no hook that could
+        change a layer's result or need its autograd (its forward runs without autograd).
+        Checked at each forward by walking the block's own tables: a tenth of what
+        `nn.Module.modules()` and `parameters()` cost, which took most of a small block's forward
+        (development VM)."""
+        try:
+            attn, mlp = self.attn, self.mlp
+            layers = ((self, Block), (self.ln1, nn.LayerNorm), (self.ln2, nn.LayerNorm), (attn, CausalSelfAttention),
+                      (attn.qkv, nn.Linear), (attn.proj, nn.Linear), (mlp, MLP), (mlp.up, nn.Linear),
+                      (mlp.down, nn.Linear), (mlp.drop, nn.Dropout))
+            own = self.own_parameters()
+        except AttributeError:  # a layer replaced by a module without them
+            return None
+        for module, cls in layers:
+            if type(module) is not cls or not _REPLACEABLE.isdisjoint(vars(module)):
+                return None
+        if attn.dropout > 0 or mlp.drop.p > 0:
             return None
         tree = _module_tree(self)
         if _hooks_may_change(tree):
             return None
-        mlp, attn = self.mlp, self.attn
-        try:
-            own = [self.ln1.weight, self.ln1.bias, attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias,
-                   self.ln2.weight, self.ln2.bias, mlp.up.weight, mlp.up.bias, mlp.down.weight, mlp.down.bias]
-        except AttributeError:  # a layer replaced by a module without them
-            return None
         present = [p for m in tree for p in m._parameters.values() if p is not None]
-        if len(present) != len(own) or {id(p) for p in present} != {id(p) for p in own}:
+        ids = {id(p) for p in own}
+        if len(ids) != len(own) or len(present) != len(own) or {id(p) for p in present} != ids \
+                or not all(isinstance(p, nn.Parameter) for p in own):
             return None
         return own
 
