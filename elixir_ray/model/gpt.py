@@ -339,7 +339,11 @@ class _WholeBlock(torch.autograd.Function):
         higher = torch.is_grad_enabled()  # create_graph: the gradients must lead back to x and the parameters
         inp = x if higher and need[0] else x.detach().requires_grad_(need[0])
         params = ctx.params
-        if any(a is not b for a, b in zip(block.own_parameters(), params)):
+        try:
+            current = block.own_parameters()
+        except (AttributeError, KeyError):
+            current = ()
+        if len(current) != len(params) or any(a is not b for a, b in zip(current, params)):
             raise RuntimeError("a GPT block recomputed whole (activation checkpointing \"full\") had its parameters "
                                "replaced between its forward and this backward: it recomputes with the block's own "
                                "parameters, so their gradients would not be those of the forward's. Run the forward "
@@ -347,7 +351,8 @@ class _WholeBlock(torch.autograd.Function):
         down = block.mlp.down
         with torch.enable_grad(), contextlib.ExitStack() as autocasts:
             for kind, on, dtype in ctx.amp:
-                autocasts.enter_context(torch.autocast(kind, dtype=dtype, enabled=on))
+                if torch.is_autocast_enabled(kind) != on or (on and torch.get_autocast_dtype(kind) != dtype):
+                    autocasts.enter_context(torch.autocast(kind, dtype=dtype, enabled=on))
             _pre_hooks_only(block, (inp,))
             x1, a = block.up_to_down_projection(inp)
             _pre_hooks_only(down, (a,))
@@ -394,10 +399,15 @@ class Block(nn.Module):
 
     def own_parameters(self) -> list:
         """The twelve parameters of a block as `Block` builds it, in the order `_WholeBlock` takes
-        them (AttributeError where a layer was replaced by a module without them)."""
-        attn, mlp = self.attn, self.mlp
-        return [self.ln1.weight, self.ln1.bias, attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias,
-                self.ln2.weight, self.ln2.bias, mlp.up.weight, mlp.up.bias, mlp.down.weight, mlp.down.bias]
+        them (KeyError where a layer was replaced by a module without them). Read from the
+        modules' own tables: `nn.Module.__getattr__` for each would take a tenth of a small
+        block's forward."""
+        layers, attn, mlp = self._modules, self._modules["attn"]._modules, self._modules["mlp"]._modules
+        out = []
+        for table in (layers["ln1"], attn["qkv"], attn["proj"], layers["ln2"], mlp["up"], mlp["down"]):
+            own = table._parameters
+            out += (own["weight"], own["bias"])
+        return out
 
     def whole_recompute_parameters(self) -> Optional[list[torch.Tensor]]:
         """The block's parameters in the order `_WholeBlock` takes them, or None where it would not
@@ -412,12 +422,14 @@ class Block(nn.Module):
         `nn.Module.modules()` and `parameters()` cost, which took most of a small block's forward
         (development VM)."""
         try:
-            attn, mlp = self.attn, self.mlp
-            layers = ((self, Block), (self.ln1, nn.LayerNorm), (self.ln2, nn.LayerNorm), (attn, CausalSelfAttention),
-                      (attn.qkv, nn.Linear), (attn.proj, nn.Linear), (mlp, MLP), (mlp.up, nn.Linear),
-                      (mlp.down, nn.Linear), (mlp.drop, nn.Dropout))
+            modules = self._modules
+            attn, mlp = modules["attn"], modules["mlp"]
+            inner, outer = attn._modules, mlp._modules
+            layers = ((self, Block), (modules["ln1"], nn.LayerNorm), (modules["ln2"], nn.LayerNorm),
+                      (attn, CausalSelfAttention), (inner["qkv"], nn.Linear), (inner["proj"], nn.Linear), (mlp, MLP),
+                      (outer["up"], nn.Linear), (outer["down"], nn.Linear), (outer["drop"], nn.Dropout))
             own = self.own_parameters()
-        except AttributeError:  # a layer replaced by a module without them
+        except (AttributeError, KeyError):  # a layer replaced by a module without them
             return None
         for module, cls in layers:
             if type(module) is not cls or not _REPLACEABLE.isdisjoint(vars(module)):
