@@ -39,6 +39,15 @@ def test_activation_checkpointing_gives_same_loss_and_grads(mode):
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6), n
 
 
+def _assert_grads_close(got: dict, want: dict, **tol) -> None:
+    """Per parameter name: the same gradient within `tol`, or None in both."""
+    for name, g in want.items():
+        if g is None:
+            assert got[name] is None, name
+        else:
+            torch.testing.assert_close(got[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 class _CountsOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -105,11 +114,7 @@ def test_selective_blocks_give_the_loss_and_gradients_of_plain_ones(dtype, autoc
     low = dtype == torch.bfloat16 or autocast is not None
     tol = dict(rtol=2e-2, atol=1e-3) if low else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, plain_loss, **tol)
-    for name, g in plain.items():
-        if g is None:
-            assert grads[name] is None, name
-        else:
-            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_grads_close(grads, plain, **tol)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -209,11 +214,7 @@ def test_whole_recomputed_blocks_give_the_loss_and_gradients_of_plain_ones(dtype
     assert taken == 3
     tol = dict(rtol=2e-2, atol=1e-3) if autocast is not None else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, plain_loss, **tol)
-    for name, g in plain.items():
-        if g is None:
-            assert grads[name] is None, name
-        else:
-            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_grads_close(grads, plain, **tol)
 
 
 def test_autograd_grad_and_a_double_backward_through_whole_recomputed_blocks():
