@@ -295,11 +295,11 @@ def _assert_same_grads(plain, full):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_blocks_whole_recomputation_does_not_know_take_torchs_checkpoint():
+def test_blocks_whole_recomputation_does_not_know_take_torchs_checkpoint(monkeypatch):
     """What `_WholeBlock` would get wrong goes through torch's checkpoint, with the plain model's
     gradients: a parameter tied to another of the same block (passed twice, counted twice), a
     subclass computing otherwise (here a ReLU MLP, or a forward replaced on an instance), a
-    dropout replaced by nn.Identity."""
+    dropout replaced by nn.Identity, a method patched on a class."""
     from elixir_ray.model import gpt as gpt_module
 
     class ReluMLP(gpt_module.MLP):
@@ -324,8 +324,11 @@ def test_blocks_whole_recomputation_does_not_know_take_torchs_checkpoint():
         for block in model.blocks:
             block.mlp.drop = torch.nn.Identity()
 
+    def class_patch(model):  # on the class: every block (a library's monkeypatch)
+        monkeypatch.setattr(gpt_module.MLP, "project", ReluMLP.project)
+
     batch = torch.randint(0, 50, (2, 17))
-    for change, whole in ((tie, 1), (relu, 1), (instance_forward, 1), (identity_dropout, 0)):
+    for change, whole in ((tie, 1), (relu, 1), (instance_forward, 1), (identity_dropout, 0), (class_patch, 0)):
         plain, full = _plain_and_full(change)
         loss, taken = _whole_blocks_taken(full, batch)
         assert taken == whole, change.__name__
@@ -348,6 +351,15 @@ def test_whole_recomputed_blocks_under_functional_call_and_an_autocast_only_in_b
         wanted[model] = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
     for name, g in wanted[plain].items():
         torch.testing.assert_close(wanted[full][name], g, rtol=1e-5, atol=1e-6)
+    # given nn.Parameters (another model's, say), the forward is recomputed with them, after
+    # functional_call has put the block's own back
+    for model in (plain, full):
+        params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, params, (batch,))
+        wanted[model] = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    for name, g in wanted[plain].items():
+        torch.testing.assert_close(wanted[full][name], g, rtol=1e-5, atol=1e-6)
+    assert all(p is q for p, q in zip(full.blocks[0].own_parameters(), full.blocks[0].parameters()))
 
     plain, full = _plain_and_full()
     for model in (plain, full):

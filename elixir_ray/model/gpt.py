@@ -300,6 +300,25 @@ def _module_tree(module: nn.Module) -> list[nn.Module]:
 _REPLACEABLE = frozenset(("forward", "attend", "project", "up_to_down_projection"))
 
 
+@contextlib.contextmanager
+def _parameters_of_forward(block: "Block", params: tuple):
+    """The block holding the parameters its forward ran with, for its recomputation: the same
+    ones but where they were swapped since (`torch.func.functional_call` given `nn.Parameter`s,
+    whose backward comes after it has put the block's own back)."""
+    tables = block.parameter_tables()
+    if all(table[key] is p for (table, key), p in zip(tables, params)):
+        yield
+        return
+    before = [table[key] for table, key in tables]
+    for (table, key), p in zip(tables, params):
+        table[key] = p
+    try:
+        yield
+    finally:
+        for (table, key), p in zip(tables, before):
+            table[key] = p
+
+
 class _WholeBlock(torch.autograd.Function):
     """A block recomputed whole: its forward without autograd, keeping only its input; in backward
     the block again with autograd, up to the MLP's down projection, differentiated by
@@ -339,17 +358,8 @@ class _WholeBlock(torch.autograd.Function):
         higher = torch.is_grad_enabled()  # create_graph: the gradients must lead back to x and the parameters
         inp = x if higher and need[0] else x.detach().requires_grad_(need[0])
         params = ctx.params
-        try:
-            current = block.own_parameters()
-        except (AttributeError, KeyError):
-            current = ()
-        if len(current) != len(params) or any(a is not b for a, b in zip(current, params)):
-            raise RuntimeError("a GPT block recomputed whole (activation checkpointing \"full\") had its parameters "
-                               "replaced between its forward and this backward: it recomputes with the block's own "
-                               "parameters, so their gradients would not be those of the forward's. Run the forward "
-                               "again after replacing them")
         down = block.mlp.down
-        with torch.enable_grad(), contextlib.ExitStack() as autocasts:
+        with torch.enable_grad(), contextlib.ExitStack() as autocasts, _parameters_of_forward(block, params):
             for kind, on, dtype in ctx.amp:
                 if torch.is_autocast_enabled(kind) != on or (on and torch.get_autocast_dtype(kind) != dtype):
                     autocasts.enter_context(torch.autocast(kind, dtype=dtype, enabled=on))
@@ -397,23 +407,26 @@ class Block(nn.Module):
         _pre_hooks_only(self.mlp, (h,))
         return x1, F.gelu(self.mlp.up(h), approximate=_GELU)
 
-    def own_parameters(self) -> list:
-        """The twelve parameters of a block as `Block` builds it, in the order `_WholeBlock` takes
-        them (KeyError where a layer was replaced by a module without them). Read from the
-        modules' own tables: `nn.Module.__getattr__` for each would take a tenth of a small
-        block's forward."""
+    def parameter_tables(self) -> list[tuple[dict, str]]:
+        """Where the twelve parameters of a block as `Block` builds it live, (a layer's own
+        parameter table, name), in the order `_WholeBlock` takes them (KeyError where a layer was
+        replaced by a module without them). Read from the modules' own tables:
+        `nn.Module.__getattr__` for each would take a tenth of a small block's forward."""
         layers, attn, mlp = self._modules, self._modules["attn"]._modules, self._modules["mlp"]._modules
         out = []
-        for table in (layers["ln1"], attn["qkv"], attn["proj"], layers["ln2"], mlp["up"], mlp["down"]):
-            own = table._parameters
-            out += (own["weight"], own["bias"])
+        for layer in (layers["ln1"], attn["qkv"], attn["proj"], layers["ln2"], mlp["up"], mlp["down"]):
+            out += ((layer._parameters, "weight"), (layer._parameters, "bias"))
         return out
+
+    def own_parameters(self) -> list:
+        """The twelve parameters, as `parameter_tables` places them."""
+        return [table[key] for table, key in self.parameter_tables()]
 
     def whole_recompute_parameters(self) -> Optional[list[torch.Tensor]]:
         """The block's parameters in the order `_WholeBlock` takes them, or None where it would not
         compute what torch's checkpoint does. `_WholeBlock` recomputes this class's forward, layer
         by layer, so the block must be one as built here: these classes exactly (a subclass may
-        compute otherwise), no method replaced on an instance, no dropout (whose random state it
+        compute otherwise), no method replaced on an instance or patched on a class, no dropout (whose random state it
         does not replay), twelve distinct `nn.Parameter`s and no other (not a parameter tied to
         another of the same block, whose gradient it would count twice; not tensors swapped in by
         `torch.func.functional_call`, which its backward would not see), and no hook that could
@@ -434,6 +447,8 @@ class Block(nn.Module):
         for module, cls in layers:
             if type(module) is not cls or not _REPLACEABLE.isdisjoint(vars(module)):
                 return None
+        if any(getattr(cls, name) is not method for cls, name, method in _METHODS):
+            return None
         if attn.dropout > 0 or mlp.drop.p > 0:
             return None
         tree = _module_tree(self)
@@ -480,6 +495,14 @@ class Block(nn.Module):
         box = []
         a = _Gelu.apply(u, down.weight, box)
         return x + self.mlp.drop(_Linear.apply(a, down, down.weight, down.bias, box))
+
+
+# the methods `_WholeBlock`'s recomputation stands for, as defined: one patched on its class (a
+# library's monkeypatch of nn.Linear.forward) would compute otherwise
+_METHODS = tuple((cls, name, getattr(cls, name)) for cls, names in (
+    (Block, ("forward", "up_to_down_projection")), (CausalSelfAttention, ("forward", "attend")),
+    (MLP, ("forward", "project")), (nn.Linear, ("forward",)), (nn.LayerNorm, ("forward",)),
+    (nn.Dropout, ("forward",))) for name in names)
 
 
 class GPT(nn.Module):
