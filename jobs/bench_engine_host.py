@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elixir_ray.bench.systems import SHAPES  # noqa: E402
+from elixir_ray.bench.systems import SHAPES, reference_parameters  # noqa: E402
 from elixir_ray.engine import wrap  # noqa: E402
 from elixir_ray.engine.layout import pack  # noqa: E402
 from elixir_ray.engine.plan import Plan  # noqa: E402
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     meta = build_gpt(small, "selective", device="meta")
     meta.set_checkpointing(checkpointing)
-    plan = small_plan(measured, meta, result.get("params") or shape_params(shape))
+    plan = small_plan(measured, meta, result.get("params") or reference_parameters(shape))
     engine, engine_opt = wrap(meta, torch.optim.AdamW(meta.parameters(), lr=1e-4), sample_inputs=(batch,), plan=plan,
                               device="cpu", init_fn=lambda m: init_gpt_weights(m, shape.n_layers),
                               accumulation_steps=1)
@@ -114,10 +114,6 @@ def main(argv=None) -> int:
         print(f"| {name} | {min(forward):.1f} / {statistics.median(forward):.1f} | "
               f"{min(backward):.1f} / {statistics.median(backward):.1f} |")
     return 0
-
-
-def shape_params(shape) -> int:
-    return build_gpt(shape.model_shape(), device="meta").num_parameters()
 
 
 if __name__ == "__main__":

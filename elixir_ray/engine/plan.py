@@ -19,6 +19,8 @@ from typing import Optional
 # 8% before 2026-11-26's exact memory model, 20% after)
 PLAN_VERSION = 5
 READABLE_VERSIONS = (2, 3, 4, 5)
+# the share of the budget a plan keeps back for the allocator unless asked otherwise (planner.search.SAFETY)
+DEFAULT_MEMORY_MARGIN = 0.20
 
 
 def _margin_of(notes: list) -> float:
@@ -28,7 +30,7 @@ def _margin_of(notes: list) -> float:
         found = re.search(r"\((\d+(?:\.\d+)?)% kept back", str(note))
         if found:
             return float(found.group(1)) / 100
-    return 0.20
+    return 0.20  # what such plans were searched with, whatever the default is now
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Plan:
     updates_in_backward: bool = False
     # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked;
     # from an older plan, what its notes say, `_margin_of`)
-    memory_margin: float = 0.20
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
 

@@ -21,7 +21,7 @@ import numpy as np
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
-from elixir_ray.engine.plan import Plan
+from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
@@ -43,7 +43,7 @@ DOS_GAPS = (0, *range(1, 17))
 # the fills measured there (67-80% of the cap); lower it once plans near the budget are measured.
 # The default of `memory_margin`, which plan_search (and `elixir_ray.plan`, `wrap`, the config's
 # engine.memory_margin) take, so that a lower one can be measured (bench --memory-margin).
-SAFETY = 0.20
+SAFETY = DEFAULT_MEMORY_MARGIN
 
 
 def check_margin(margin: Optional[float]) -> float:
