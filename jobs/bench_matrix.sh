@@ -104,7 +104,8 @@ done
 
 run_stage() {
     local stage="$1" dir="$out/$1" rc
-    mkdir -p "$dir"
+    # a stage run again (on a machine kept warm between calls) must not pack the last run's results
+    rm -rf "$dir" && mkdir -p "$dir"
     echo "== $stage ($(date -u +%H:%M:%S))"
     if [ "${STAGE_TIMEOUT_S:-0}" -gt 0 ]; then
         # timeout signals the stage's whole process group: the measured processes it started go too

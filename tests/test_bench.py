@@ -245,6 +245,8 @@ def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it
     assert not out.exists()
     # one device call's worth, as a lent GPU machine runs it: the machine recorded, each stage packed
     packed = tmp_path / "device-out"
+    (out / "cuda-tests").mkdir(parents=True)  # a run before on the same (warm) machine left a result
+    (out / "cuda-tests" / "stale.json").write_text("{}")
     proc = subprocess.run(["bash", "jobs/gpu_session.sh", "cuda-tests"], capture_output=True, text=True, timeout=600,
                           env={**env, "OUT": str(packed), "BENCH_DIR": str(out)})
     assert proc.returncode == 0, proc.stdout[-2000:]
@@ -252,6 +254,7 @@ def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it
     assert f"torch {torch.__version__}" in (packed / "machine.txt").read_text()
     with tarfile.open(packed / "cuda-tests.tgz") as archive:
         assert "cuda-tests/log.txt" in archive.getnames()
+        assert "cuda-tests/stale.json" not in archive.getnames()
 
 
 def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp_path):

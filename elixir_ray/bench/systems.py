@@ -137,6 +137,9 @@ def _single_rank_group(backend: str) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        # DeepSpeed reads the launcher's variables even when the group already exists
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
         dist.init_process_group(backend, rank=0, world_size=1)
 
 
