@@ -25,6 +25,8 @@
 #   gpt-4b-caps, gpt-1.5b-caps  plain PyTorch once and elixir_ray at 40, 24 and 16 GiB, in one run (the
 #               three stages of each shape above, two references fewer)
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
+#   deepspeed-24  plain PyTorch and DeepSpeed ZeRO-3 offload alone, the same shape and cap (DeepSpeed
+#               builds its CPU Adam first, about a minute: one device call's worth)
 #   gpt-4b-24-all  gpt-4b-24 and peers-24 in one run: plain PyTorch, elixir_ray, FSDP2 offload and
 #               DeepSpeed ZeRO-3 offload (one reference for all four, a minute less than the two stages)
 #   plans-24    the searched plan against the hand-made ones, gpt-4b capped at 24 GiB
@@ -53,7 +55,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 gpt-4b-24-all plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -77,6 +79,8 @@ stage_command() {
         gpt-1.5b-caps) "$PY" jobs/bench.py --shape gpt-1.5b --cap 40GiB 24GiB 16GiB --systems reference elixir_ray \
                       --out "$dir" ;;
         peers-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference fsdp2_offload deepspeed_z3_offload \
+                      --out "$dir" ;;
+        deepspeed-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference deepspeed_z3_offload \
                       --out "$dir" ;;
         gpt-4b-24-all) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
                       --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload --out "$dir" ;;

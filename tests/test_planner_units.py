@@ -138,7 +138,7 @@ def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():
     from elixir_ray.planner.cost import overlapped_step
 
-    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_first=0.01)
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_wait=0.01)
     in_backward = overlapped_step(**parts, updates_in_backward=True)
     at_step = overlapped_step(**parts, updates_in_backward=False)
     assert in_backward == pytest.approx(0.6 + 0.01)  # 0.45 s of backward and 0.15 s of forward hide it
@@ -160,7 +160,7 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
     that backward's own copies leave idle."""
     from elixir_ray.planner.cost import overlapped_step
 
-    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0)
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_wait=0.0)
     at_step = dict(parts, updates_in_backward=False)
     assert overlapped_step(**at_step, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
     assert overlapped_step(**at_step, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
@@ -181,7 +181,7 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
     # a backward bound by its own loads leaves no idle link: as from step()
     assert overlapped_step(**{**in_backward, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
     # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
-    cpu = dict(in_backward, cpu_adam=0.45 + 0.35, cpu_first=0.01)  # 0.45 s hidden by the last backward
+    cpu = dict(in_backward, cpu_adam=0.45 + 0.35, cpu_wait=0.01)  # 0.45 s hidden by the last backward
     assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
     assert overlapped_step(**cpu, dos_in=0.7, dos_out=0.3) == pytest.approx(0.6 + 0.3)
 
@@ -195,7 +195,7 @@ def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_
 
     # started in backward, whose own loads (0.45 s) leave the link going up no idle time: the DOS
     # copies in (0.3 s) are left whole for the forward; those out (0.2 s) go in backward's idle time
-    in_backward = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.55, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+    in_backward = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.55, d2h=0.1, cpu_adam=0.0, cpu_wait=0.0,
                        updates_in_backward=True, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
     whole = overlapped_step(**in_backward)  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
     assert whole == pytest.approx(0.6 + 0.25)
@@ -223,7 +223,7 @@ def test_overlap_model_releases_the_dos_queue_as_its_gradients_are_final():
     from elixir_ray.planner.search import Layout, _dos_queue
 
     # backward 0.45 s with 0.1 s of its own loads and gradient copies: 0.35 s idle each way
-    idle = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_first=0.0,
+    idle = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_wait=0.0,
                 updates_in_backward=True, forward_loads=0.1)
     lay = Layout(profile=None, chunk_size=1, sizes=np.ones(3), numels=np.ones(3), shards=np.ones(3),
                  replicated=np.ones(3, dtype=bool), events=[], min_blocks=1, param_order=[],
@@ -276,22 +276,67 @@ def test_a_chunks_gradient_is_final_when_its_last_gradient_arrives_not_at_its_la
     assert all(final[1:] < 1.0) and list(final[1:]) == sorted(final[1:], reverse=True)  # later blocks first
 
 
+def _three_chunk_layout():
+    from elixir_ray.planner.search import Layout
+
+    n = 3
+    return Layout(profile=None, chunk_size=1, sizes=np.ones(n), numels=np.ones(n), shards=np.ones(n),
+                  replicated=np.ones(n, dtype=bool), events=[], min_blocks=1, param_order=[],
+                  forward_before=np.array([0.0, 0.5, 0.8]), backward_final=np.array([1.0, 0.6, 0.3]))
+
+
 def test_a_cpu_update_is_waited_for_as_long_as_it_outlasts_its_chunks_time():
     """A chunk's CPU update has from its final gradient to the forward's need for it: a tied
     embedding (final last, needed first) has none, a middle chunk part of backward and forward."""
-    from elixir_ray.planner.search import Layout, _cpu_latency
+    from elixir_ray.planner.search import _cpu_wait
 
-    n = 3
-    lay = Layout(profile=None, chunk_size=1, sizes=np.ones(n), numels=np.ones(n), shards=np.ones(n),
-                 replicated=np.ones(n, dtype=bool), events=[], min_blocks=1, param_order=[],
-                 forward_before=np.array([0.0, 0.5, 0.8]), backward_final=np.array([1.0, 0.6, 0.3]))
+    lay, none = _three_chunk_layout(), np.zeros(3)
     adam = np.array([0.05, 0.05, 0.3])
     plain = np.array([[True, False, False], [False, True, False], [False, False, True], [False] * 3])
     # forward 0.1 s, last backward 0.3 s: chunk 0 has nothing, chunk 1 0.05 + 0.12 s, chunk 2 0.08 + 0.21 s
-    assert _cpu_latency(lay, plain, adam, 0.1, 0.3, True) == pytest.approx([0.05, 0.0, 0.01, 0.0])
+    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, True, none) == pytest.approx([0.05, 0.0, 0.01, 0.0])
     # updates at step(): only the forward's compute before each chunk
-    assert _cpu_latency(lay, plain, adam, 0.1, 0.3, False) == pytest.approx([0.05, 0.0, 0.22, 0.0])
-    assert _cpu_latency(lay, plain[:1] | plain[2:3], adam, 0.1, 0.3, True) == pytest.approx([0.05])  # the worst
+    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, False, none) == pytest.approx([0.05, 0.0, 0.22, 0.0])
+    # its load after its update, and its gradient's copy down before it (within backward), are waited for too
+    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, True, np.full(3, 0.01), np.full(3, 0.02)) \
+        == pytest.approx([0.06, 0.0, 0.04, 0.0])
+
+
+def test_cpu_updates_queue_on_one_thread_lowest_chunk_first_among_those_ready():
+    """The updates run one at a time: one ready while another runs waits for it, so the forward
+    waits for the queue, not for the slowest update alone; among those ready the thread takes
+    the chunk the forward needs first (`HostUpdates`), not the one ready first."""
+    from elixir_ray.planner.search import _cpu_wait
+
+    lay, none = _three_chunk_layout(), np.zeros(3)
+    adam = np.array([0.05, 0.05, 0.3])
+    every = np.ones((1, 3), dtype=bool)
+    # chunk 2 runs from 0.09 to 0.39 s of the 0.3 s backward; chunks 1 (ready at 0.18) and 0 (at
+    # 0.3) wait for it; then chunk 0 (0.39 to 0.44), then 1 (to 0.49): 0.14 s into the forward each,
+    # where the forward needs chunk 0 at once and chunk 1 after 0.05 s. Alone, none waits over 0.05 s.
+    assert _cpu_wait(lay, every, adam, 0.1, 0.3, True, none) == pytest.approx([0.14])
+    assert max(_cpu_wait(lay, np.eye(3, dtype=bool), adam, 0.1, 0.3, True, none)) == pytest.approx(0.05)
+    # a thread that took them as they came (1 before 0) would make the forward wait 0.19 s
+    # per row, a backward of its own (the longest of the backward's streams, `overlapped_step`)
+    rows = np.array([[True, True, True], [True, False, False]])
+    assert _cpu_wait(lay, rows, adam, 0.1, np.array([0.3, 0.5]), True, none) == pytest.approx([0.14, 0.05])
+
+
+def test_overlap_model_gives_the_cpu_queue_the_backward_it_has():
+    """A cpu_wait function is played out over the last backward as long as its longest stream
+    (here the copies down, 0.7 s against 0.45 s of compute), or from step() on."""
+    from elixir_ray.planner.cost import overlapped_step
+
+    seen = []
+
+    def wait(backward):
+        seen.append(backward)
+        return 0.02
+
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.7, cpu_adam=0.1, cpu_wait=wait)
+    assert overlapped_step(**parts, updates_in_backward=True) == pytest.approx(0.15 + 0.02 + 0.7)
+    assert seen == [pytest.approx(0.7)]
+    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=True) == pytest.approx(0.15 + 0.7)
 
 
 def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():
@@ -315,7 +360,7 @@ def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
         forward_loads = h2d * rng.uniform(0.0, 1.0)
         micro = int(rng.integers(1, 4))
         kw = dict(compute=compute, forward=forward, on_stream=on_stream, h2d=h2d, d2h=d2h, cpu_adam=cpu,
-                  cpu_first=cpu * 0.1, micro_steps=micro, dos_in=dos_in, dos_out=dos_out,
+                  cpu_wait=cpu * 0.1, micro_steps=micro, dos_in=dos_in, dos_out=dos_out,
                   forward_loads=forward_loads)
         first = dict(dos_first_at=forward * rng.uniform(0.0, 1.0), loads_to_dos=forward_loads * rng.uniform(0.0, 1.0))
         for in_backward in (False, True):

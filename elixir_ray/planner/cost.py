@@ -128,7 +128,7 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
     return compute_seconds(profile.trace.flops, hw), compute_seconds(profile.trace.forward_flops, hw)
 
 
-def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, updates_in_backward: bool,
+def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, updates_in_backward: bool,
                     micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
                     loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
@@ -137,9 +137,11 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
-    gradients); cpu_adam: the background thread's CPU AdamW; cpu_first: the longest that one host
-    chunk's CPU update outlasts the time between its final gradient and the forward's need for it,
-    which no speed of the queue hides (`search._cpu_latency`); dos_in, dos_out: the Deep Optimizer
+    gradients); cpu_adam: the background thread's CPU AdamW; cpu_wait: how long the next forward
+    waits for the host chunks' CPU updates (at least the work left after backward beyond the
+    forward), or a function of the last backward's seconds that says it (`search._cpu_wait`,
+    which plays their queue out: when the updates become ready depends on how long backward
+    lasts, and that is the longest of its streams, not its compute alone); dos_in, dos_out: the Deep Optimizer
     States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
     a part of `h2d`; dos_first_at: the forward's compute before its first DOS chunk (default: the
     whole forward, as with no DOS chunk); loads_to_dos: the forward's loads up to and including
@@ -183,7 +185,9 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_first, 
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
-    cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_first, 0.0))
+    if callable(cpu_wait):  # updates from step() on are ready together, whatever backward's length
+        cpu_wait = cpu_wait(last_backward if updates_in_backward else rest)
+    cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_wait, 0.0))
     link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
     if dos_first_at is not None and updates_in_backward:  # it waits at its first DOS chunk for the whole queue
         loads_to = forward_loads if loads_to_dos is None else loads_to_dos

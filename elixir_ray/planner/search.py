@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import numpy as np
@@ -247,21 +248,66 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 # -- one configuration, part by part ---------------------------------------------------------------
 
-def _cpu_latency(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
-                 in_backward: bool) -> np.ndarray:
-    """Per row of `plain` (host chunks updated by the CPU): the longest that one chunk's CPU update
-    outlasts the time it has, however fast the queue (0 where none). An update starts no earlier
-    than its chunk's gradient is final (with `in_backward`, at that share of the last backward's
-    `backward` seconds, `Layout.backward_final`; else at `step()`), and the next forward needs the
-    chunk after its compute before it (`Layout.forward_before`). The thread takes the chunk the
-    forward needs first, so the chunk that bounds this is most often the first host chunk of the
-    forward, but not always: a tied embedding's gradient is final last in backward, and the next
-    forward needs it first, so a host chunk holding it has no time at all, where a chunk in the
-    middle has part of backward and of the forward (on the H100 each step waited 45 ms for
-    gpt-4b's embedding chunk, updated on the CPU, 2026-11-27)."""
-    slack = forward * lay.forward_before + (backward * (1.0 - lay.backward_final) if in_backward else 0.0)
-    late = np.max(np.where(plain, adam_host - slack, -np.inf), axis=-1)
-    return np.where(plain.any(axis=-1), np.maximum(late, 0.0), 0.0)
+def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
+              in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
+              simulate: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
+    them, from the engine's update queue played out (0 where none).
+
+    A chunk's update is ready once its gradient is final (with `in_backward`, at that share of the
+    last backward's `backward` seconds, `Layout.backward_final`; else at `step()`) and copied down
+    (`copy_down`, per chunk: by backward's end at the latest, which lasts as long as its copies
+    down at least, `overlapped_step`); the one background thread runs the updates one at a time, taking
+    the lowest chunk index among those ready (the forward's order, as `HostUpdates` does), or
+    when none is, the one ready first. The forward needs a chunk after its compute before it
+    (`Layout.forward_before`) and its load after its update, so it waits for the chunk that is
+    latest against that, however many of them are late (each wait delays all the later needs
+    alike). Its updates start no earlier than the first host chunk's gradient: on the H100 the
+    thread was idle the first 28 ms of gpt-1.5b's backward at 24 GiB, and busy 220 of its 280 ms
+    step, so that the forward waited 30 ms for the chunks it needs last (2026-11-27). A tied
+    embedding's chunk (final last, needed first) has no time at all; a middle chunk part of
+    backward and of the forward.
+
+    `simulate` (per row): the rows to play out; the others get each update as if it ran alone,
+    from its chunk's gradient on, a lower bound of their wait (for the search to skip rows that
+    cannot be the best)."""
+    plain = np.asarray(plain, dtype=bool)
+    rows = plain.reshape(-1, plain.shape[-1])
+    n_rows, n = rows.shape
+    start = np.broadcast_to(np.asarray(backward, dtype=np.float64).reshape(-1), (n_rows,))[:, None]
+    ready = start * lay.backward_final[None, :] if in_backward else np.repeat(start, n, axis=1)
+    if copy_down is not None and in_backward:  # copied down after it is final, within backward's copy stream
+        ready = np.minimum(ready + copy_down[None, :], start)
+    finish = ready + adam_host[None, :]  # alone: a lower bound
+    played = rows.any(axis=1) if simulate is None else np.asarray(simulate, dtype=bool).reshape(-1) & rows.any(axis=1)
+    if played.any():
+        finish[played] = _play_queue(rows[played], ready[played], adam_host)
+    # relative to the forward's start (backward's end), when each chunk is on the device against
+    # when the forward needs it
+    late = finish - start + load[None, :] - forward * lay.forward_before[None, :]
+    wait = np.max(np.where(rows, late, 0.0), axis=1, initial=0.0)
+    return np.maximum(wait, 0.0).reshape(plain.shape[:-1])
+
+
+def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> np.ndarray:
+    """Per row, when each of its chunks' updates ends (`_cpu_wait`'s queue; only a row's own
+    chunks are meaningful): one thread, the lowest index among those ready first."""
+    n_rows, n = rows.shape
+    finish = np.zeros((n_rows, n))
+    clock = np.zeros(n_rows)
+    left = rows.copy()
+    every = np.arange(n_rows)
+    waiting = np.where(left, ready, np.inf)
+    for _ in range(int(left.sum(axis=1).max(initial=0))):
+        busy = np.isfinite(waiting).any(axis=1)
+        ready_now = waiting <= clock[:, None]
+        pick = np.where(ready_now.any(axis=1), np.argmax(ready_now, axis=1),  # the lowest index among those ready
+                        np.argmin(waiting, axis=1))  # else the one ready first
+        end = np.maximum(clock, ready[every, pick]) + adam_host[pick]
+        finish[every[busy], pick[busy]] = end[busy]
+        waiting[every[busy], pick[busy]] = np.inf
+        clock = np.where(busy, end, clock)
+    return finish
 
 
 def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
@@ -281,6 +327,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     reduce_comm = float(costs.reduce_device.sum())
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
     micro_step, forward = micro_step_compute(lay.profile, hw)
+    load = (costs.load_host - costs.load_device) * (loads > 0)  # one load of each chunk the step loads
     engine_kernels = grad_accum * float((loads * costs.fill_device)[dev].sum() + costs.stage.sum()
                                         + costs.stage_host[host].sum())
     time = {
@@ -294,14 +341,14 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "Deep Optimizer States": float(costs.adam_dos[dos].sum()),
         "engine kernels": engine_kernels,
     }
-    load = (costs.load_host - costs.load_device) * (loads > 0)  # one load of each chunk the step loads
     dos_at, loads_to_dos = _dos_first(lay, host, dos, forward, load)
     seconds = overlapped_step(
         time["compute"], forward,
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
         + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
-        float(_cpu_latency(lay, plain_host, costs.adam_host, forward, micro_step - forward, updates_in_backward)),
+        partial(_cpu_wait, lay, plain_host, costs.adam_host, forward, in_backward=updates_in_backward, load=load,
+                copy_down=costs.reduce_host - costs.reduce_device),
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
@@ -557,14 +604,6 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         plain = host & ~dos
         dosf = dos.astype(np.float64)
         dos_at, loads_to_dos = _dos_first(lay, hostf, dos, parts.forward, load)
-        seconds = overlapped_step(parts.compute, parts.forward, on_stream + dosf @ costs.dos_update, h2d, d2h,
-                                  plain.astype(np.float64) @ costs.adam_host,
-                                  _cpu_latency(lay, plain, costs.adam_host, parts.forward,
-                                               parts.compute / parts.micro_steps - parts.forward,
-                                               parts.updates_in_backward),
-                                  parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                  dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
-                                  *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
         peaks = peaks_with[gap > 0]
         unbounded = float(peaks.min()) / (1 - margin)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
@@ -576,6 +615,25 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         ok = host_ok & (peaks <= limit)
         if not ok.any():
             continue
+
+        stream, cpu_adam, dos_queue = on_stream + dosf @ costs.dos_update, plain.astype(np.float64) @ costs.adam_host, \
+            _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
+
+        def step(cpu_wait):
+            return overlapped_step(parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait,
+                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
+                                   dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
+
+        queue = partial(_cpu_wait, lay, plain, costs.adam_host, parts.forward, in_backward=parts.updates_in_backward,
+                        load=load, copy_down=costs.reduce_host - costs.reduce_device)
+        # the queue played out only where the step could still be the best: each update alone is a
+        # lower bound of it (a 10B GPT's search took three times as long playing out every row)
+        bound = step(partial(queue, simulate=np.zeros(len(ok), dtype=bool)))
+        contender = ok & (bound < best.seconds + 1e-12)
+        if not contender.any():
+            continue
+        seconds = np.where(contender, step(partial(queue, simulate=contender)), np.inf)
+        ok = contender
         k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
         if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
             best.seconds, best.peak = float(seconds[k]), int(peaks[k])
