@@ -358,7 +358,8 @@ def test_explain_lists_chunks_memory_and_time():
     plan = elixir_ray.plan(model, _sample(8), device_memory="4MiB", hardware=GPU, world_size=2)
     text = plan.explain()
     for needle in ("chunks of", "pool:", "optimizer state:", "across ranks:", "predicted peak device memory",
-                   "pool blocks", "predicted step time", "compute", "of 4.0 MiB budget"):
+                   "pool blocks", "predicted step time", "compute", "of 4.0 MiB budget",
+                   "critical path: the forward's compute"):
         assert needle in text, needle
 
 

@@ -322,6 +322,24 @@ def test_cpu_updates_queue_on_one_thread_lowest_chunk_first_among_those_ready():
     assert _cpu_wait(lay, rows, adam, 0.1, np.array([0.3, 0.5]), True, none) == pytest.approx([0.14, 0.05])
 
 
+def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
+    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.search import critical_path_note
+
+    path = {}
+    parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.5, cpu_adam=0.7, cpu_wait=0.03)
+    step = overlapped_step(**parts, updates_in_backward=True, forward_loads=0.1, path=path)
+    assert step == pytest.approx(path["forward"] + max(path["cpu_wait"], path["link_wait"]) + path["rest"])
+    assert path["rest"] == pytest.approx(0.5) and path["rest_d2h"] == pytest.approx(0.5)
+    assert path["cpu_wait"] == pytest.approx(0.05)  # 0.2 s of updates left after backward, 0.15 s of forward
+    note = critical_path_note(path)
+    assert note == ("critical path: the forward's compute 150.0 ms, a wait of 50.0 ms for host chunks' CPU updates, "
+                    "then recompute and backward 500.0 ms (bound by copies device->host)")
+    quiet = dict(path, cpu_wait=0.0, link_wait=0.0)
+    assert ", no wait, then" in critical_path_note(quiet, grad_accum=2)
+    assert "recompute, backward and the other micro-steps" in critical_path_note(quiet, grad_accum=2)
+
+
 def test_overlap_model_gives_the_cpu_queue_the_backward_it_has():
     """A cpu_wait function is played out over the last backward as long as its longest stream
     (here the copies down, 0.7 s against 0.45 s of compute), or from step() on."""

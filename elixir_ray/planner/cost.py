@@ -33,6 +33,7 @@ Collectives are assumed to run at the host-to-device rate unless the profile say
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -130,7 +131,8 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
 
 def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, updates_in_backward: bool,
                     micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
-                    loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None):
+                    loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None,
+                    path: Optional[dict] = None):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
     compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
@@ -168,8 +170,13 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
     its compute before that chunk hides the queue (on the H100 the forward of gpt-4b waited 0.3 s
     there, 2026-11-27). Not so for updates started at `step()`, which queues them in chunk order,
     the forward's.
+
+    `path`, where given a dict, gets the critical path's pieces: the forward's compute, its waits
+    for the CPU updates and for the link (the longer counts), the rest's length and its three
+    streams' (compute and the compute stream's other work; loads; copies down).
     """
-    rest = np.maximum(compute + on_stream - forward, np.maximum(np.maximum(h2d - forward_loads, 0.0), d2h))
+    rest_parts = (compute + on_stream - forward, np.maximum(h2d - forward_loads, 0.0), d2h)
+    rest = np.maximum(rest_parts[0], np.maximum(rest_parts[1], rest_parts[2]))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
         backward_in = np.maximum(h2d - forward_loads, 0.0) / micro_steps
@@ -195,6 +202,9 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
         # then its later loads go on beside its later compute, on a link the queue has left
         after = np.maximum((forward_loads - loads_to) - (forward - dos_first_at), 0.0)
         link_exposed = np.maximum(link_exposed, at_first + after)
+    if path is not None:  # the critical path's pieces, for a plan's explanation
+        path.update(forward=forward, cpu_wait=cpu_exposed, link_wait=link_exposed, rest=rest,
+                    rest_compute=rest_parts[0], rest_h2d=rest_parts[1], rest_d2h=rest_parts[2])
     return forward + np.maximum(cpu_exposed, link_exposed) + rest
 
 

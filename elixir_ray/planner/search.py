@@ -311,10 +311,11 @@ def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> n
 
 
 def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
-             updates_in_backward: bool = False) -> tuple[dict, dict, int, float]:
+             updates_in_backward: bool = False, path: Optional[dict] = None) -> tuple[dict, dict, int, float]:
     """(device memory parts in bytes, step time parts in seconds, host bytes, predicted step seconds).
 
-    The time parts overlap (`overlapped_step`), so the step is not their sum."""
+    The time parts overlap (`overlapped_step`), so the step is not their sum; `path` (a dict) gets
+    the critical path's pieces."""
     lay = choice.layout
     grad_bytes = host_grad_bytes(choice.grads_low)
     costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes)
@@ -352,7 +353,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
-        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out))
+        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out), path=path)
     rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
                         grad_bytes, gradients_freed(choice.grads_low, grad_accum),
                         released=gradients_released(updates_in_backward, grad_accum))
@@ -789,7 +790,8 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
 def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
                    grad_accum: int, budget: int, note: str, updates_in_backward: bool = False,
                    host_budget: Optional[int] = None, margin: float = SAFETY) -> Plan:
-    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
+    path: dict = {}
+    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path)
     lay = choice.layout
     start = "from the last backward" if updates_in_backward else "from step()"
     host_limit = f" (of {format_bytes(host_budget)} allowed, host_memory)" if host_budget is not None else ""
@@ -800,6 +802,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
              "the time parts overlap: copies on side streams beside compute, CPU AdamW in the background "
              + ("and Deep Optimizer States on streams of their own " if choice.dos_gap else "")
              + f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
+             critical_path_note(path, grad_accum),
              hw.rates()]
     if gradients_released(updates_in_backward, grad_accum) and bool(choice.device.any()):
         notes.append("device chunks' gradients: each chunk is updated as soon as its gradient is final in the "
@@ -828,6 +831,27 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
         updates_in_backward=updates_in_backward, memory_margin=margin,
     )
+
+
+def critical_path_note(path: dict, grad_accum: int = 1) -> str:
+    """One line of where the predicted step goes (`overlapped_step`'s `path`): set beside a run's
+    measured forward, backward and waits, it says which part of the model is off."""
+    def ms(x) -> str:
+        return f"{float(x) * 1e3:,.1f} ms"
+
+    cpu, link = float(path["cpu_wait"]), float(path["link_wait"])
+    if max(cpu, link) <= 0:
+        wait = "no wait"
+    elif cpu >= link:
+        wait = f"a wait of {ms(cpu)} for host chunks' CPU updates" + (f" (for copies: {ms(link)})" if link > 0 else "")
+    else:
+        wait = f"a wait of {ms(link)} for copies host->device" + (f" (for CPU updates: {ms(cpu)})" if cpu > 0 else "")
+    streams = {"compute": path["rest_compute"], "copies host->device": path["rest_h2d"],
+               "copies device->host": path["rest_d2h"]}
+    bound = max(streams, key=lambda k: float(streams[k]))
+    rest = "recompute, backward and the other micro-steps" if grad_accum > 1 else "recompute and backward"
+    return (f"critical path: the forward's compute {ms(path['forward'])}, {wait}, then {rest} {ms(path['rest'])} "
+            f"(bound by {bound})")
 
 
 def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int, margin: float = SAFETY) -> str:
