@@ -445,3 +445,17 @@ def test_engine_host_bench_runs_a_measured_plan_on_a_small_gpt_and_refuses_other
     other.write_text(json.dumps({"rows": []}))
     bad = subprocess.run([sys.executable, script, str(other)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and str(other) in bad.stderr and "not an elixir_ray result" in bad.stderr
+
+
+def test_a_peers_single_rank_group_sets_what_a_launcher_would():
+    """DeepSpeed asserts LOCAL_RANK in the environment even where the process group exists (the
+    sixth H100 session's DeepSpeed run stopped there): the benchmark's one-rank group sets the
+    launcher's variables, each only where unset."""
+    code = ("import os; from elixir_ray.bench.systems import _single_rank_group; _single_rank_group('gloo'); "
+            "import torch.distributed as dist; print(dist.get_world_size(), "
+            "*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR')))")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "0", "0", "1", "127.0.0.1"]

@@ -269,7 +269,7 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     backward and of the forward.
 
     `simulate` (per row): the rows to play out; the others get each update as if it ran alone,
-    from its chunk's gradient on, a lower bound of their wait (for the search to skip rows that
+    from when it is ready, a lower bound of their wait (for the search to skip rows that
     cannot be the best)."""
     plain = np.asarray(plain, dtype=bool)
     rows = plain.reshape(-1, plain.shape[-1])
