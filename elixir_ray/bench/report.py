@@ -123,6 +123,9 @@ def prediction_lines(results: list[dict]) -> list[str]:
                      f"the host), backward {lag['device_backward'] * 1e3:.0f} ms ({lag['host_backward'] * 1e3:.0f}), "
                      f"the device {lag['behind_at_step'] * 1e3:.0f} ms behind the host at step() (medians; near 0: "
                      f"the device waited for the host)")
+        critical = next((n for n in (r.get("plan") or {}).get("notes", []) if n.startswith("critical path:")), None)
+        if critical:  # the model's forward, waits and backward, beside the measured ones before it
+            line += f"; the plan's {critical}"
         allocator = r.get("allocator") or {}
         if allocator:
             line += ("; per step the allocator made " + ", ".join(f"{v:g} {k.replace('num_', '').replace('_', ' ')}"
