@@ -405,6 +405,30 @@ def test_the_timeline_summaries_say_how_fast_updates_ran_and_how_far_the_device_
     assert device_lag([e for e in timeline if not e[0].startswith("device")]) == {}  # a CPU run: no device marks
 
 
+def test_the_load_summary_splits_each_steps_loads_and_stalls_at_backward():
+    """`load_stalls`: per step, the compute stream's stalls for chunk loads and the loads' own time
+    on their stream, in the forward and in backward (by when each ends), the median over steps."""
+    from elixir_ray.bench.report import load_stalls
+
+    def step(t0, stall_forward, stall_backward):
+        return [["device step start", t0, t0, -1, 0],
+                ["device load", t0 + 0.01, t0 + 0.01, 5, 0], ["device load done", t0 + 0.03, t0 + 0.03, 5, 0],
+                ["device load wait", t0 + 0.02, t0 + 0.02, 5, 0],
+                ["device load waited", t0 + 0.02 + stall_forward, t0 + 0.02 + stall_forward, 5, 0],
+                ["device backward", t0 + 0.10, t0 + 0.10, -1, 0],
+                ["device load wait", t0 + 0.12, t0 + 0.12, 2, 0], ["device load", t0 + 0.12, t0 + 0.12, 2, 0],
+                ["device load done", t0 + 0.12 + stall_backward, t0 + 0.12 + stall_backward, 2, 0],
+                ["device load waited", t0 + 0.12 + stall_backward, t0 + 0.12 + stall_backward, 2, 0],
+                ["device step", t0 + 0.20, t0 + 0.20, -1, 0]]
+
+    timeline = step(0.0, 0.010, 0.005) + step(0.3, 0.004, 0.007) + step(0.6, 0.006, 0.003)
+    summary = load_stalls(timeline)
+    assert summary["steps"] == 3
+    assert summary["forward_stall"] == pytest.approx(0.006) and summary["backward_stall"] == pytest.approx(0.005)
+    assert summary["forward_loads"] == pytest.approx(0.02) and summary["backward_loads"] == pytest.approx(0.005)
+    assert load_stalls([e for e in timeline if "load" not in e[0]]) == {}  # marks from before the loads had them
+
+
 def test_off_cuda_a_mark_records_no_device_event():
     from elixir_ray.engine.timing import StepTimer
 
@@ -412,6 +436,7 @@ def test_off_cuda_a_mark_records_no_device_event():
     timer.mark("step")  # timeline off: nothing at all
     timer.timeline = []
     timer.mark("step")
+    timer.device_mark("load", None, 3)  # a mark on the device alone: none off CUDA
     assert [e[0] for e in timer.timeline] == ["step"] and timer.device_marks == [] and timer.device_timeline() == []
 
 

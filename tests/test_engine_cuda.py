@@ -438,9 +438,27 @@ def test_the_device_marks_place_each_step_on_the_device_clock():
         model(x.to("cuda")).backward()
         opt.step()
         opt.zero_grad()
-    device = timer.device_timeline()
+    everything = timer.device_timeline()
+    device = [e for e in everything if e[0] in ("device step start", "device backward", "device step")]
     host = [e for e in timer.timeline if e[0] in ("step start", "backward", "step")]
     timer.timeline = None
     assert [e[0] for e in device] == ["device " + e[0] for e in host] and len(device) == 9
     assert all(d[1] >= h[1] - 1e-3 for d, h in zip(device, host))  # the first is the anchor: equal
     assert [d[1] for d in device] == sorted(d[1] for d in device)
+    # each chunk load on the device: its copy's start and end, and the compute stream's stall for it
+    from elixir_ray.bench.report import load_stalls
+
+    def spans(opening, closing):
+        opened, out = {}, []
+        for category, at, _, chunk, _ in everything:
+            if category == opening:
+                opened[chunk] = at
+            elif category == closing:
+                out.append(at - opened.pop(chunk))
+        return out
+
+    loads, stalls = spans("device load", "device load done"), spans("device load wait", "device load waited")
+    assert loads and stalls and min(loads) >= 0 and min(stalls) >= 0
+    assert {e[3] for e in everything if e[0] == "device load"} <= set(range(len(model.store.chunks)))
+    summary = load_stalls(everything)
+    assert summary["steps"] == 3 and summary["forward_loads"] > 0 and summary["forward_stall"] >= 0

@@ -123,6 +123,12 @@ def prediction_lines(results: list[dict]) -> list[str]:
                      f"the host), backward {lag['device_backward'] * 1e3:.0f} ms ({lag['host_backward'] * 1e3:.0f}), "
                      f"the device {lag['behind_at_step'] * 1e3:.0f} ms behind the host at step() (medians; near 0: "
                      f"the device waited for the host)")
+        stalls = load_stalls(r.get("timeline") or [])
+        if stalls:
+            line += (f"; the compute stream stalled {stalls['forward_stall'] * 1e3:.0f} ms for chunk loads in the "
+                     f"forward and {stalls['backward_stall'] * 1e3:.0f} ms in backward, beside "
+                     f"{stalls['forward_loads'] * 1e3:.0f} and {stalls['backward_loads'] * 1e3:.0f} ms of loads "
+                     f"(medians)")
         critical = next((n for n in (r.get("plan") or {}).get("notes", []) if n.startswith("critical path:")), None)
         if critical:  # the model's forward, waits and backward, beside the measured ones before it
             line += f"; the plan's {critical}"
@@ -162,6 +168,43 @@ def device_lag(timeline: list) -> dict:
             "device_forward": median([device[1][i] - device[0][i] for i in range(n)]),
             "device_backward": median([device[2][i] - device[1][i] for i in range(n)]),
             "behind_at_step": median([device[2][i] - host[2][i] for i in range(n)])}
+
+
+def load_stalls(timeline: list) -> dict:
+    """From a run's timeline with the chunk stores' device marks (CUDA): per measured step, how
+    long the compute stream stalled for chunk loads ("device load wait" to "device load waited",
+    per chunk) and how long loads ran on their streams ("device load" to "device load done"), each
+    in the forward (step start to backward) and in backward (to step()); medians over steps. A
+    forward longer on the device than its compute says it waited: for loads here, or for the host
+    (`device_lag`). {} without such marks."""
+    def spans(opening, closing):
+        open_at, out = {}, []
+        for c, a, _, chunk, _ in timeline:
+            if c == opening:
+                open_at[chunk] = a
+            elif c == closing and chunk in open_at:
+                out.append((open_at.pop(chunk), a))
+        return out
+
+    starts = [a for c, a, _, _, _ in timeline if c == "device step start"]
+    backwards = [a for c, a, _, _, _ in timeline if c == "device backward"]
+    ends = [a for c, a, _, _, _ in timeline if c == "device step"]
+    stalls, loads = spans("device load wait", "device load waited"), spans("device load", "device load done")
+    n = min(len(starts), len(backwards), len(ends))
+    if n == 0 or not stalls:
+        return {}
+
+    def within(group, lo, hi):  # by when each span ends
+        return sum(b - a for a, b in group if lo <= b < hi)
+
+    def median(values):
+        return float(np.median(values))
+
+    return {"steps": n,
+            "forward_stall": median([within(stalls, starts[i], backwards[i]) for i in range(n)]),
+            "backward_stall": median([within(stalls, backwards[i], ends[i]) for i in range(n)]),
+            "forward_loads": median([within(loads, starts[i], backwards[i]) for i in range(n)]),
+            "backward_loads": median([within(loads, backwards[i], ends[i]) for i in range(n)])}
 
 
 def update_job_rates(timeline: list) -> dict:

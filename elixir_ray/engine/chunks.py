@@ -252,7 +252,10 @@ class ChunkStore:
         """Order the compute stream after the chunk's prefetch (a no-op when none is pending); its
         parameters, guarded while the copy was pending, become plain ones."""
         if c.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(c.ready)
+            stream = torch.cuda.current_stream(self.device)
+            self.timer.device_mark("load wait", stream, c.index)  # the two marks bracket the stream's stall
+            stream.wait_event(c.ready)
+            self.timer.device_mark("load waited", stream, c.index)
             c.ready = None
             mark_evicted(c.guarded, self.grad_reads.held)
 
@@ -287,11 +290,16 @@ class ChunkStore:
     @profiled("elixir.fetch")
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""
-        self._settle_for_fill(c, torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self._settle_for_fill(c, stream)
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             try:
+                for category in ("load wait", "load"):  # on the compute stream itself: all of it a stall
+                    self.timer.device_mark(category, stream, c.index)
                 self._fill(c)
+                for category in ("load done", "load waited"):
+                    self.timer.device_mark(category, stream, c.index)
             except BaseException:
                 self._unfill(c)
                 raise
@@ -315,7 +323,9 @@ class ChunkStore:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             try:
                 with torch.cuda.stream(self.copy_stream):
+                    self.timer.device_mark("load", self.copy_stream, c.index)
                     self._fill(c)
+                    self.timer.device_mark("load done", self.copy_stream, c.index)
                     c.ready = torch.cuda.Event(blocking=True)  # a blocking wait sleeps instead of spinning a core
                     c.ready.record(self.copy_stream)
                 # guarded until make_usable: a read outside the module's pre-hook (which makes it usable)

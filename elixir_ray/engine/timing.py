@@ -25,7 +25,10 @@ elements) per background update, ("cpu_adam_wait", start, end, chunk, 0) per wai
 which updates ran slowly and what the training thread was doing then. On CUDA each mark also
 records an event on the compute stream (`device_marks`), so that `device_timeline()` can say when
 the device got there: a device that reaches each mark right after the host does was waiting for
-the host (Python, hooks, waits on copies); one far behind it was busy.
+the host (Python, hooks, waits on copies); one far behind it was busy. Marks on the device alone
+(`device_mark`) say when each chunk's load ran on its stream ("device load" to "device load
+done") and how long the compute stream stalled for it before its first use ("device load wait"
+to "device load waited").
 
 Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
 attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
@@ -80,7 +83,7 @@ class StepTimer:
         self._lock = threading.Lock()
         self._open = False  # a region is being timed: nested ones are already inside its time
         self.timeline: Optional[list] = None  # a list: events appended (see the module's docstring)
-        self.device_marks: list = []  # (category, host time, CUDA event) per mark while the timeline is on
+        self.device_marks: list = []  # (category, host time, CUDA event, chunk) per mark while the timeline is on
 
     def region(self, category: str):
         """A context timing its body under `category` (a no-op when disabled or nested)."""
@@ -104,7 +107,17 @@ class StepTimer:
             if self.device.type == "cuda":
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(torch.cuda.current_stream(self.device))
-                self.device_marks.append((category, now, event))
+                self.device_marks.append((category, now, event, -1))
+
+    def device_mark(self, category: str, stream, chunk: int) -> None:
+        """A mark on the device alone (on `stream`, for `chunk`): where the host's time says nothing,
+        as when a chunk's load ran on the copy stream, or how long the compute stream stalled for
+        it (`ChunkStore`'s "load", "load done", "load wait" and "load waited" marks). A no-op unless
+        the timeline is on, on CUDA."""
+        if self.timeline is not None and self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            self.device_marks.append((category, time.perf_counter(), event, chunk))
 
     def device_timeline(self) -> list:
         """("device " + category, t, t, -1, 0) per mark: when the compute stream reached it, on the
@@ -116,11 +129,11 @@ class StepTimer:
         if not marks:
             return []
         self._sync()
-        _, origin, first = marks[0]
+        _, origin, first, _ = marks[0]
         out = []
-        for category, _, event in marks:
+        for category, _, event, chunk in marks:
             at = origin + first.elapsed_time(event) / 1e3
-            out.append(("device " + category, at, at, -1, 0))
+            out.append(("device " + category, at, at, chunk, 0))
         return out
 
     def add_background(self, category: str, seconds: float) -> None:
