@@ -176,7 +176,8 @@ def load_stalls(timeline: list) -> dict:
     per chunk) and how long loads ran on their streams ("device load" to "device load done"), each
     in the forward (step start to backward) and in backward (to step()); medians over steps. A
     forward longer on the device than its compute says it waited: for loads here, or for the host
-    (`device_lag`). {} without such marks."""
+    (`device_lag`). Stalls between step() and the next step's start (the optimizer's own) are in
+    neither. {} without such marks."""
     def spans(opening, closing):
         open_at, out = {}, []
         for c, a, _, chunk, _ in timeline:

@@ -291,12 +291,13 @@ class ChunkStore:
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self._settle_for_fill(c, stream)
+        self._finish_update(c)  # on the host
+        self.timer.device_mark("load wait", stream, c.index)  # on the compute stream itself: all of it a stall,
+        self._settle_for_fill(c, stream)  # a Deep Optimizer States update's copies back included
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             try:
-                for category in ("load wait", "load"):  # on the compute stream itself: all of it a stall
-                    self.timer.device_mark(category, stream, c.index)
+                self.timer.device_mark("load", stream, c.index)
                 self._fill(c)
                 for category in ("load done", "load waited"):
                     self.timer.device_mark(category, stream, c.index)

@@ -27,8 +27,9 @@ records an event on the compute stream (`device_marks`), so that `device_timelin
 the device got there: a device that reaches each mark right after the host does was waiting for
 the host (Python, hooks, waits on copies); one far behind it was busy. Marks on the device alone
 (`device_mark`) say when each chunk's load ran on its stream ("device load" to "device load
-done") and how long the compute stream stalled for it before its first use ("device load wait"
-to "device load waited").
+done") and how long the compute stream stalled for it ("device load wait" to "device load
+waited": at a prefetched chunk's first use, at the forward's end for backward's first chunks,
+and the whole of a load on the compute stream itself). Each mark costs a CUDA event.
 
 Disabled by default: a disabled timer hands out one shared no-op context, so training pays an
 attribute check and a method call per chunk move, nothing per element. When enabled on CUDA,
@@ -120,8 +121,9 @@ class StepTimer:
             self.device_marks.append((category, time.perf_counter(), event, chunk))
 
     def device_timeline(self) -> list:
-        """("device " + category, t, t, -1, 0) per mark: when the compute stream reached it, on the
-        host clock, and forget the marks. The first mark is taken to have run on the device when the
+        """("device " + category, t, t, chunk, 0) per mark: when its stream (the compute stream's,
+        or the one `device_mark` named) reached it, on the host clock (chunk -1 for `mark`'s), and
+        forget the marks. The first mark is taken to have run on the device when the
         host recorded it (the benchmark marks the first step's start right after a device sync, when
         the stream is idle); later ones are placed by their events' elapsed times from it. Syncs
         the device (for after the timed steps); [] off CUDA or without marks."""
