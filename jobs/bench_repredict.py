@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from elixir_ray.bench.report import device_lag  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.engine.plan import Plan  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> int:
         results.append(result)
     print("| shape | cap | measured peak | predicted at the run | predicted now | largest parts now |")
     print("|---|---|---|---|---|---|")
-    steps = []
+    steps, paths = [], []
     for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
@@ -106,8 +107,11 @@ def main() -> int:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
             # the benchmark's loop declares one backward per step: updates start in backward (a plan
             # made from version 4 on, the one with its hardware, says so itself)
-            step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=None if plan.hardware else True)
+            path: dict = {}
+            step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=None if plan.hardware else True,
+                                     path=path)
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
+            paths.append((shape.name, result["cap_bytes"], path, device_lag(result.get("timeline") or [])))
     if steps:
         print()
         print("| shape | cap | measured step | predicted at the run | predicted now |")
@@ -115,6 +119,20 @@ def main() -> int:
         for name, cap, measured, then, now in steps:
             print(f"| {name} | {format_bytes(cap)} | {measured:.3f} s | {then:.3f} s ({measured / then:.2f}x) | "
                   f"{now:.3f} s ({measured / now:.2f}x) |")
+        print()
+        print("Where the step goes, now: the model's critical path beside the run's medians on the device "
+              "(a run without the device's marks has none)")
+        print()
+        print("| shape | cap | forward + its wait, model | forward, measured | recompute and backward, model | "
+              "backward, measured |")
+        print("|---|---|---|---|---|---|")
+        for name, cap, path, lag in paths:
+            wait = max(float(path["cpu_wait"]), float(path["link_wait"]))
+            kind = "CPU" if float(path["cpu_wait"]) >= float(path["link_wait"]) else "copies"
+            forward = f"{lag['device_forward'] * 1e3:.0f} ms" if lag else ""
+            backward = f"{lag['device_backward'] * 1e3:.0f} ms" if lag else ""
+            print(f"| {name} | {format_bytes(cap)} | {float(path['forward']) * 1e3:.0f} + {wait * 1e3:.0f} ms ({kind}) | "
+                  f"{forward} | {float(path['rest']) * 1e3:.0f} ms | {backward} |")
     return 0
 
 

@@ -362,6 +362,9 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
     then, now = re.search(r"\| smoke \| [^|]+ \| 1\.000 s \| ([\d.]+) s \([\d.]+x\) \| ([\d.]+) s", out.stdout).groups()
     assert float(now) == pytest.approx(made.predicted_step_seconds, abs=1e-3) and then == now, out.stdout
     assert "(1.00x) | " in out.stdout.splitlines()[2]  # the peak too
+    # and where the re-costed step goes: a CPU run has no device marks to set beside it
+    row = re.search(r"\| smoke \| [^|]+ \| (\d+) \+ (\d+) ms \((CPU|copies)\) \|  \| (\d+) ms \|  \|", out.stdout)
+    assert row is not None, out.stdout
 
 
 def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anything(tmp_path):

@@ -755,16 +755,17 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
 
 
 def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, elem_bytes: int,
-                      grad_accum: Optional[int] = None, updates_in_backward: Optional[bool] = None) -> float:
+                      grad_accum: Optional[int] = None, updates_in_backward: Optional[bool] = None,
+                      path: Optional[dict] = None) -> float:
     """The step time this version's cost model predicts for an existing plan (its placement, pool,
     DOS gap, copies), traced as `profile` with its compute set, at the rates `hw`: to set a plan
     measured earlier beside the model as it is now. The micro-steps and where the updates start
-    default to the plan's own (`_plan_loop`)."""
+    default to the plan's own (`_plan_loop`); `path` (a dict) gets the critical path's pieces."""
     grad_accum, updates_in_backward = _plan_loop(plan, grad_accum, updates_in_backward)
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low)
-    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward)[3]
+    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path)[3]
 
 
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
