@@ -150,24 +150,25 @@ def device_lag(timeline: list) -> dict:
     far the device trailed the host when the host called step(); medians. A device that trails by
     little and takes as long as the host was fed no faster than the host's Python ran (hooks, the
     pool's waits): there the host is the bottleneck, not the kernels. {} without device marks."""
-    def times(category):
-        return [a for c, a, _, _, _ in timeline if c == category]
-
-    host = [times(c) for c in ("step start", "backward", "step")]
-    device = [times("device " + c) for c in ("step start", "backward", "step")]
+    host = [_mark_times(timeline, c) for c in ("step start", "backward", "step")]
+    device = [_mark_times(timeline, "device " + c) for c in ("step start", "backward", "step")]
     n = min(len(x) for x in host + device)
     if n == 0:
         return {}
-
-    def median(values):
-        return float(np.median(values))
-
     return {"steps": n,
-            "host_forward": median([host[1][i] - host[0][i] for i in range(n)]),
-            "host_backward": median([host[2][i] - host[1][i] for i in range(n)]),
-            "device_forward": median([device[1][i] - device[0][i] for i in range(n)]),
-            "device_backward": median([device[2][i] - device[1][i] for i in range(n)]),
-            "behind_at_step": median([device[2][i] - host[2][i] for i in range(n)])}
+            "host_forward": _median([host[1][i] - host[0][i] for i in range(n)]),
+            "host_backward": _median([host[2][i] - host[1][i] for i in range(n)]),
+            "device_forward": _median([device[1][i] - device[0][i] for i in range(n)]),
+            "device_backward": _median([device[2][i] - device[1][i] for i in range(n)]),
+            "behind_at_step": _median([device[2][i] - host[2][i] for i in range(n)])}
+
+
+def _mark_times(timeline: list, category: str) -> list:
+    return [a for c, a, _, _, _ in timeline if c == category]
+
+
+def _median(values) -> float:
+    return float(np.median(values))
 
 
 def load_stalls(timeline: list) -> dict:
@@ -187,9 +188,7 @@ def load_stalls(timeline: list) -> dict:
                 out.append((open_at.pop(chunk), a))
         return out
 
-    starts = [a for c, a, _, _, _ in timeline if c == "device step start"]
-    backwards = [a for c, a, _, _, _ in timeline if c == "device backward"]
-    ends = [a for c, a, _, _, _ in timeline if c == "device step"]
+    starts, backwards, ends = (_mark_times(timeline, "device " + c) for c in ("step start", "backward", "step"))
     stalls, loads = spans("device load wait", "device load waited"), spans("device load", "device load done")
     n = min(len(starts), len(backwards), len(ends))
     if n == 0 or not stalls:
@@ -198,14 +197,11 @@ def load_stalls(timeline: list) -> dict:
     def within(group, lo, hi):  # by when each span ends
         return sum(b - a for a, b in group if lo <= b < hi)
 
-    def median(values):
-        return float(np.median(values))
-
     return {"steps": n,
-            "forward_stall": median([within(stalls, starts[i], backwards[i]) for i in range(n)]),
-            "backward_stall": median([within(stalls, backwards[i], ends[i]) for i in range(n)]),
-            "forward_loads": median([within(loads, starts[i], backwards[i]) for i in range(n)]),
-            "backward_loads": median([within(loads, backwards[i], ends[i]) for i in range(n)])}
+            "forward_stall": _median([within(stalls, starts[i], backwards[i]) for i in range(n)]),
+            "backward_stall": _median([within(stalls, backwards[i], ends[i]) for i in range(n)]),
+            "forward_loads": _median([within(loads, starts[i], backwards[i]) for i in range(n)]),
+            "backward_loads": _median([within(loads, backwards[i], ends[i]) for i in range(n)])}
 
 
 def update_job_rates(timeline: list) -> dict:

@@ -106,9 +106,7 @@ class StepTimer:
             now = time.perf_counter()
             self.event(category, now, now)
             if self.device.type == "cuda":
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(torch.cuda.current_stream(self.device))
-                self.device_marks.append((category, now, event, -1))
+                self._record(category, now, torch.cuda.current_stream(self.device), -1)
 
     def device_mark(self, category: str, stream, chunk: int) -> None:
         """A mark on the device alone (on `stream`, for `chunk`): where the host's time says nothing,
@@ -116,9 +114,12 @@ class StepTimer:
         it (`ChunkStore`'s "load", "load done", "load wait" and "load waited" marks). A no-op unless
         the timeline is on, on CUDA."""
         if self.timeline is not None and self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(stream)
-            self.device_marks.append((category, time.perf_counter(), event, chunk))
+            self._record(category, time.perf_counter(), stream, chunk)
+
+    def _record(self, category: str, now: float, stream, chunk: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self.device_marks.append((category, now, event, chunk))
 
     def device_timeline(self) -> list:
         """("device " + category, t, t, chunk, 0) per mark: when its stream (the compute stream's,
