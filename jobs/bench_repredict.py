@@ -128,7 +128,7 @@ def main() -> int:
         print("|---|---|---|---|---|---|")
         for name, cap, path, lag in paths:
             wait = max(float(path["cpu_wait"]), float(path["link_wait"]))
-            kind = "CPU" if float(path["cpu_wait"]) >= float(path["link_wait"]) else "copies"
+            kind = "updates, loads" if float(path["cpu_wait"]) >= float(path["link_wait"]) else "copies"
             forward = f"{lag['device_forward'] * 1e3:.0f} ms" if lag else ""
             backward = f"{lag['device_backward'] * 1e3:.0f} ms" if lag else ""
             print(f"| {name} | {format_bytes(cap)} | {float(path['forward']) * 1e3:.0f} + {wait * 1e3:.0f} ms ({kind}) | "

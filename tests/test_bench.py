@@ -363,7 +363,7 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
     assert float(now) == pytest.approx(made.predicted_step_seconds, abs=1e-3) and then == now, out.stdout
     assert "(1.00x) | " in out.stdout.splitlines()[2]  # the peak too
     # and where the re-costed step goes: a CPU run has no device marks to set beside it
-    row = re.search(r"\| smoke \| [^|]+ \| (\d+) \+ (\d+) ms \((CPU|copies)\) \|  \| (\d+) ms \|  \|", out.stdout)
+    row = re.search(r"\| smoke \| [^|]+ \| (\d+) \+ (\d+) ms \((updates, loads|copies)\) \|  \| (\d+) ms \|  \|", out.stdout)
     assert row is not None, out.stdout
 
 

@@ -322,6 +322,30 @@ def test_cpu_updates_queue_on_one_thread_lowest_chunk_first_among_those_ready():
     assert _cpu_wait(lay, rows, adam, 0.1, np.array([0.3, 0.5]), True, none) == pytest.approx([0.14, 0.05])
 
 
+def test_the_forwards_loads_follow_one_another_one_chunk_ahead_of_its_compute():
+    """The pool loads a chunk from the first access of the chunk before it, on one copy stream, after
+    its update: loads slower than the compute between them add up where host chunks follow one
+    another, though the forward as a whole would have time for all of them."""
+    from elixir_ray.planner.search import _forward_chain
+
+    lay = _three_chunk_layout()  # the forward of 0.1 s needs its chunks at 0, 0.05 and 0.08 s
+    done = np.full((1, 3), -1.0)  # every update ended before the forward
+    every = np.ones((1, 3), dtype=bool)
+    # each load 0.04 s: starts 0.04, 0.09 and 0.13 s, so the forward ends at 0.15 s (its 0.12 s of
+    # loads against its 0.1 s of compute would say 0.02 s)
+    assert _forward_chain(lay, every, done, np.full(3, 0.04), 0.1) == pytest.approx([0.05])
+    # chunk 2 alone: its load waits for chunk 1's compute to start (0.05 s) and ends at 0.09 s
+    last = np.array([[False, False, True]])
+    assert _forward_chain(lay, last, done, np.full(3, 0.04), 0.1) == pytest.approx([0.01])
+    # chunk 1's update ends 0.07 s into the forward: its load follows (0.01 s), and the rest waits
+    updated = np.array([[-1.0, 0.07, -1.0]])
+    assert _forward_chain(lay, np.array([[False, True, False]]), updated, np.full(3, 0.01), 0.1) \
+        == pytest.approx([0.03])
+    # rows apart: one without host chunks does not wait
+    rows = np.array([[True, True, True], [False, False, False]])
+    assert _forward_chain(lay, rows, np.full((2, 3), -1.0), np.full(3, 0.04), 0.1) == pytest.approx([0.05, 0.0])
+
+
 def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
     from elixir_ray.planner.cost import overlapped_step
     from elixir_ray.planner.search import critical_path_note
@@ -333,8 +357,8 @@ def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
     assert path["rest"] == pytest.approx(0.5) and path["rest_d2h"] == pytest.approx(0.5)
     assert path["cpu_wait"] == pytest.approx(0.05)  # 0.2 s of updates left after backward, 0.15 s of forward
     note = critical_path_note(path)
-    assert note == ("critical path: the forward's compute 150.0 ms, a wait of 50.0 ms for host chunks' CPU updates, "
-                    "then recompute and backward 500.0 ms (bound by copies device->host)")
+    assert note == ("critical path: the forward's compute 150.0 ms, a wait of 50.0 ms for host chunks' CPU updates "
+                    "and loads, then recompute and backward 500.0 ms (bound by copies device->host)")
     quiet = dict(path, cpu_wait=0.0, link_wait=0.0)
     assert ", no wait, then" in critical_path_note(quiet, grad_accum=2)
     assert "recompute, backward and the other micro-steps" in critical_path_note(quiet, grad_accum=2)

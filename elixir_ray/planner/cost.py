@@ -140,8 +140,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
     gradients); cpu_adam: the background thread's CPU AdamW; cpu_wait: how long the next forward
-    waits for the host chunks' CPU updates (at least the work left after backward beyond the
-    forward), or a function of the last backward's seconds that says it (`search._cpu_wait`,
+    waits for the host chunks' CPU updates and their loads after them (at least the work left
+    after backward beyond the forward), or a function of the last backward's seconds that says it (`search._cpu_wait`,
     which plays their queue out: when the updates become ready depends on how long backward
     lasts, and that is the longest of its streams, not its compute alone); dos_in, dos_out: the Deep Optimizer
     States copies each way; forward_loads: the first forward's own loads of host chunks (one each),

@@ -250,19 +250,19 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
               in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
-              simulate: Optional[np.ndarray] = None) -> np.ndarray:
+              simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None) -> np.ndarray:
     """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
-    them, from the engine's update queue played out (0 where none).
+    them and for their loads, from the engine's update queue played out (0 where none).
 
     A chunk's update is ready once its gradient is final (with `in_backward`, at that share of the
     last backward's `backward` seconds, `Layout.backward_final`; else at `step()`) and copied down
     (`copy_down`, per chunk: by backward's end at the latest, which lasts as long as its copies
     down at least, `overlapped_step`); the one background thread runs the updates one at a time, taking
     the lowest chunk index among those ready (the forward's order, as `HostUpdates` does), or
-    when none is, the one ready first. The forward needs a chunk after its compute before it
-    (`Layout.forward_before`) and its load after its update, so it waits for the chunk that is
-    latest against that, however many of them are late (each wait delays all the later needs
-    alike). Its updates start no earlier than the first host chunk's gradient: on the H100 the
+    when none is, the one ready first. The forward loads a chunk after its update, and the loads
+    of `loaded` (per row, default `plain`: every host chunk, those the Deep Optimizer States update
+    too) one after another, as `_forward_chain` plays them out. Its updates start no earlier than
+    the first host chunk's gradient: on the H100 the
     thread was idle the first 28 ms of gpt-1.5b's backward at 24 GiB, and busy 220 of its 280 ms
     step, so that the forward waited 30 ms for the chunks it needs last (2026-11-27). A tied
     embedding's chunk (final last, needed first) has no time at all; a middle chunk part of
@@ -287,11 +287,40 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     played = rows.any(axis=1) if simulate is None else np.asarray(simulate, dtype=bool).reshape(-1) & rows.any(axis=1)
     if played.any():
         finish[played] = _play_queue(rows[played], ready[played], adam_host)
-    # relative to the forward's start (backward's end), when each chunk is on the device against
-    # when the forward needs it
-    late = finish - start + load[None, :] - forward * lay.forward_before[None, :]
-    wait = np.max(np.where(rows, late, 0.0), axis=1, initial=0.0)
-    return np.maximum(wait, 0.0).reshape(plain.shape[:-1])
+    updated = np.where(rows, finish - start, -np.inf)  # relative to the forward's start (backward's end)
+    loaded_rows = rows if loaded is None else np.asarray(loaded, dtype=bool).reshape(rows.shape)
+    wait = _forward_chain(lay, loaded_rows, updated, load, forward)
+    return np.where(rows.any(axis=1), wait, 0.0).reshape(plain.shape[:-1])
+
+
+def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
+                   forward: float) -> np.ndarray:
+    """Per row: how much longer than its compute the forward lasts, its chunks taken in the order it
+    first needs them, as the pool serves them: a chunk `loaded` (per row: its state on the host) is
+    copied in after its update ends (`updated`, per row, from the forward's start; -inf for none)
+    and after the previous load on the one copy stream, and no earlier than the compute of the
+    chunk before it starts (the pool prefetches one chunk ahead, at the first access of the chunk
+    before, and the copy first waits for the compute queued so far); its compute starts when both
+    the compute before it and its load are done. So loads slower than the compute between them add
+    up where host chunks follow one another, even when the forward as a whole has time for them:
+    on the H100 gpt-1.5b's forward at 24 GiB (host chunks the last 6 of 11, a load 8.8 ms beside
+    the CPU job against 5 ms of compute each) took about 30 ms more than its compute and its waits
+    for updates (2026-11-27)."""
+    shares = lay.forward_before
+    order = np.argsort(shares, kind="stable")
+    order = order[shares[order] < 1.0]  # the chunks the forward uses, by first use
+    if len(order) == 0:
+        return np.zeros(loaded.shape[0])
+    need = forward * shares[order]
+    compute = np.diff(np.append(need, forward))  # the forward's compute from each chunk to the next
+    n_rows = loaded.shape[0]
+    clock, link, before = np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)
+    for k, c in enumerate(order):
+        copied = np.maximum(np.maximum(before, updated[:, c]), link) + load[c]
+        link = np.where(loaded[:, c], copied, link)
+        start = np.where(loaded[:, c], np.maximum(clock, copied), clock)
+        before, clock = start, start + compute[k]
+    return np.maximum(clock - forward, 0.0)
 
 
 def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> np.ndarray:
@@ -354,7 +383,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         partial(_cpu_wait, lay, plain_host, costs.adam_host, forward, in_backward=updates_in_backward, load=load,
-                copy_down=costs.reduce_host - costs.reduce_device),
+                copy_down=costs.reduce_host - costs.reduce_device, loaded=host),
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
@@ -631,7 +660,7 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                                    dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
 
         queue = partial(_cpu_wait, lay, plain, costs.adam_host, parts.forward, in_backward=parts.updates_in_backward,
-                        load=load, copy_down=costs.reduce_host - costs.reduce_device)
+                        load=load, copy_down=costs.reduce_host - costs.reduce_device, loaded=host)
         # the queue played out only where the step could still be the best: each update alone is a
         # lower bound of it (a 10B GPT's search took three times as long playing out every row)
         bound = step(partial(queue, simulate=np.zeros(len(ok), dtype=bool)))
@@ -849,7 +878,8 @@ def critical_path_note(path: dict, grad_accum: int = 1) -> str:
     if max(cpu, link) <= 0:
         wait = "no wait"
     elif cpu >= link:
-        wait = f"a wait of {ms(cpu)} for host chunks' CPU updates" + (f" (for copies: {ms(link)})" if link > 0 else "")
+        wait = (f"a wait of {ms(cpu)} for host chunks' CPU updates and loads"
+                + (f" (for copies: {ms(link)})" if link > 0 else ""))
     else:
         wait = f"a wait of {ms(link)} for copies host->device" + (f" (for CPU updates: {ms(cpu)})" if cpu > 0 else "")
     streams = {"compute": path["rest_compute"], "copies host->device": path["rest_h2d"],
