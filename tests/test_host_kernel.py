@@ -75,6 +75,31 @@ def test_ragged_segments_match_to_rounding_and_the_upload_copy_covers_the_gaps()
 
 
 @needs_kernel
+@pytest.mark.parametrize("claim", [0, 16, 4000, 1 << 18])
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_threads_claiming_blocks_give_the_bits_of_one_thread(claim, threads):
+    """However the elements are split among the update's threads (blocks claimed as each thread
+    is free, of any size, rounded up to whole cache lines; or an even share each), each element's
+    arithmetic is the same: the bits of one thread over the whole call, ragged segments included."""
+    from elixir_ray.engine.host_kernel import HostAdamKernel
+
+    segments = ((3, 1001), (5000, 70_001), (70_001, N - 5))
+    args = (segments, 3, 1e-3, 0.9, 0.95, 1e-8, 0.1, True, 0.5)
+    one, split = _state(True, True), _state(True, True)
+    HostAdamKernel(kernel.path, claim=0).update(*one, *args, 1)
+    HostAdamKernel(kernel.path, claim=claim).update(*split, *args, threads)
+    for name, a, b in zip(["master", "grad", "exp_avg", "exp_avg_sq", "upload"], one, split):
+        assert torch.equal(a, b), name
+
+
+def test_a_bad_claim_is_refused():
+    from elixir_ray.engine.host_kernel import HostAdamKernel
+
+    with pytest.raises(ValueError, match="claim must be an int >= 0"):
+        HostAdamKernel("unused.so", claim=-1)
+
+
+@needs_kernel
 def test_a_nan_gradient_poisons_what_torch_would_and_the_copy_says_nan():
     ours, theirs = _state(True, True), _state(True, True)
     for s in (ours, theirs):

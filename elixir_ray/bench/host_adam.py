@@ -39,7 +39,10 @@ from elixir_ray.planner.hardware import HostChunkState, PinnedCopies
 @dataclass
 class HostAdamRow:
     beside: str  # "nothing", "python+kernels", "device wait" or "copies"
-    kernel: str  # "c" (the one-pass kernel, host_kernel.py) or "torch" (widen, fused Adam, cast)
+    # "c" (the one-pass kernel, host_kernel.py, its threads claiming blocks as the engine runs it),
+    # "c, even shares" (the same kernel, an even share per thread, as before the twenty-fifth
+    # session) or "torch" (widen, fused Adam, cast)
+    kernel: str
     threads: int  # threads of the update
     tile: int  # elements widened at a time (torch's path; the C kernel makes one pass over the chunk)
     tile_rule: str  # "fixed 1M" (before 2026-11-26), "1M per thread" (grad_tile_elements), "whole" or "one pass"
@@ -138,8 +141,8 @@ def measure(state: HostChunkState, threads: int, tile: int, beside: str, device:
 
 
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
-    """Each stand-in and thread count, through the one-pass C kernel (where it builds here) and
-    through torch's passes at the engine's tile (the other tile rules were measured on the H100 on
+    """Each stand-in and thread count, through the one-pass C kernel (where it builds here; its
+    threads claiming blocks, and an even share each) and through torch's passes at the engine's tile (the other tile rules were measured on the H100 on
     2026-11-26 and left behind); then the C kernel (else torch) with a short GIL switch interval, and
     over pageable memory."""
     total = torch.get_num_threads()
@@ -148,7 +151,8 @@ def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     interval = sys.getswitchinterval() * 1e3
     rows: list[HostAdamRow] = []
     c_kernel = host_adam_kernel()
-    kernels = ([("c", c_kernel)] if c_kernel is not None else []) + [("torch", None)]
+    kernels = ([("c", c_kernel), ("c, even shares", HostAdamKernel(c_kernel.path, claim=0))]
+               if c_kernel is not None else []) + [("torch", None)]
 
     def add(beside, name, kernel, threads, memory_kind, state_used, switch=None):
         rule, tile = ("one pass", numel) if kernel is not None else \

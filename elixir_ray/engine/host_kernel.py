@@ -37,18 +37,26 @@ CACHE_ENV = "ELIXIR_RAY_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 
 
-class HostAdamKernel:
-    """The loaded library: `update` runs the job over one Adam call's segments of a chunk's shard."""
+CLAIM = 1 << 18  # elements an update's thread claims at a time (host_adam.c: about a millisecond of its time)
 
-    def __init__(self, path: str):
-        self.path = path
+
+class HostAdamKernel:
+    """The loaded library: `update` runs the job over one Adam call's segments of a chunk's shard,
+    its threads claiming `claim` elements at a time (0: an even share each, as before 2026-11-27's
+    twenty-fifth session; for benchmarks side by side)."""
+
+    def __init__(self, path: str, claim: int = CLAIM):
+        if not isinstance(claim, int) or claim < 0:
+            raise ValueError(f"claim must be an int >= 0 (elements a thread claims at a time; 0: even shares), "
+                             f"got {claim!r}")
+        self.path, self.claim = path, claim
         lib = ctypes.CDLL(path)
         fn = lib.elixir_host_adam
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int64,
                        ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                       ctypes.c_int, ctypes.c_double, ctypes.c_int]
+                       ctypes.c_int, ctypes.c_double, ctypes.c_int, ctypes.c_int64]
         self._fn = fn
         squares = lib.elixir_sum_squares
         squares.restype = ctypes.c_double
@@ -85,7 +93,7 @@ class HostAdamKernel:
         self._fn(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), exp_avg.data_ptr(),
                  exp_avg_sq.data_ptr(), upload.data_ptr() if upload is not None else None, bounds, len(pairs),
                  int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                 int(bool(decoupled)), float(grad_factor), int(threads))
+                 int(bool(decoupled)), float(grad_factor), int(threads), self.claim)
 
     def sum_of_squares(self, x: torch.Tensor, threads: int) -> float:
         """Sum of squares of a contiguous bf16 or fp32 host tensor, each element squared and summed in
