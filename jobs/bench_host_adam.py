@@ -1,5 +1,6 @@
 """The engine's CPU AdamW (from bf16 gradients) alone and beside a busy training thread, per update
-thread count, through the one-pass C kernel and through torch's passes: `python jobs/bench_host_adam.py [--million 256] [--out FILE]`.
+thread count, through the one-pass C kernel (its threads claiming blocks, as the engine runs it, and an
+even share each) and through torch's passes: `python jobs/bench_host_adam.py [--million 256] [--out FILE]`.
 
 On a GPU machine the training stand-in launches bf16 matmuls and waits for the device; on a CPU
 it runs tiny tensor ops. `--smoke` times 2M parameters, for tests.
