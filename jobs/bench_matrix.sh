@@ -11,7 +11,8 @@
 #               chunks, CPU AdamW and Deep Optimizer States), its worker SIGKILLed at step 15 and the
 #               run recovered from the object store (jobs/bench_recovery.py)
 #   host-adam   the engine's CPU AdamW alone and beside a busy training thread, per update thread
-#               count, through the one-pass C kernel and torch's passes (jobs/bench_host_adam.py; about 30 s)
+#               count, through the one-pass C kernel (its threads claiming blocks, and an even share each)
+#               and torch's passes (jobs/bench_host_adam.py; about 45 s)
 #   compute     the planner's compute prediction against a measured plain step (gpt-1.5b, gpt-4b)
 #   gpt-1.5b    plain PyTorch (uncapped) and elixir_ray capped at 24 GiB
 #   gpt-1.5b-40 the same capped at 40 GiB, and gpt-1.5b-16 at 16 GiB (the engine's and the
@@ -22,6 +23,8 @@
 #   gpt-4b-margin  plain PyTorch once and elixir_ray at 40 and 24 GiB, its plans keeping 10% of the
 #               cap back instead of 20%, every process on the allocator's expandable segments (the
 #               reserved bytes and retries say whether the smaller margin holds)
+#   gpt-1.5b-margin  the same for gpt-1.5b at 24 and 16 GiB (the 24 GiB target, and the smallest cap,
+#               before 10% could become the default)
 #   gpt-4b-caps, gpt-1.5b-caps  plain PyTorch once and elixir_ray at 40, 24 and 16 GiB, in one run (the
 #               three stages of each shape above, two references fewer)
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
@@ -55,7 +58,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -72,6 +75,8 @@ stage_command() {
         gpt-1.5b-16) "$PY" jobs/bench.py --shape gpt-1.5b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-40) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-margin) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB --systems reference elixir_ray \
+                      --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
+        gpt-1.5b-margin) "$PY" jobs/bench.py --shape gpt-1.5b --cap 24GiB 16GiB --systems reference elixir_ray \
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         gpt-4b-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-16) "$PY" jobs/bench.py --shape gpt-4b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
