@@ -9,7 +9,8 @@ The step is re-costed with the rates and compute the plan was made with: the pla
 (plans from version 4 on), else the rates line of its notes; its forward's compute, else the
 traced FLOPs' forward share of its compute. `--compute-scale X` multiplies the compute and
 `--link-gbps G` sets `copies_beside_cpu_adam_gbps`, to see what a better-measured rate would
-predict."""
+predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates ran (the median
+over its timeline's updates), which tells a wrong rate from a wrong model."""
 
 import argparse
 import dataclasses
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elixir_ray.bench.report import device_lag  # noqa: E402
+from elixir_ray.bench.report import device_lag, update_job_rates  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.engine.plan import Plan  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
@@ -68,6 +69,9 @@ def main() -> int:
                         help="multiply each plan's compute by this before re-costing its step")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="re-cost the steps with copies_beside_cpu_adam_gbps set to this")
+    parser.add_argument("--run-cpu-rate", action="store_true",
+                        help="re-cost each step with the CPU AdamW at the rate the run's own updates ran (the "
+                             "median over its timeline; a run without updates on its timeline keeps the plan's)")
     args = parser.parse_args()
     results = []
     for path in args.results:  # every file checked before any model is traced
@@ -105,6 +109,10 @@ def main() -> int:
             hw = plan_hardware(plan)
             if args.link_gbps is not None:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
+            ran = update_job_rates(result.get("timeline") or []).get("median") if args.run_cpu_rate else None
+            if ran:  # the factor on the plan's rate that gives the run's (`HardwareProfile.cpu_adam_rate`)
+                low = hw.cpu_adam_low_grad_params_per_s or hw.cpu_adam_params_per_s
+                hw = dataclasses.replace(hw, cpu_adam_beside_copies=ran / low)
             # the benchmark's loop declares one backward per step: updates start in backward (a plan
             # made from version 4 on, the one with its hardware, says so itself)
             path: dict = {}

@@ -366,6 +366,15 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
     # and where the re-costed step goes: a CPU run has no device marks to set beside it
     row = re.search(r"\| smoke \| [^|]+ \| (\d+) \+ (\d+) ms \((updates, loads|copies)\) \|  \| (\d+) ms \|  \|", out.stdout)
     assert row is not None, out.stdout
+    # at the rate the run's own updates ran (its timeline's median), far below the plan's: far longer
+    slow = json.loads(result.read_text())
+    slow["timeline"] = [["cpu_adam", 0.0, 1.0, 0, 2_000_000], ["cpu_adam", 1.0, 2.0, 1, 2_000_000]]
+    result.write_text(json.dumps(slow))
+    out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), "--run-cpu-rate",
+                          str(result)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ran = re.search(r"\| smoke \| [^|]+ \| 1\.000 s \| [\d.]+ s \([\d.]+x\) \| ([\d.]+) s", out.stdout).group(1)
+    assert float(ran) > 2 * made.predicted_step_seconds, out.stdout
 
 
 def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anything(tmp_path):
