@@ -30,7 +30,7 @@ from elixir_ray.model.gpt import build_gpt  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile  # noqa: E402
 from elixir_ray.planner.model_profile import profile_model  # noqa: E402
 from elixir_ray.planner.op_timing import ComputeTimes  # noqa: E402
-from elixir_ray.planner.search import plan_memory, plan_step_seconds  # noqa: E402
+from elixir_ray.planner.search import forward_wait, plan_memory, plan_step_seconds  # noqa: E402
 from elixir_ray.units import format_bytes  # noqa: E402
 
 
@@ -135,8 +135,8 @@ def main() -> int:
               "backward, measured |")
         print("|---|---|---|---|---|---|")
         for name, cap, path, lag in paths:
-            wait = max(float(path["cpu_wait"]), float(path["link_wait"]))
-            kind = "updates, loads" if float(path["cpu_wait"]) >= float(path["link_wait"]) else "copies"
+            wait, for_updates = forward_wait(path)
+            kind = "updates, loads" if for_updates else "copies"
             forward = f"{lag['device_forward'] * 1e3:.0f} ms" if lag else ""
             backward = f"{lag['device_backward'] * 1e3:.0f} ms" if lag else ""
             print(f"| {name} | {format_bytes(cap)} | {float(path['forward']) * 1e3:.0f} + {wait * 1e3:.0f} ms ({kind}) | "

@@ -868,6 +868,13 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
     )
 
 
+def forward_wait(path: dict) -> tuple[float, bool]:
+    """(seconds, whether for the host chunks' updates and loads rather than the link's copies) of the
+    forward's wait on the critical path (`overlapped_step`'s `path`): the longer of the two counts."""
+    cpu, link = float(path["cpu_wait"]), float(path["link_wait"])
+    return max(cpu, link, 0.0), cpu >= link
+
+
 def critical_path_note(path: dict, grad_accum: int = 1) -> str:
     """One line of where the predicted step goes (`overlapped_step`'s `path`): set beside a run's
     measured forward, backward and waits, it says which part of the model is off."""
@@ -875,13 +882,15 @@ def critical_path_note(path: dict, grad_accum: int = 1) -> str:
         return f"{float(x) * 1e3:,.1f} ms"
 
     cpu, link = float(path["cpu_wait"]), float(path["link_wait"])
-    if max(cpu, link) <= 0:
+    longest, for_updates = forward_wait(path)
+    if longest <= 0:
         wait = "no wait"
-    elif cpu >= link:
+    elif for_updates:
         wait = (f"a wait of {ms(cpu)} for host chunks' CPU updates and loads"
                 + (f" (for copies: {ms(link)})" if link > 0 else ""))
     else:
-        wait = f"a wait of {ms(link)} for copies host->device" + (f" (for CPU updates: {ms(cpu)})" if cpu > 0 else "")
+        wait = (f"a wait of {ms(link)} for copies host->device"
+                + (f" (for CPU updates and loads: {ms(cpu)})" if cpu > 0 else ""))
     streams = {"compute": path["rest_compute"], "copies host->device": path["rest_h2d"],
                "copies device->host": path["rest_d2h"]}
     bound = max(streams, key=lambda k: float(streams[k]))
