@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -80,6 +81,7 @@ class Result:
             f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
+            *_step_time_line(self.metrics, self.plan.predicted_step_seconds),
             *(f"restart: {r.reason}; " + (f"restored step {r.restored_step} from {r.restored_from} on "
                                           f"{r.world_size} worker(s)" if r.restored_from
                                           else "failed again before its restore") for r in self.restarts),
@@ -113,6 +115,22 @@ def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]
     if isinstance(config, (str, os.PathLike)):
         return load_config(str(config), overrides)
     raise ConfigError(f"train() takes a RunConfig, a dict or a YAML path, got {type(config).__name__}")
+
+
+def _step_time_line(metrics, predicted: float) -> list[str]:
+    """The run's step time beside its plan's prediction: whether the automatic plan held on this
+    machine (the rates it was searched with are a short profile's). The first step, which also
+    builds and warms up, is left out where there are others."""
+    seconds = [s for s in (metrics.column("step_seconds").to_pylist() if metrics.num_rows else []) if s]
+    if not seconds:
+        return []
+    steady = seconds[1:] if len(seconds) > 1 else seconds
+    median = statistics.median(steady)
+    line = (f"step time: median {median:.3f}s over {len(steady)} step(s)"
+            + (" after the first" if len(seconds) > 1 else ""))
+    if predicted and predicted > 0:
+        line += f"; the plan predicted {predicted:.3f}s (measured {median / predicted:.2f}x)"
+    return [line]
 
 
 def _eval_line(metrics) -> list[str]:

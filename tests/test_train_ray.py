@@ -137,6 +137,11 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert "rng/rank1/torch_cpu" in tensors
     assert os.path.exists(os.path.join(result.run_dir, "plan.json"))
     assert "loss: first" in result.summary()
+    # the steps after the first beside the plan's prediction
+    median = sorted(table.column("step_seconds").to_pylist()[1:])[0:2]
+    line = next(x for x in result.summary().splitlines() if x.startswith("step time:"))
+    assert line.startswith(f"step time: median {sum(median) / 2:.3f}s over 2 step(s) after the first")
+    assert f"the plan predicted {result.plan.predicted_step_seconds:.3f}s" in line
     assert result.final_loss == table.column("loss").to_pylist()[-1] and result.final_eval_loss is None
     assert result.config.train.steps == 3 and result.config.name == "t"  # what a sweep compares runs by
 
