@@ -81,7 +81,7 @@ class Result:
             f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
-            *_step_time_line(self.metrics, self.plan.predicted_step_seconds),
+            *_step_time_line(self.metrics, getattr(self.plan, "predicted_step_seconds", 0.0), self.start_step),
             *(f"restart: {r.reason}; " + (f"restored step {r.restored_step} from {r.restored_from} on "
                                           f"{r.world_size} worker(s)" if r.restored_from
                                           else "failed again before its restore") for r in self.restarts),
@@ -117,11 +117,16 @@ def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]
     raise ConfigError(f"train() takes a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
-def _step_time_line(metrics, predicted: float) -> list[str]:
+def _step_time_line(metrics, predicted: float, start_step: int = 0) -> list[str]:
     """The run's step time beside its plan's prediction: whether the automatic plan held on this
-    machine (the rates it was searched with are a short profile's). The first step, which also
-    builds and warms up, is left out where there are others."""
-    seconds = [s for s in (metrics.column("step_seconds").to_pylist() if metrics.num_rows else []) if s]
+    machine (the rates it was searched with are a short profile's). This run's steps only (a
+    resumed run's metrics hold the steps before it too, with another plan), and the first, which
+    also builds and warms up, left out where there are others; a median, so that the first steps
+    after a restart do not move it much."""
+    if not metrics.num_rows or "step_seconds" not in metrics.column_names:
+        return []
+    steps, times = metrics.column("step").to_pylist(), metrics.column("step_seconds").to_pylist()
+    seconds = [t for step, t in zip(steps, times) if step > start_step and t]
     if not seconds:
         return []
     steady = seconds[1:] if len(seconds) > 1 else seconds

@@ -111,8 +111,9 @@ def main() -> int:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
             ran = update_job_rates(result.get("timeline") or []).get("median") if args.run_cpu_rate else None
             if ran:  # the factor on the plan's rate that gives the run's (`HardwareProfile.cpu_adam_rate`)
-                low = hw.cpu_adam_low_grad_params_per_s or hw.cpu_adam_params_per_s
-                hw = dataclasses.replace(hw, cpu_adam_beside_copies=ran / low)
+                base = hw.cpu_adam_rate(low_grads=plan.host_grads_low) / (hw.cpu_adam_beside_copies or 1.0)
+                if base > 0:
+                    hw = dataclasses.replace(hw, cpu_adam_beside_copies=ran / base)
             # the benchmark's loop declares one backward per step: updates start in backward (a plan
             # made from version 4 on, the one with its hardware, says so itself)
             path: dict = {}

@@ -106,6 +106,7 @@ def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, ti
     assert resumed.metrics.column("step").to_pylist() == list(range(1, int(step) + 3))
     assert resumed.start_step == int(step) and "2 steps in" in resumed.summary()
     assert f"resumed from step {step}" in resumed.summary()
+    assert "step time: median" in resumed.summary() and "over 1 step(s) after the first" in resumed.summary()
 
 
 def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):

@@ -75,7 +75,7 @@ def test_ragged_segments_match_to_rounding_and_the_upload_copy_covers_the_gaps()
 
 
 @needs_kernel
-@pytest.mark.parametrize("claim", [0, 16, 4000, 1 << 18])
+@pytest.mark.parametrize("claim", [0, 16, 4000, 1 << 18, 1 << 62])
 @pytest.mark.parametrize("threads", [1, 3, 4])
 def test_threads_claiming_blocks_give_the_bits_of_one_thread(claim, threads):
     """However the elements are split among the update's threads (blocks claimed as each thread
@@ -95,8 +95,9 @@ def test_threads_claiming_blocks_give_the_bits_of_one_thread(claim, threads):
 def test_a_bad_claim_is_refused():
     from elixir_ray.engine.host_kernel import HostAdamKernel
 
-    with pytest.raises(ValueError, match="claim must be an int >= 0"):
-        HostAdamKernel("unused.so", claim=-1)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="claim must be an int >= 0"):
+            HostAdamKernel("unused.so", claim=bad)
 
 
 @needs_kernel

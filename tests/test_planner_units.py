@@ -1,5 +1,7 @@
+import dataclasses
 import json
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -341,9 +343,30 @@ def test_the_forwards_loads_follow_one_another_one_chunk_ahead_of_its_compute():
     updated = np.array([[-1.0, 0.07, -1.0]])
     assert _forward_chain(lay, np.array([[False, True, False]]), updated, np.full(3, 0.01), 0.1) \
         == pytest.approx([0.03])
-    # rows apart: one without host chunks does not wait
-    rows = np.array([[True, True, True], [False, False, False]])
-    assert _forward_chain(lay, rows, np.full((2, 3), -1.0), np.full(3, 0.04), 0.1) == pytest.approx([0.05, 0.0])
+    # rows apart: one without host chunks does not wait, and one whose loads are all in time waits
+    # exactly 0 (no rounding left over to read as a wait)
+    rows = np.array([[True, True, True], [False, False, False], [True, False, False]])
+    assert _forward_chain(lay, rows, np.full((3, 3), -1.0), np.full(3, 0.04), 0.1).tolist() \
+        == pytest.approx([0.05, 0.0, 0.04]) and _forward_chain(lay, rows[1:], done, np.zeros(3), 0.1).tolist() == [0.0, 0.0]
+    # a chunk the forward does not use is not waited for, however late its update
+    unused = dataclasses.replace(lay, forward_before=np.array([0.0, 0.5, 1.0]))
+    assert _forward_chain(unused, last, np.array([[-1.0, -1.0, 5.0]]), np.full(3, 0.04), 0.1) == pytest.approx([0.0])
+
+
+def test_a_host_chunk_the_device_updates_is_still_loaded_in_turn():
+    """A row whose host chunks the Deep Optimizer States update (no CPU update at all) still waits
+    for their loads in the forward, through the queue's function as the search passes it."""
+    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.search import _cpu_wait
+
+    lay, none = _three_chunk_layout(), np.zeros((1, 3), dtype=bool)
+    last = np.array([[False, False, True]])  # loaded after chunk 1's compute starts (0.05 s): 0.01 s late
+    assert _cpu_wait(lay, none, np.zeros(3), 0.1, 0.3, True, np.full(3, 0.04), loaded=last) == pytest.approx([0.01])
+    parts = dict(compute=0.6, forward=0.1, on_stream=0.0, h2d=0.0, d2h=0.0, cpu_adam=0.0)
+    queue = partial(_cpu_wait, lay, none[0], np.zeros(3), 0.1, in_backward=True, load=np.full(3, 0.04),
+                    loaded=last[0])
+    assert overlapped_step(**parts, cpu_wait=queue, updates_in_backward=True) == pytest.approx(0.61)
+    assert overlapped_step(**parts, cpu_wait=0.01, updates_in_backward=True) == pytest.approx(0.6)  # a number: CPU's
 
 
 def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
@@ -378,7 +401,11 @@ def test_overlap_model_gives_the_cpu_queue_the_backward_it_has():
     parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.7, cpu_adam=0.1, cpu_wait=wait)
     assert overlapped_step(**parts, updates_in_backward=True) == pytest.approx(0.15 + 0.02 + 0.7)
     assert seen == [pytest.approx(0.7)]
-    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=True) == pytest.approx(0.15 + 0.7)
+    # the function says the forward's wait for its loads too (0 where a row loads nothing), so it
+    # counts with no CPU work; a number is the CPU updates' wait alone
+    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=True) == pytest.approx(0.15 + 0.02 + 0.7)
+    assert overlapped_step(**{**parts, "cpu_adam": 0.0, "cpu_wait": 0.02}, updates_in_backward=True) \
+        == pytest.approx(0.15 + 0.7)
 
 
 def test_forward_shares_are_the_accesses_before_each_chunks_first_forward_one():

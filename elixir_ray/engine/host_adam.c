@@ -170,8 +170,9 @@ static int run_team(int n, void *(*fn)(void *), void *jobs, size_t stride) {
 }
 
 /* One Adam(W) step over `segments` ranges of one chunk's shard (bounds: lo, hi pairs), on up to
- * `threads` threads (this one included) claiming blocks of `claim` elements (`run_claims`; a
- * multiple of 16, whole cache lines), or with `claim` 0 an even share each. `step` counts this
+ * `threads` threads (this one included) claiming blocks of `claim` elements (`run_claims`; rounded
+ * up to a multiple of 16, whole cache lines where segments allow), or with `claim` 0 an even share
+ * each. `step` counts this
  * update, 1 at the first. Returns 0, or the number of threads that could not be started (this one
  * claims, or runs the shares of, what they would have). */
 int elixir_host_adam(float *master, const void *grad, int grad_bf16, float *exp_avg, float *exp_avg_sq,
@@ -189,6 +190,7 @@ int elixir_host_adam(float *master, const void *grad, int grad_bf16, float *exp_
     Share shares[MAX_THREADS];
     int64_t next = 0;
     if (claim > 0) {
+        if (claim > numel) claim = numel;  /* one block at most: no product below can overflow */
         claim = (claim + 15) & ~(int64_t)15;
         for (int t = 0; t < n; t++) {
             Share share = {base, bounds, segments, 0, claim, numel, &next};

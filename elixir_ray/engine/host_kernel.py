@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import numbers
 import os
 import platform
 import shutil
@@ -46,10 +47,10 @@ class HostAdamKernel:
     twenty-fifth session; for benchmarks side by side)."""
 
     def __init__(self, path: str, claim: int = CLAIM):
-        if not isinstance(claim, int) or claim < 0:
+        if isinstance(claim, bool) or not isinstance(claim, numbers.Integral) or claim < 0:
             raise ValueError(f"claim must be an int >= 0 (elements a thread claims at a time; 0: even shares), "
                              f"got {claim!r}")
-        self.path, self.claim = path, claim
+        self.path, self.claim = path, int(claim)
         lib = ctypes.CDLL(path)
         fn = lib.elixir_host_adam
         fn.restype = ctypes.c_int

@@ -193,8 +193,11 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
     if callable(cpu_wait):  # updates from step() on are ready together, whatever backward's length
+        # 0 where no chunk is loaded; its loads are waited for even with no CPU update to wait for
         cpu_wait = cpu_wait(last_backward if updates_in_backward else rest)
-    cpu_exposed = np.maximum(left - forward, np.where(cpu_adam > 0, cpu_wait, 0.0))
+    else:
+        cpu_wait = np.where(cpu_adam > 0, cpu_wait, 0.0)
+    cpu_exposed = np.maximum(left - forward, cpu_wait)
     link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
     if dos_first_at is not None and updates_in_backward:  # it waits at its first DOS chunk for the whole queue
         loads_to = forward_loads if loads_to_dos is None else loads_to_dos

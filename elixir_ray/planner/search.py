@@ -252,7 +252,8 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
               in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
               simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None) -> np.ndarray:
     """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
-    them and for their loads, from the engine's update queue played out (0 where none).
+    them and for the loads of `loaded` (default `plain`), from the engine's update queue played out
+    (0 where the row loads no chunk).
 
     A chunk's update is ready once its gradient is final (with `in_backward`, at that share of the
     last backward's `backward` seconds, `Layout.backward_final`; else at `step()`) and copied down
@@ -260,8 +261,10 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     down at least, `overlapped_step`); the one background thread runs the updates one at a time, taking
     the lowest chunk index among those ready (the forward's order, as `HostUpdates` does), or
     when none is, the one ready first. The forward loads a chunk after its update, and the loads
-    of `loaded` (per row, default `plain`: every host chunk, those the Deep Optimizer States update
-    too) one after another, as `_forward_chain` plays them out. Its updates start no earlier than
+    of `loaded` (per row: every host chunk, those the Deep Optimizer States update too, whose own
+    queue `overlapped_step` costs) one after another, as `_forward_chain` plays them out; a chunk
+    the forward does not use is not waited for there (the engine waits for an update only where
+    it loads the chunk). Its updates start no earlier than
     the first host chunk's gradient: on the H100 the
     thread was idle the first 28 ms of gpt-1.5b's backward at 24 GiB, and busy 220 of its 280 ms
     step, so that the forward waited 30 ms for the chunks it needs last (2026-11-27). A tied
@@ -288,9 +291,9 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     if played.any():
         finish[played] = _play_queue(rows[played], ready[played], adam_host)
     updated = np.where(rows, finish - start, -np.inf)  # relative to the forward's start (backward's end)
-    loaded_rows = rows if loaded is None else np.asarray(loaded, dtype=bool).reshape(rows.shape)
-    wait = _forward_chain(lay, loaded_rows, updated, load, forward)
-    return np.where(rows.any(axis=1), wait, 0.0).reshape(plain.shape[:-1])
+    loaded_rows = rows if loaded is None else np.broadcast_to(np.asarray(loaded, dtype=bool), plain.shape).reshape(
+        rows.shape)
+    return _forward_chain(lay, loaded_rows, updated, load, forward).reshape(plain.shape[:-1])
 
 
 def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
@@ -303,24 +306,22 @@ def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: n
     before, and the copy first waits for the compute queued so far); its compute starts when both
     the compute before it and its load are done. So loads slower than the compute between them add
     up where host chunks follow one another, even when the forward as a whole has time for them:
-    on the H100 gpt-1.5b's forward at 24 GiB (host chunks the last 6 of 11, a load 8.8 ms beside
+    on the H100 gpt-1.5b's forward at 24 GiB (host chunks the last 6 of 11, a load 8.9 ms beside
     the CPU job against 5 ms of compute each) took about 30 ms more than its compute and its waits
-    for updates (2026-11-27)."""
+    for updates (2026-11-27). Kept as the delay of each chunk's compute against its need, so that a
+    forward with nothing late waits exactly 0."""
     shares = lay.forward_before
     order = np.argsort(shares, kind="stable")
     order = order[shares[order] < 1.0]  # the chunks the forward uses, by first use
-    if len(order) == 0:
-        return np.zeros(loaded.shape[0])
-    need = forward * shares[order]
-    compute = np.diff(np.append(need, forward))  # the forward's compute from each chunk to the next
     n_rows = loaded.shape[0]
-    clock, link, before = np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)
-    for k, c in enumerate(order):
+    delay, link, before = np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)
+    for c in order:
+        need = forward * shares[c]  # its compute's start, were nothing late
         copied = np.maximum(np.maximum(before, updated[:, c]), link) + load[c]
         link = np.where(loaded[:, c], copied, link)
-        start = np.where(loaded[:, c], np.maximum(clock, copied), clock)
-        before, clock = start, start + compute[k]
-    return np.maximum(clock - forward, 0.0)
+        delay = np.where(loaded[:, c], np.maximum(delay, copied - need), delay)
+        before = need + delay
+    return delay
 
 
 def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> np.ndarray:
