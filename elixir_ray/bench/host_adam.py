@@ -142,9 +142,9 @@ def measure(state: HostChunkState, threads: int, tile: int, beside: str, device:
 
 def run(numel: int, device: torch.device, progress=print) -> list[HostAdamRow]:
     """Each stand-in and thread count, through the one-pass C kernel (where it builds here; its
-    threads claiming blocks, and an even share each) and through torch's passes at the engine's tile (the other tile rules were measured on the H100 on
-    2026-11-26 and left behind); then the C kernel (else torch) with a short GIL switch interval, and
-    over pageable memory."""
+    threads claiming blocks, and an even share each) and through torch's passes at the engine's
+    tile (the other tile rules were measured on the H100 on 2026-11-26 and left behind); then the C
+    kernel (else torch) with a short GIL switch interval, and over pageable memory."""
     total = torch.get_num_threads()
     state = HostChunkState(numel, torch.bfloat16, torch.bfloat16, device)
     memory = "page-locked" if state.arena.pinned else "pageable"

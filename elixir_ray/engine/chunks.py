@@ -278,11 +278,15 @@ class ChunkStore:
             future, c.update = c.update, None
             self.updates.wait(future, c.index)
 
-    def _settle_for_fill(self, c: Chunk, stream) -> None:
+    def _settle_for_fill(self, c: Chunk, stream, stalls: bool = False) -> None:
         """What a fill needs before it reads the chunk's host copy: its CPU update finished (waited
         for here), and the copies back of a Deep Optimizer States update landed, which `stream` is
-        made to wait for on the device: the training thread goes on queueing work meanwhile."""
+        made to wait for on the device: the training thread goes on queueing work meanwhile.
+        `stalls`: `stream` is the compute stream, whose stall for the load starts here (its device
+        mark, after the host's wait)."""
         self._finish_update(c)
+        if stalls:
+            self.timer.device_mark("load wait", stream, c.index)
         if c.landed is not None:  # only ever set on CUDA, where there is a stream to make wait
             for event in c.landed:  # kept for the host readers, who settle on them
                 stream.wait_event(event)
@@ -291,9 +295,8 @@ class ChunkStore:
     def fetch(self, c: Chunk) -> None:
         """Fill the chunk's compute copy now, on the compute stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self._finish_update(c)  # on the host
-        self.timer.device_mark("load wait", stream, c.index)  # on the compute stream itself: all of it a stall,
-        self._settle_for_fill(c, stream)  # a Deep Optimizer States update's copies back included
+        # on the compute stream itself, all of it a stall: a Deep Optimizer States update's copies back included
+        self._settle_for_fill(c, stream, stalls=True)
         with self.timer.region("h2d"):
             self._set_resident(c, True)
             try:

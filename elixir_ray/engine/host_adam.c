@@ -172,9 +172,8 @@ static int run_team(int n, void *(*fn)(void *), void *jobs, size_t stride) {
 /* One Adam(W) step over `segments` ranges of one chunk's shard (bounds: lo, hi pairs), on up to
  * `threads` threads (this one included) claiming blocks of `claim` elements (`run_claims`; rounded
  * up to a multiple of 16, whole cache lines where segments allow), or with `claim` 0 an even share
- * each. `step` counts this
- * update, 1 at the first. Returns 0, or the number of threads that could not be started (this one
- * claims, or runs the shares of, what they would have). */
+ * each. `step` counts this update, 1 at the first. Returns 0, or the number of threads that could
+ * not be started (this one claims, or runs the shares of, what they would have). */
 int elixir_host_adam(float *master, const void *grad, int grad_bf16, float *exp_avg, float *exp_avg_sq,
                      uint16_t *upload, const int64_t *bounds, int segments, int64_t step, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int decoupled, double grad_factor, int threads,

@@ -141,10 +141,10 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
     gradients); cpu_adam: the background thread's CPU AdamW; cpu_wait: how long the next forward
     waits for the host chunks' CPU updates and their loads after them (at least the work left
-    after backward beyond the forward), or a function of the last backward's seconds that says it (`search._cpu_wait`,
-    which plays their queue out: when the updates become ready depends on how long backward
-    lasts, and that is the longest of its streams, not its compute alone); dos_in, dos_out: the Deep Optimizer
-    States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
+    after backward beyond the forward), or a function of the last backward's seconds that says it
+    (`search._cpu_wait`, which plays their queue out: when the updates become ready depends on how
+    long backward lasts, and that is the longest of its streams, not its compute alone); dos_in,
+    dos_out: the Deep Optimizer States copies each way; forward_loads: the first forward's own loads of host chunks (one each),
     a part of `h2d`; dos_first_at: the forward's compute before its first DOS chunk (default: the
     whole forward, as with no DOS chunk); loads_to_dos: the forward's loads up to and including
     that chunk's (default: all of them); both count only with `updates_in_backward`;

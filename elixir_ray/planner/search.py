@@ -264,10 +264,9 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     of `loaded` (per row: every host chunk, those the Deep Optimizer States update too, whose own
     queue `overlapped_step` costs) one after another, as `_forward_chain` plays them out; a chunk
     the forward does not use is not waited for there (the engine waits for an update only where
-    it loads the chunk). Its updates start no earlier than
-    the first host chunk's gradient: on the H100 the
-    thread was idle the first 28 ms of gpt-1.5b's backward at 24 GiB, and busy 220 of its 280 ms
-    step, so that the forward waited 30 ms for the chunks it needs last (2026-11-27). A tied
+    it loads the chunk). Its updates start no earlier than the first host chunk's gradient: on the
+    H100 the thread was idle the first 28 ms of gpt-1.5b's backward at 24 GiB, and busy 220 of its
+    280 ms step, so that the forward waited 30 ms for the chunks it needs last (2026-11-27). A tied
     embedding's chunk (final last, needed first) has no time at all; a middle chunk part of
     backward and of the forward.
 
