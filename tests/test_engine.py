@@ -660,10 +660,11 @@ class _Untied(nn.Module):
 @pytest.mark.parametrize("clip,dos_gap", [(None, 0), (0.05, 2)], ids=["plain", "clipped-dos"])
 def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(monkeypatch, clip, dos_gap):
     """bf16 compute: each gradient is computed in bf16, so sending host chunks' gradients down in bf16
-    (half the PCIe bytes and 2 host bytes per parameter less) loses nothing when no parameter is used
-    twice; the CPU AdamW widens them a tile at a time (tiles made tiny here, so that they split
-    parameters) and updates exactly as from fp32 gradients. Clipping scales them only once widened
-    (scaling in bf16 would round them again), also in Deep Optimizer States updates."""
+    (half the PCIe bytes and 2 host bytes per parameter less), collected in bf16 on the device, loses
+    nothing when no parameter is used twice; the CPU AdamW widens them a tile at a time (tiles made
+    tiny here, so that they split parameters) and updates exactly as from fp32 gradients. Clipping
+    scales them only once widened (scaling in bf16 would round them again), also in Deep Optimizer
+    States updates."""
     from elixir_ray.engine import optimizer
 
     monkeypatch.setattr(optimizer, "GRAD_TILE_PER_THREAD", 50)
@@ -679,6 +680,8 @@ def test_host_gradients_in_the_compute_dtype_change_nothing_with_one_micro_step(
                           device="cpu", dtype=torch.bfloat16, accumulation_steps=1, max_grad_norm=clip)
         host = [c for c in model.store.chunks if c.placement == "host"]
         assert {c.grad_buffer.dtype for c in host} == {torch.bfloat16 if low else torch.float32}
+        # and collected in bf16 on the device: nothing widened, nothing cast before the copy down
+        assert {c.staging_dtype for c in host} == {torch.bfloat16 if low else torch.float32}
         assert model.store.arena.buffers[torch.float32].numel() == (3 if low else 4) * sum(c.shard_len for c in host)
         model.store.timer.enabled = True
         runs[low] = (engine_run(model, opt, data, 6, 1), model.state_dict())

@@ -121,8 +121,10 @@ def test_copies_are_costed_at_what_each_way_kept_beside_the_cpu_job_where_measur
 
 def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
     """At the device AdamW's rate times its 28 bytes per element: a device chunk's fill casts its
-    fp32 master (4 + 2 bytes in bf16), every gradient is copied into an fp32 buffer (2 + 4), and a
-    host chunk's is cast back to bf16 before it goes down (4 + 2; nothing with fp32 gradients)."""
+    fp32 master (4 + 2 bytes in bf16) and its gradients are copied into an fp32 buffer (2 + 4); a
+    host chunk whose gradients go down in bf16 collects them in bf16 with one rank (2 + 2), and
+    with several widens them (2 + 4) and casts its shard back (4 + 2); with fp32 gradients, the
+    widening copy alone (4 + 4 in fp32)."""
     import numpy as np
 
     from elixir_ray.planner.cost import chunk_costs
@@ -132,9 +134,12 @@ def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
     sizes = np.array([2**20, 2**21])
     low = chunk_costs(sizes, sizes, np.ones(2, dtype=bool), 1, 2, hw, grad_bytes=2)
     assert np.allclose(low.fill_device, sizes * 6 / 28e9) and np.allclose(low.stage, sizes * 6 / 28e9)
-    assert np.allclose(low.stage_host, sizes * 6 / 28e9)
+    assert np.allclose(low.stage_host, sizes * 4 / 28e9)
+    two = chunk_costs(sizes, sizes // 2, np.zeros(2, dtype=bool), 2, 2, hw, grad_bytes=2)
+    assert np.allclose(two.stage_host, (sizes * 6 + sizes // 2 * 6) / 28e9)
     wide = chunk_costs(sizes, sizes, np.ones(2, dtype=bool), 1, 4, hw, grad_bytes=4)
-    assert np.allclose(wide.fill_device, sizes * 8 / 28e9) and np.allclose(wide.stage_host, 0.0)
+    assert np.allclose(wide.fill_device, sizes * 8 / 28e9) and np.allclose(wide.stage_host, sizes * 8 / 28e9)
+    assert np.allclose(wide.stage, wide.stage_host)
 
 
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():

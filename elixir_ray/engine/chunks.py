@@ -107,8 +107,11 @@ class Chunk:
     compute: Optional[torch.Tensor] = field(default=None, repr=False)
     # host chunks in low precision (plan.upload_copies): the master cast to the compute dtype, pinned
     upload: Optional[torch.Tensor] = field(default=None, repr=False)
-    # fp32 [size] on the compute device: gradients collected during backward
+    # [size] on the compute device: gradients collected during backward, in `staging_dtype`
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
+    # fp32, but the compute dtype for a host chunk whose gradient goes down in it with one rank
+    # (`ChunkStore.staged_low`): nothing to widen, and no cast before the copy down
+    staging_dtype: torch.dtype = torch.float32
     # ids of the slots whose gradient is in `staging`: a first gradient is copied in, not added to
     # zeros, and what no gradient wrote (padding, parameters without one) is zeroed at the reduction
     staged: set = field(default_factory=set, repr=False)
@@ -191,6 +194,8 @@ class ChunkStore:
             else:
                 c.master, c.exp_avg, c.exp_avg_sq = (self.arena.take(c.shard_len, torch.float32) for _ in range(3))
                 c.grad_buffer = self.arena.take(c.shard_len, dtype if grads_low else torch.float32)
+                if self.staged_low(c):
+                    c.staging_dtype = dtype
                 if upload:
                     c.upload = self.arena.take(c.shard_len, dtype)
             c.compute = torch.empty(c.size, dtype=dtype, device=device)
@@ -393,12 +398,22 @@ class ChunkStore:
 
     # -- gradients ------------------------------------------------------------------------------
 
+    def staged_low(self, c: Chunk) -> bool:
+        """Whether the chunk collects its gradients in the compute dtype rather than fp32: a host
+        chunk whose gradient goes down in that dtype (Plan.host_grads_low, one backward per step),
+        with one rank. Each gradient was computed in that dtype, so the staging copy loses nothing
+        (a parameter with several gradients in one backward has each sum rounded, as autograd
+        rounds a tied weight's); with several ranks the reduction sums in fp32 first."""
+        return (c.grad_buffer is not None and c.grad_buffer.dtype == self.dtype != torch.float32
+                and self.comm.world == 1)
+
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> Chunk:
-        """Into the chunk's fp32 staging buffer: copied (widened) at the slot's first gradient in it,
-        added after; one pass over the gradient's bytes instead of a zero fill and an add."""
+        """Into the chunk's staging buffer (`Chunk.staging_dtype`): copied (widened to fp32 where
+        it is fp32) at the slot's first gradient in it, added after; one pass over the gradient's
+        bytes instead of a zero fill and an add."""
         c = self.chunks[slot.chunk]
         if c.staging is None:
-            c.staging = torch.empty(c.size, dtype=torch.float32, device=self.device)
+            c.staging = torch.empty(c.size, dtype=c.staging_dtype, device=self.device)
             c.staged = set()
         part = c.staging[slot.offset: slot.offset + slot.numel]
         if id(slot) in c.staged:
@@ -464,15 +479,16 @@ class ChunkStore:
             # cast on the device, so half the bytes cross: with one micro-step per step each gradient
             # was computed in the compute dtype anyway (only sums over several uses are rounded again)
             part = part.to(c.grad_buffer.dtype)
-            if c.grad is not None and not self.accumulated_low:
-                self.accumulated_low = True
-                warnings.warn(
-                    f"host chunks keep their gradients in {str(self.dtype).replace('torch.', '')} (the plan's "
-                    f"host_grads_low, chosen for one backward per step), but this step has several: they now "
-                    f"accumulate in that dtype on the host, and the device chunks' gradients stay on the device "
-                    f"from one backward to the next, which the plan's memory did not count. Pass "
-                    f"accumulation_steps=N to wrap, or plan with grad_accum=N, to keep them in float32 and the "
-                    f"device memory planned for it", stacklevel=2)
+        if (c.grad is not None and c.grad_buffer is not None and c.grad_buffer.dtype != torch.float32
+                and not self.accumulated_low):
+            self.accumulated_low = True
+            warnings.warn(
+                f"host chunks keep their gradients in {str(self.dtype).replace('torch.', '')} (the plan's "
+                f"host_grads_low, chosen for one backward per step), but this step has several: they now "
+                f"accumulate in that dtype on the host, and the device chunks' gradients stay on the device "
+                f"from one backward to the next, which the plan's memory did not count. Pass "
+                f"accumulation_steps=N to wrap, or plan with grad_accum=N, to keep them in float32 and the "
+                f"device memory planned for it", stacklevel=2)
         if c.grad is None and c.grad_buffer is not None:
             # asynchronous to the host: readers wait for it (grad_ready, or wait_for_copies) first; a
             # previous step's update reading this buffer has finished (settled above)

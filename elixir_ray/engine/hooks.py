@@ -11,7 +11,7 @@
 - Backward: autograd's saved-tensor unpack hook fetches the chunk of any saved parameter view whose
   copy was evicted; a module forward during backward is recomputation (activation checkpointing),
   and its chunks stay pinned until the next recomputed region starts.
-- Gradients: each parameter's gradient goes into its chunk's fp32 staging buffer and is dropped;
+- Gradients: each parameter's gradient goes into its chunk's staging buffer and is dropped;
   with one rank a chunk whose gradients are all in is reduced at once, the rest at the end of
   backward; with several, chunks are reduced in one fixed order, each once the gradients this
   rank's graph will give it are in (see EngineHooks.__init__).

@@ -85,7 +85,7 @@ def chunk_events(events: list[tuple[int, ...]], phases: list[str], chunk_of_para
 def open_gradient_chunks(grad_order: list[int], chunk_of_param: list[int], ordered: bool = False) -> int:
     """The most chunks collecting gradients at once in one backward, as the engine's hooks do.
 
-    A chunk's fp32 staging buffer is allocated at its first gradient and handed to its reduction
+    A chunk's staging buffer is allocated at its first gradient and handed to its reduction
     when every parameter in it has one; with one rank, a chunk holding a parameter that gets no
     gradient (unused, or frozen: the trace cannot tell) keeps its buffer until backward ends.
     `ordered` (several ranks): a chunk waits only for the gradients the step's graph gives (those

@@ -11,8 +11,8 @@ It models what the engine does, and nothing it does not:
 - the engine's own kernels move device memory beside the model's (`engine kernels`, costed at the
   device AdamW's memory rate and put on the compute stream, whose memory-bound kernels they slow
   wherever they run): each load of a device chunk casts its fp32 master into the block, and each
-  micro-step copies every gradient into its chunk's fp32 buffer (and casts a host chunk's to the
-  compute dtype before it goes down);
+  micro-step copies every gradient into its chunk's staging buffer: fp32, but in the compute dtype
+  for a host chunk whose gradient goes down in it with one rank (else widened, then cast back);
 - the optimizer updates each chunk where its state lives (CPU AdamW, device AdamW, or for Deep
   Optimizer States chunks a copy to the device, a device update and a copy back).
 What overlaps what (`overlapped_step`): host-to-device loads run ahead on a side stream (prefetch)
@@ -88,8 +88,10 @@ class ChunkCosts:
     dos_update: np.ndarray  # its update on the device
     # the engine's own device kernels (beside the model's), at the device's memory rate:
     fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
-    stage: np.ndarray  # per micro-step, every chunk: its gradients copied (widened) into the fp32 staging buffer
-    stage_host: np.ndarray  # per micro-step, a host chunk with low-precision gradients: the cast before the copy down
+    stage: np.ndarray  # per micro-step, a device chunk: its gradients copied (widened) into its fp32 staging buffer
+    # per micro-step, a host chunk: its gradients copied into its staging buffer, in the compute dtype
+    # where they go down in it with one rank (ChunkStore.staged_low), else widened and then cast back
+    stage_host: np.ndarray
 
 
 def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
@@ -113,8 +115,15 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         adam_dos=dos_in + dos_out + dos_update, dos_in=dos_in, dos_out=dos_out, dos_update=dos_update,
         fill_device=shards * (4 + elem_bytes) / memory_rate,
         stage=sizes * (elem_bytes + 4) / memory_rate,
-        stage_host=shards * ((4 + grad_bytes) if grad_bytes < 4 else 0) / memory_rate,
+        stage_host=(sizes * (elem_bytes + grad_bytes) if staged_low(grad_bytes, world) else
+                    sizes * (elem_bytes + 4) + shards * ((4 + grad_bytes) if grad_bytes < 4 else 0)) / memory_rate,
     )
+
+
+def staged_low(grad_bytes: int, world: int) -> bool:
+    """Whether host chunks collect their gradients in the compute dtype (as `ChunkStore.staged_low`):
+    where they go down in it, with one rank."""
+    return grad_bytes < 4 and world == 1
 
 
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:

@@ -26,7 +26,7 @@ from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
-                                     overlapped_step)
+                                     overlapped_step, staged_low)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.units import format_bytes
@@ -363,7 +363,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
     micro_step, forward = micro_step_compute(lay.profile, hw)
     load = (costs.load_host - costs.load_device) * (loads > 0)  # one load of each chunk the step loads
-    engine_kernels = grad_accum * float((loads * costs.fill_device)[dev].sum() + costs.stage.sum()
+    engine_kernels = grad_accum * float((loads * costs.fill_device + costs.stage)[dev].sum()
                                         + costs.stage_host[host].sum())
     time = {
         "compute": grad_accum * micro_step,
@@ -461,13 +461,12 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
         apart = row_freed or released  # the gradient is not part of the state: counted where it is alive
         out["optimizer state on device"][rows] = (STATE_BYTES - 4 if apart else STATE_BYTES) * device_elems[rows]
         in_flight = MAX_REDUCTIONS_IN_FLIGHT if host else 0  # host chunks' gradients on their way out
-        cast = shard * grad_bytes if grad_bytes < 4 else 0
         fetch = _fetch_bytes(lay, elem_bytes, world, host, upload)
         device_grads = np.zeros(len(rows))
         dos_buffer = _dos_buffer_bytes(lay, dos_gap, host)
         dos_held = np.zeros(len(rows))
         if timeline:
-            staged = _staged_by_sample(lay, host, grad_bytes)
+            staged = _staged_by_sample(lay, host, grad_bytes, world)
             forward_dos = np.full(len(staged), float(dos_buffer))  # DOS updates may run at any moment
             at = lay.event_activations + staged + forward_dos
             if row_freed:  # per sample and row: the device chunks' gradients handed on by then
@@ -487,7 +486,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
             dos_held = forward_dos[worst]
         else:
             activations = np.full(len(rows), lay.profile.trace.activation_peak_bytes)
-            staging = np.full(len(rows), (lay.open_grads + in_flight) * size * 4 + in_flight * cast + sharded_part)
+            staging = np.full(len(rows), lay.open_grads * size * 4 + in_flight * flying_bytes(size, shard, grad_bytes, world)
+                              + sharded_part)
             dos_held = np.full(len(rows), float(dos_buffer))
         backward = activations + staging + fetch + device_grads + dos_held
         at_step = _step_bytes(lay, dos_gap, host, device_elems[rows], row_freed)
@@ -526,14 +526,24 @@ def _step_bytes(lay: Layout, dos_gap: int, has_host: bool, device_elems, freed: 
     return _dos_buffer_bytes(lay, dos_gap, has_host) + (4 * device_elems if freed else 0)
 
 
-def _staged_by_sample(lay: Layout, has_host: bool, grad_bytes: int) -> np.ndarray:
-    """Per memory sample: the gradient buffers held at its worst moment, each a whole fp32 chunk,
-    with up to MAX_REDUCTIONS_IN_FLIGHT host reductions in flight when some chunk is on the host,
-    each with its cast shard when host gradients travel in the compute dtype."""
+def _staged_by_sample(lay: Layout, has_host: bool, grad_bytes: int, world: int) -> np.ndarray:
+    """Per memory sample: the gradient buffers held at its worst moment, each a whole fp32 chunk
+    (a host chunk's collecting in the compute dtype is counted so too), with up to
+    MAX_REDUCTIONS_IN_FLIGHT host reductions in flight when some chunk is on the host, each as
+    `flying_bytes`."""
     column = 1 if has_host else 0
-    shard = int(lay.shards.max())
-    cast = shard * grad_bytes if grad_bytes < 4 else 0
-    return lay.event_buffers[:, column] * int(lay.sizes.max()) * 4 + lay.event_flying[:, column] * cast
+    size, shard = int(lay.sizes.max()), int(lay.shards.max())
+    flying = lay.event_flying[:, column]
+    return (lay.event_buffers[:, column] - flying) * size * 4 + flying * flying_bytes(size, shard, grad_bytes, world)
+
+
+def flying_bytes(size: int, shard: int, grad_bytes: int, world: int) -> int:
+    """A host chunk's reduction in flight: its staging buffer, in the compute dtype where its
+    gradient goes down in it with one rank (`staged_low`); else fp32, with the cast shard beside
+    it when the gradient goes down in the compute dtype."""
+    if staged_low(grad_bytes, world):
+        return size * grad_bytes
+    return size * 4 + (shard * grad_bytes if grad_bytes < 4 else 0)
 
 
 def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
@@ -574,14 +584,14 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
     for n in pool_candidates(lay):
         loads = loads_at(lay, n)
         host_cost = grad_accum * (loads * costs.load_host + costs.reduce_host + costs.stage_host) + costs.adam_host
-        dev_cost = grad_accum * (loads * (costs.load_device + costs.fill_device) + costs.reduce_device) + costs.adam_device
+        dev_cost = (grad_accum * (loads * (costs.load_device + costs.fill_device) + costs.reduce_device + costs.stage)
+                    + costs.adam_device)
         benefit = host_cost - dev_cost
         by_benefit = np.argsort(-(benefit / state_bytes), kind="stable")
         parts = _PrefixParts(compute, forward, grad_accum * loads * (costs.load_host - costs.load_device),
                              grad_accum * (costs.reduce_host - costs.reduce_device), grad_accum * costs.stage_host,
-                             grad_accum * loads * costs.fill_device,
-                             grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())
-                                           + float(costs.stage.sum())),
+                             grad_accum * (loads * costs.fill_device + costs.stage),
+                             grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
                              updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
@@ -596,9 +606,9 @@ class _PrefixParts:
     forward: float
     h2d: np.ndarray  # per chunk, per step, when its state is on the host
     d2h: np.ndarray
-    host_cast: np.ndarray  # per chunk, per step, when on the host: its gradients' casts before the copy down
-    device_fill: np.ndarray  # per chunk, per step, when its state is on the device: the casts of its loads
-    collectives: float  # the fixed compute-stream work: collectives and the gradient staging copies
+    host_stage: np.ndarray  # per chunk, per step, when on the host: its gradients' staging (and casts)
+    device_kernels: np.ndarray  # per chunk, per step, when its state is on the device: its loads' casts and staging
+    collectives: float  # the fixed compute-stream work: collectives
     updates_in_backward: bool
     upload: bool
     micro_steps: int
@@ -625,8 +635,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     # one load of each host chunk the step loads at all (a chunk no traced access uses has none)
     load = np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
     forward_loads = hostf @ load
-    on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_fill)
-                 + hostf @ parts.host_cast)
+    on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_kernels)
+                 + hostf @ parts.host_stage)
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     released = gradients_released(parts.updates_in_backward, parts.micro_steps)
@@ -757,7 +767,7 @@ def plan_buffers_by_sample(plan: Plan, lay: Layout, elem_bytes: int, grad_accum:
         return None
     device = np.array([p == "device" for p in plan.placements])
     has_host = not bool(device.all())
-    staged = _staged_by_sample(lay, has_host, host_grad_bytes(plan.host_grads_low))
+    staged = _staged_by_sample(lay, has_host, host_grad_bytes(plan.host_grads_low), plan.world_size)
     any_sharded = plan.world_size > 1 and not bool(lay.replicated.all())
     fetch = _fetch_bytes(lay, elem_bytes, plan.world_size, has_host, plan.upload_copies)
     freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
