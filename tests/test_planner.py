@@ -2,6 +2,7 @@
 JSON, beat the hand-made recipes in prediction, train exactly like plain torch, and explain themselves."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -363,6 +364,54 @@ def test_explain_lists_chunks_memory_and_time():
         assert needle in text, needle
 
 
+@pytest.mark.parametrize("ckpt", [False, "full"], ids=["no-recompute", "blocks-recomputed"])
+def test_a_deeper_prefetch_costs_no_load_one_chunk_ahead_does_not(ckpt):
+    """A GPT with tied embeddings in 19 chunks, a pool of 9 blocks, loading up to 7 chunks ahead:
+    the engine makes the same loads a step as one chunk ahead. A prefetch further ahead than the
+    next chunk does not evict the tied embedding (used again at the forward's end) while the
+    chunks just used are needed later (in backward): without that rule the forward evicted it and
+    loaded it again, two loads more a step. The plan takes as many as the blocks allow."""
+    from elixir_ray.engine import manual_plan
+    from elixir_ray.model.gpt import build_gpt
+    from elixir_ray.planner.search import make_layout, prefetch_depth
+
+    torch.manual_seed(0)
+    base = build_gpt(dict(d_model=64, n_layers=12, n_heads=4, vocab_size=257, seq_len=32), ckpt)
+    data = [torch.randint(0, 257, (4, 33)) for _ in range(2)]
+    lay = make_layout(profile_model(copy.deepcopy(base), (data[0],)), 40000, 1)
+    assert len(lay.sizes) == 19 and prefetch_depth(9, lay.min_blocks) == (6 if not ckpt else 5)
+    fetches, losses = {}, {}
+    for depth in (1, prefetch_depth(9, lay.min_blocks), 7):
+        m = copy.deepcopy(base)
+        plan = manual_plan(m, (data[0],), chunk_size=40000, n_blocks=9, prefetch_depth=depth)
+        assert f"loading {depth} chunk(s) ahead" in plan.explain()
+        model, opt = elixir_ray.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3), sample_inputs=(data[0],),
+                                     plan=plan, device="cpu")
+        assert model.pool.prefetch_depth == depth  # the plan's: wrap was given no prefetch=
+        losses[depth] = []
+        for batch in data:
+            loss = model(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[depth].append(float(loss.detach()))
+        stats = model.engine_stats()
+        fetches[depth] = stats["fetches"]
+        assert stats["blocks_over_plan"] == 0
+        if depth > 1:
+            assert stats["prefetch_lead"] / stats["prefetches"] > 2  # really further ahead
+    assert len(set(fetches.values())) == 1, fetches
+    assert len({tuple(v) for v in losses.values()}) == 1
+    m = copy.deepcopy(base)
+    model, _ = elixir_ray.wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), plan=plan,
+                               device="cpu", prefetch=0)
+    assert model.pool.prefetch_depth == 0  # wrap's prefetch= over the plan's
+    m = copy.deepcopy(base)
+    with pytest.raises(ValueError, match="the plan's prefetch_depth must be an int >= 0"):
+        elixir_ray.wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), device="cpu",
+                        plan=dataclasses.replace(plan, prefetch_depth=-1))
+
+
 def test_old_plan_versions_and_unknown_fields_are_refused():
     with torch.device("meta"):
         model = Stack([16])
@@ -383,6 +432,10 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
     assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": eight}).memory_margin == pytest.approx(0.08)
     assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": []}).memory_margin == 0.2
     assert "1 of 2 blocks recomputed whole" in old.explain()
+    # before version 6 the pool loaded one chunk ahead, as such a plan still does
+    assert data["prefetch_depth"] >= 1 and data["version"] == 6
+    v5 = {k: v for k, v in data.items() if k != "prefetch_depth"}
+    assert elixir_ray.Plan.from_dict({**v5, "version": 5}).prefetch_depth == 1
 
 
 def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):

@@ -356,6 +356,11 @@ def test_the_forwards_loads_follow_one_another_one_chunk_ahead_of_its_compute():
     # a chunk the forward does not use is not waited for, however late its update
     unused = dataclasses.replace(lay, forward_before=np.array([0.0, 0.5, 1.0]))
     assert _forward_chain(unused, last, np.array([[-1.0, -1.0, 5.0]]), np.full(3, 0.04), 0.1) == pytest.approx([0.0])
+    # two chunks ahead (Plan.prefetch_depth 2): chunk 1's load is issued at the forward's start and
+    # chunk 2's at chunk 0's compute, so only the link bounds them: 0.12 s of loads, the last
+    # needed at 0.08 s; further ahead changes nothing here
+    assert _forward_chain(lay, every, done, np.full(3, 0.04), 0.1, depth=2) == pytest.approx([0.04])
+    assert _forward_chain(lay, every, done, np.full(3, 0.04), 0.1, depth=5) == pytest.approx([0.04])
 
 
 def test_a_host_chunk_the_device_updates_is_still_loaded_in_turn():

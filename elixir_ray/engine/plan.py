@@ -16,9 +16,10 @@ from typing import Optional
 # 3: activation checkpointing per block by mode name (version 2's True/False still read); 4: the
 # hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3);
 # 5: the memory margin the plan was searched with (read from 2 to 4 off their "kept back" note:
-# 8% before 2026-11-26's exact memory model, 20% after)
-PLAN_VERSION = 5
-READABLE_VERSIONS = (2, 3, 4, 5)
+# 8% before 2026-11-26's exact memory model, 20% after); 6: how many chunks ahead the pool loads
+# (1, as the engine did, when read from 2 to 5)
+PLAN_VERSION = 6
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 # the share of the budget a plan keeps back for the allocator unless asked otherwise (planner.search.SAFETY)
 DEFAULT_MEMORY_MARGIN = 0.20
 
@@ -70,6 +71,9 @@ class Plan:
     # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked;
     # from an older plan, what its notes say, `_margin_of`)
     memory_margin: float = DEFAULT_MEMORY_MARGIN
+    # how many chunks ahead of the trace the pool loads (wrap's `prefetch` unless given there): the
+    # planner takes as many as the pool's blocks allow (planner.search.prefetch_depth)
+    prefetch_depth: int = 1
     version: int = PLAN_VERSION
     notes: list = field(default_factory=list)
 
@@ -117,7 +121,8 @@ class Plan:
         lines.append(f"plan: {n} chunks of {self.chunk_size:,} elements ({total:,} parameters), "
                      f"{self.world_size} rank(s), compute in {self.dtype or 'the default dtype'}")
         lines.append(f"  pool: {self.n_blocks} of {n} chunks resident at once"
-                     + (" (the whole model)" if self.n_blocks >= n else ""))
+                     + (" (the whole model)" if self.n_blocks >= n else "")
+                     + (f", loading {self.prefetch_depth} chunk(s) ahead" if self.n_blocks < n else ""))
         lines.append(f"  optimizer state: {on_device} chunk(s) on the device, {n - on_device} on the host"
                      + (f"; Deep Optimizer States updates every {ordinal(self.dos_gap)} host chunk on the device"
                         if self.dos_gap else "")

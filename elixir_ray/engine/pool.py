@@ -184,6 +184,7 @@ class ChunkPool:
         # the last two accessed chunks too: one autograd node may have unpacked parameters from both
         protected = self._protected(serving) | set(list(self.recent)[-2:])
         resident = self.resident
+        nearest = window[0][0]
         for j, cid in window:
             chunk = chunks[cid]
             if chunk.resident:
@@ -198,12 +199,34 @@ class ChunkPool:
                 if not later:
                     return  # nothing may go without costing a load: give up, as a plain pool would wait
                 victim = max(later, key=lambda c: self.next_use(c.index))
+                if j != nearest and self._kept_by_plain_pool(victim, j, resident, window):
+                    return
                 self._evict(victim)
                 resident.remove(victim)
             self.store.prefetch(chunk)
             self.store.counts["prefetch_lead"] += j - self.cursor
             resident.append(chunk)
             protected.add(cid)
+
+    def _kept_by_plain_pool(self, victim: Chunk, j: int, resident: list, window) -> bool:
+        """Whether a plain pool would still hold `victim` when access `j` needs a block: another
+        resident chunk, not one the window loads for use by then, is next needed after `j` later
+        than the victim is. A prefetch further ahead than the next access's chunks then waits
+        instead of costing a load the plain pool does not make: a tied embedding, used again at the
+        forward's end, while the chunks just used are next needed in backward (without this, a
+        GPT's forward evicted it and loaded it again). The next access's own chunks are loaded as
+        before: waiting would stall on them."""
+        farthest = self.next_use(victim.index)
+        by_then = {cid for at, cid in window if at <= j}
+        return any(self._next_use_after(c.index, j) > farthest
+                   for c in resident if c is not victim and c.index not in by_then)
+
+    def _next_use_after(self, chunk: int, j: int) -> int:
+        occ = self.occurrences.get(chunk)
+        if not occ:
+            return 1 << 60
+        k = bisect.bisect_right(occ, j)
+        return occ[k] if k < len(occ) else occ[0] + len(self.events)
 
     def release_pins(self) -> None:
         self.pinned.clear()

@@ -422,7 +422,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
          process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
          dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
          init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None,
-         accumulation_steps: Optional[int] = None, prefetch: int = 1, memory_margin: Optional[float] = None):
+         accumulation_steps: Optional[int] = None, prefetch: Optional[int] = None,
+         memory_margin: Optional[float] = None):
     """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`.
 
     `sample_inputs` is one step's inputs, traced to order the chunks: a tuple of forward's positional
@@ -432,7 +433,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
     host chunks start their CPU update during the N-th backward, and device chunks update there and
     release their gradients once applied (see docs/engine.md); `prefetch`
-    is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py).
+    is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py; default
+    the plan's `prefetch_depth`).
     `memory_margin`: the fraction of `device_memory` the plan search keeps back for the allocator
     (default 0.2; only where wrap searches the plan).
     """
@@ -444,8 +446,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
                          f"or None, got {accumulation_steps!r}")
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0 (chunks to load ahead), got {prefetch!r}")
+    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
+        raise ValueError(f"prefetch must be an int >= 0 (chunks to load ahead) or None (the plan's), got {prefetch!r}")
     if memory_margin is not None:
         if plan is not None:
             raise ValueError("memory_margin is the plan search's, and a plan was given: pass it to elixir_ray.plan "
@@ -493,6 +495,10 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
+    if not isinstance(plan.prefetch_depth, int) or plan.prefetch_depth < 0:
+        raise ValueError(f"the plan's prefetch_depth must be an int >= 0 (chunks to load ahead), got "
+                         f"{plan.prefetch_depth!r}")
+    prefetch = plan.prefetch_depth if prefetch is None else prefetch
     if sorted(plan.param_order) != sorted(names):
         raise ValueError("the plan's param_order does not name exactly this module's parameters")
     if plan.host_grads_low and dtype != torch.bfloat16:
@@ -585,7 +591,7 @@ def _refuse_original_step(optimizer, args, kwargs):
 def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size: int, n_blocks: int, world_size: int = 1,
                 placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
                 dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
-                host_grads_low: bool = False) -> Plan:
+                host_grads_low: bool = False, prefetch_depth: int = 1) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
     named = unique_parameters(module)
     trace = trace_step(module, as_sample_inputs(sample_inputs), loss_fn)
@@ -599,5 +605,6 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size
         chunk_size=chunk_size, n_blocks=n_blocks, param_order=order, world_size=world_size, chunk_numels=numels,
         placements=[placements] * n if isinstance(placements, str) else list(placements),
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
-        dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
+        dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, prefetch_depth=prefetch_depth,
+        notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
     )

@@ -100,6 +100,11 @@ class Choice:
     dos_gap: int
     upload: bool = False  # host chunks keep a copy in the compute dtype to upload
     grads_low: bool = False  # host chunks' gradients in the compute dtype (Plan.host_grads_low)
+    prefetch: Optional[int] = None  # chunks the pool loads ahead (Plan.prefetch_depth); None: `prefetch_depth`
+
+    @property
+    def depth(self) -> int:
+        return prefetch_depth(self.n_blocks, self.layout.min_blocks) if self.prefetch is None else self.prefetch
 
 
 REPLICATE_CHOICES = ("auto", "all", "none")
@@ -238,6 +243,18 @@ def pool_candidates(layout: Layout) -> list[int]:
     return sorted({int(round(x)) for x in np.geomspace(lo, hi, 64)} | {lo, hi})
 
 
+def prefetch_depth(n_blocks: int, min_blocks: int) -> int:
+    """How many chunks ahead the pool loads (Plan.prefetch_depth): as far as its blocks allow, at
+    least one. A prefetch evicts none of the chunks used last (the two an autograd node may read,
+    and as many as the trace needs at once less one: wrap's `keep_recent`), and one more block is
+    left for a chunk the forward uses twice (a tied embedding, at both ends), which a prefetch
+    further ahead than the next chunk does not evict (`ChunkPool._prefetch`). Loads from further
+    ahead start earlier, where the forward's host chunks follow one another with loads slower than
+    their compute (gpt-1.5b at 24 GiB: 4.8 ms of load beside the CPU job against 2.9 ms of compute
+    per chunk of 80M)."""
+    return max(1, n_blocks - max(2, min_blocks - 1) - 1)
+
+
 def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
     counts = loads_per_chunk(layout.events, n_blocks)
     out = np.zeros(len(layout.sizes), dtype=np.float64)
@@ -250,7 +267,8 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
               in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
-              simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None) -> np.ndarray:
+              simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None,
+              depth: int = 1) -> np.ndarray:
     """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
     them and for the loads of `loaded` (default `plain`), from the engine's update queue played out
     (0 where the row loads no chunk).
@@ -292,18 +310,19 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     updated = np.where(rows, finish - start, -np.inf)  # relative to the forward's start (backward's end)
     loaded_rows = rows if loaded is None else np.broadcast_to(np.asarray(loaded, dtype=bool), plain.shape).reshape(
         rows.shape)
-    return _forward_chain(lay, loaded_rows, updated, load, forward).reshape(plain.shape[:-1])
+    return _forward_chain(lay, loaded_rows, updated, load, forward, depth).reshape(plain.shape[:-1])
 
 
 def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
-                   forward: float) -> np.ndarray:
+                   forward: float, depth: int = 1) -> np.ndarray:
     """Per row: how much longer than its compute the forward lasts, its chunks taken in the order it
     first needs them, as the pool serves them: a chunk `loaded` (per row: its state on the host) is
     copied in after its update ends (`updated`, per row, from the forward's start; -inf for none)
     and after the previous load on the one copy stream, and no earlier than the compute of the
-    chunk before it starts (the pool prefetches one chunk ahead, at the first access of the chunk
-    before, and the copy first waits for the compute queued so far); its compute starts when both
-    the compute before it and its load are done. So loads slower than the compute between them add
+    chunk `depth` places before it starts (the pool prefetches `depth` chunks ahead, Plan.
+    prefetch_depth: at the first access of that chunk, and the copy first waits for the compute
+    queued so far; the first `depth` chunks from the forward's start); its compute starts when
+    both the compute before it and its load are done. So loads slower than the compute between them add
     up where host chunks follow one another, even when the forward as a whole has time for them:
     on the H100 gpt-1.5b's forward at 24 GiB (host chunks the last 6 of 11, a load 8.9 ms beside
     the CPU job against 5 ms of compute each) took about 30 ms more than its compute and its waits
@@ -313,13 +332,15 @@ def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: n
     order = np.argsort(shares, kind="stable")
     order = order[shares[order] < 1.0]  # the chunks the forward uses, by first use
     n_rows = loaded.shape[0]
-    delay, link, before = np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)
-    for c in order:
+    delay, link = np.zeros(n_rows), np.zeros(n_rows)
+    starts = []  # per chunk in that order, per row: when its compute starts
+    for p, c in enumerate(order):
         need = forward * shares[c]  # its compute's start, were nothing late
-        copied = np.maximum(np.maximum(before, updated[:, c]), link) + load[c]
+        issued = starts[p - depth] if p >= depth else 0.0
+        copied = np.maximum(np.maximum(issued, updated[:, c]), link) + load[c]
         link = np.where(loaded[:, c], copied, link)
         delay = np.where(loaded[:, c], np.maximum(delay, copied - need), delay)
-        before = need + delay
+        starts.append(need + delay)
     return delay
 
 
@@ -383,7 +404,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
         partial(_cpu_wait, lay, plain_host, costs.adam_host, forward, in_backward=updates_in_backward, load=load,
-                copy_down=costs.reduce_host - costs.reduce_device, loaded=host),
+                copy_down=costs.reduce_host - costs.reduce_device, loaded=host, depth=choice.depth),
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
@@ -670,7 +691,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                                    dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
 
         queue = partial(_cpu_wait, lay, plain, costs.adam_host, parts.forward, in_backward=parts.updates_in_backward,
-                        load=load, copy_down=costs.reduce_host - costs.reduce_device, loaded=host)
+                        load=load, copy_down=costs.reduce_host - costs.reduce_device, loaded=host,
+                        depth=prefetch_depth(n, lay.min_blocks))
         # the queue played out only where the step could still be the best: each update alone is a
         # lower bound of it (a 10B GPT's search took three times as long playing out every row)
         bound = step(partial(queue, simulate=np.zeros(len(ok), dtype=bool)))
@@ -803,7 +825,8 @@ def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, el
     grad_accum, updates_in_backward = _plan_loop(plan, grad_accum, updates_in_backward)
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
-    choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low)
+    choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low,
+                    plan.prefetch_depth)
     return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path)[3]
 
 
@@ -868,7 +891,7 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
-        host_grads_low=choice.grads_low and not bool(choice.device.all()),
+        host_grads_low=choice.grads_low and not bool(choice.device.all()), prefetch_depth=choice.depth,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
