@@ -618,6 +618,35 @@ def test_host_state_lives_in_one_arena_of_exactly_its_size():
     assert all(c.master.device.type == "cpu" and c.grad_buffer is None for c in store.chunks if c.placement == "device")
 
 
+def test_a_prefetch_further_ahead_never_evicts_a_chunk_a_plain_pool_keeps():
+    """The pool's rule for prefetches beyond the next access's chunks, over a real store and an
+    access order made up to catch it: at the 6th access a prefetch of chunk 5 (needed at the 17th)
+    could evict chunk 1 (needed at the 21st), but chunks 6, 7 and 8, loaded by then, are next needed
+    only in the next step, so a plain pool evicts one of those instead; evicting chunk 1 cost a
+    load more a step (10 against 9). Loading 5 ahead, the pool makes the loads it makes one ahead."""
+    from elixir_ray.engine.pool import ChunkPool
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(9)])
+    plan = manual_plan(m, (torch.randn(2, 8),), chunk_size=64, n_blocks=9)
+    model, _ = wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(torch.randn(2, 8),), plan=plan, device="cpu")
+    store = model.store
+    assert len(store.chunks) == 9
+    events = [(c,) if isinstance(c, int) else c for c in
+              [0, 1, 1, 2, 3, 4, (8, 7), 6, 7, 8, 7, 0, 6, 8, 7, 6, 5, 4, 3, 2, 1, 0]]
+    loads = {}
+    for depth in (1, 5):
+        store.free_all()
+        before = store.counts["fetches"]
+        pool = ChunkPool(store, 8, events, keep_recent=1, prefetch_depth=depth)
+        for _ in range(2):
+            for ev in events:
+                pool.access(ev)
+            pool.reset()
+        loads[depth] = store.counts["fetches"] - before
+    assert loads[5] == loads[1] == 18, loads
+
+
 def test_residency_flags_follow_the_storage_through_forward_recompute_and_steps():
     """The store keeps `Chunk.resident` beside every resize (the hooks read it for every op): at each
     module's entry, in forward and in recomputation, it agrees with the storage, and at most n_blocks

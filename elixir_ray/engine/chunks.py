@@ -459,7 +459,7 @@ class ChunkStore:
                 self._reduce_into(c, full, where)
                 c.grad_ready = torch.cuda.Event(blocking=True)  # the background update waits for this alone
                 c.grad_ready.record(self.reduce_stream)
-            # each reduction in flight holds a whole fp32 chunk on the device: at most MAX_REDUCTIONS_IN_FLIGHT,
+            # each reduction in flight holds its whole staging buffer on the device: at most MAX_REDUCTIONS_IN_FLIGHT,
             # as the planner budgets ("gradient staging"), so wait for the oldest when there are more
             self.reductions_in_flight.append(c.grad_ready)
             while len(self.reductions_in_flight) > MAX_REDUCTIONS_IN_FLIGHT:

@@ -265,8 +265,10 @@ class EngineHooks:
         parameters, guarded until then, would be waited for only by an op that reads one itself, not
         by one that reads a view of it: code between forward and backward that reads them (a
         regulariser, a logged norm) would read a half-copied block. The compute stream waits for
-        those copies now; they are the backward's first chunks, so little overlap is lost. Nothing
-        is pending off CUDA."""
+        those copies now; they are the backward's first chunks, so little overlap is lost (however
+        far ahead the pool loads: at the forward's end its blocks hold the chunks the backward
+        needs first, which a prefetch does not evict, so in a GPT's step none is pending then).
+        Nothing is pending off CUDA."""
         if self.store.copy_stream is not None:
             for c in self.store.chunks:
                 if c.ready is not None:

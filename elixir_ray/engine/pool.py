@@ -9,7 +9,9 @@ needs more chunks at once than the trace did goes over n_blocks (warned once, co
 
 Prefetch: after serving an access, the pool loads the next `prefetch_depth` chunks the trace needs
 that this access does not (never past the end of the step: the next step's weights are not updated
-yet), evicting only a chunk whose next use comes later than the prefetched chunk's. It does not evict
+yet; the plan says how many, as many as its blocks allow), evicting only a chunk whose next use
+comes later than the prefetched chunk's, and beyond the next access's chunks only one no other
+resident chunk outlasts after that use (`_kept_by_plain_pool`). It does not evict
 the two chunks used last either (an autograd node may unpack parameters of both), so where Belady
 would have evicted one of them instead (a tied embedding, used at both ends of the forward) a
 prefetch can cost a load the plain pool would not make. Chunks, not accesses: a chunk holds
@@ -199,7 +201,7 @@ class ChunkPool:
                 if not later:
                     return  # nothing may go without costing a load: give up, as a plain pool would wait
                 victim = max(later, key=lambda c: self.next_use(c.index))
-                if j != nearest and self._kept_by_plain_pool(victim, j, resident, window):
+                if j != nearest and self._kept_by_plain_pool(victim, j, resident):
                     return
                 self._evict(victim)
                 resident.remove(victim)
@@ -208,18 +210,16 @@ class ChunkPool:
             resident.append(chunk)
             protected.add(cid)
 
-    def _kept_by_plain_pool(self, victim: Chunk, j: int, resident: list, window) -> bool:
-        """Whether a plain pool would still hold `victim` when access `j` needs a block: another
-        resident chunk, not one the window loads for use by then, is next needed after `j` later
-        than the victim is. A prefetch further ahead than the next access's chunks then waits
-        instead of costing a load the plain pool does not make: a tied embedding, used again at the
-        forward's end, while the chunks just used are next needed in backward (without this, a
-        GPT's forward evicted it and loaded it again). The next access's own chunks are loaded as
-        before: waiting would stall on them."""
+    def _kept_by_plain_pool(self, victim: Chunk, j: int, resident: list) -> bool:
+        """Whether a plain pool might still hold `victim` when access `j` needs a block: another
+        resident chunk (those loaded for use by then too) is next needed after `j` later than the
+        victim is, so that one would go instead. A prefetch further ahead than the next access's
+        chunks then waits instead of costing a load the plain pool does not make: a tied embedding,
+        used again at the forward's end, while the chunks just used are next needed in backward
+        (without this, a GPT's forward evicted it and loaded it again). The next access's own
+        chunks are loaded as before: waiting would stall on them."""
         farthest = self.next_use(victim.index)
-        by_then = {cid for at, cid in window if at <= j}
-        return any(self._next_use_after(c.index, j) > farthest
-                   for c in resident if c is not victim and c.index not in by_then)
+        return any(self._next_use_after(c.index, j) > farthest for c in resident if c is not victim)
 
     def _next_use_after(self, chunk: int, j: int) -> int:
         occ = self.occurrences.get(chunk)

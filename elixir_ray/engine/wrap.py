@@ -495,7 +495,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
-    if not isinstance(plan.prefetch_depth, int) or plan.prefetch_depth < 0:
+    if not isinstance(plan.prefetch_depth, int) or isinstance(plan.prefetch_depth, bool) or plan.prefetch_depth < 0:
         raise ValueError(f"the plan's prefetch_depth must be an int >= 0 (chunks to load ahead), got "
                          f"{plan.prefetch_depth!r}")
     prefetch = plan.prefetch_depth if prefetch is None else prefetch

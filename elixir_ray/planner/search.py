@@ -447,7 +447,7 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
 
     Backward peaks at its worst moment (`backward_timeline`): activations alive, gradient buffers
-    (chunks collecting gradients, reductions in flight, each a whole fp32 chunk), a fetch's
+    (chunks collecting gradients, each a whole fp32 chunk, and reductions in flight, `flying_bytes`), a fetch's
     conversion buffer, and, where gradients are `freed` (`gradients_freed`), the gradients of
     the device chunks handed on by then. The optimizer step holds every device gradient and the
     Deep Optimizer States buffers, which are held at every moment (`_dos_buffer_bytes`); the
