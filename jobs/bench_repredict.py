@@ -10,7 +10,10 @@ The step is re-costed with the rates and compute the plan was made with: the pla
 traced FLOPs' forward share of its compute. `--compute-scale X` multiplies the compute and
 `--link-gbps G` sets `copies_beside_cpu_adam_gbps`, to see what a better-measured rate would
 predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates ran (the median
-over its timeline's updates), which tells a wrong rate from a wrong model."""
+over its timeline's updates), which tells a wrong rate from a wrong model. `--search` also
+searches each run's shape afresh at its cap and those rates (every checkpointing setting, the
+compute from the traced FLOPs at the rate that gives the measured plan its own compute), to say
+what plan this version would choose there and what it would predict."""
 
 import argparse
 import dataclasses
@@ -26,7 +29,9 @@ import torch  # noqa: E402
 from elixir_ray.bench.report import device_lag, update_job_rates  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.engine.plan import Plan  # noqa: E402
+from elixir_ray.engine.plan import recomputation  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
+from elixir_ray.planner.api import search_module  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile  # noqa: E402
 from elixir_ray.planner.model_profile import profile_model  # noqa: E402
 from elixir_ray.planner.op_timing import ComputeTimes  # noqa: E402
@@ -72,7 +77,13 @@ def main() -> int:
     parser.add_argument("--run-cpu-rate", action="store_true",
                         help="re-cost each step with the CPU AdamW at the rate the run's own updates ran (the "
                              "median over its timeline; a run without updates on its timeline keeps the plan's)")
+    parser.add_argument("--search", action="store_true",
+                        help="also search each run's shape afresh at its cap and the rates it is re-costed at")
+    parser.add_argument("--memory-margin", type=float, default=None,
+                        help="with --search: the share of the cap the search keeps back (default: the plan's)")
     args = parser.parse_args()
+    if args.memory_margin is not None and not args.search:
+        parser.error("--memory-margin is for --search")
     results = []
     for path in args.results:  # every file checked before any model is traced
         try:
@@ -87,7 +98,7 @@ def main() -> int:
         results.append(result)
     print("| shape | cap | measured peak | predicted at the run | predicted now | largest parts now |")
     print("|---|---|---|---|---|---|")
-    steps, paths = [], []
+    steps, paths, searched = [], [], []
     for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
@@ -120,6 +131,9 @@ def main() -> int:
             step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=None if plan.hardware else True,
                                      path=path)
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
+            if args.search:
+                searched.append((shape.name, result["cap_bytes"], step, search_again(
+                    model, sample, result["cap_bytes"], plan, profile, hw, dtype, compute, args.memory_margin)))
             paths.append((shape.name, result["cap_bytes"], path, device_lag(result.get("timeline") or [])))
     if steps:
         print()
@@ -142,7 +156,39 @@ def main() -> int:
             backward = f"{lag['device_backward'] * 1e3:.0f} ms" if lag else ""
             print(f"| {name} | {format_bytes(cap)} | {float(path['forward']) * 1e3:.0f} + {wait * 1e3:.0f} ms ({kind}) | "
                   f"{forward} | {float(path['rest']) * 1e3:.0f} ms | {backward} |")
+    if searched:
+        print()
+        print("Searched afresh at each run's cap and the rates above (compute from the traced FLOPs at the rate "
+              "that gives the measured plan its own)")
+        print()
+        print("| shape | cap | measured plan, re-costed | searched now | its plan |")
+        print("|---|---|---|---|---|")
+        for name, cap, step, found in searched:
+            print(f"| {name} | {format_bytes(cap)} | {step:.3f} s | {found.predicted_step_seconds:.3f} s "
+                  f"({step / found.predicted_step_seconds:.2f}x faster) | {plan_summary(found)} |")
     return 0
+
+
+def search_again(model, sample, cap: int, plan: Plan, profile, hw: HardwareProfile, dtype, compute: float,
+                 margin) -> Plan:
+    """The plan this version searches for a run: its cap, one rank, every checkpointing setting, the
+    loop the plan was made for, at `hw` with the matmul rate at which the traced FLOPs of the
+    measured plan's setting take its measured `compute` (the other settings have no timed kernels)."""
+    effective = profile.trace.flops / compute / 1e12
+    found, _ = search_module(model, (sample,), cap, 1, dataclasses.replace(hw, matmul_tflops=effective), dtype, None,
+                             plan.grad_accum, None, True,
+                             updates_in_backward=plan.updates_in_backward if plan.hardware else True,
+                             memory_margin=plan.memory_margin if margin is None else margin)
+    return found
+
+
+def plan_summary(plan: Plan) -> str:
+    whole, selective = recomputation(plan.activation_checkpointing)
+    host = plan.placements.count("host")
+    return (f"{plan.n_chunks} chunks of {plan.chunk_size / 1e6:.0f}M, {host} on the host"
+            + (f" (every {plan.dos_gap} by DOS)" if plan.dos_gap and host else "")
+            + f", pool {plan.n_blocks} ({plan.prefetch_depth} ahead), {whole} blocks recomputed whole, "
+            f"{selective} selectively, peak {format_bytes(plan.predicted_peak_bytes)}")
 
 
 if __name__ == "__main__":

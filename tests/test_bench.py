@@ -366,6 +366,17 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
     # and where the re-costed step goes: a CPU run has no device marks to set beside it
     row = re.search(r"\| smoke \| [^|]+ \| (\d+) \+ (\d+) ms \((updates, loads|copies)\) \|  \| (\d+) ms \|  \|", out.stdout)
     assert row is not None, out.stdout
+    # searched afresh at the same cap and rates (and every checkpointing setting): no slower than
+    # the plan searched with its module's own setting
+    out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), "--search", str(result)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = re.search(r"\| smoke \| [^|]+ \| ([\d.]+) s \| ([\d.]+) s \(([\d.]+)x faster\) \| \d+ chunks of .* "
+                      r"\((\d+) ahead\)", out.stdout)
+    assert found is not None and float(found[2]) <= float(found[1]) + 1e-3 and int(found[4]) >= 1, out.stdout
+    out = subprocess.run([sys.executable, os.path.join(root, "jobs", "bench_repredict.py"), "--memory-margin", "0.1",
+                          str(result)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--memory-margin is for --search" in out.stderr
     # at the rate the run's own updates ran (its timeline's median): the plan's own rate (fp32
     # gradients here) gives back its prediction; one far below it, a far longer step
     for rate, check in ((2e8, lambda s: s == pytest.approx(made.predicted_step_seconds, abs=1e-3)),
