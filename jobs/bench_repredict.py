@@ -166,6 +166,10 @@ def main() -> int:
         for name, cap, step, found in searched:
             print(f"| {name} | {format_bytes(cap)} | {step:.3f} s | {found.predicted_step_seconds:.3f} s "
                   f"({step / found.predicted_step_seconds:.2f}x faster) | {plan_summary(found)} |")
+        print()
+        for name, cap, _, found in searched:  # each found plan's own account of its step
+            path = next((n for n in found.notes if n.startswith("critical path:")), "")
+            print(f"- {name} at {format_bytes(cap)}: {path}")
     return 0
 
 
