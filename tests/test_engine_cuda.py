@@ -54,7 +54,9 @@ def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_si
     dict(accumulation_steps=2, prefetch=2, dos_gap=2, dos_tile=24),
     dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
     dict(accumulation_steps=1, prefetch=2, ckpt="selective", cycle=("host", "device")),
-], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing", "selective"])
+    # loads issued five chunks ahead, as a plan's prefetch_depth may say, with checkpointing
+    dict(accumulation_steps=1, prefetch=5, n_blocks=8, ckpt="non-reentrant", cycle=("host", "host", "device")),
+], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing", "selective", "far-ahead"])
 def test_fp32_on_cuda_matches_torch_adamw(case):
     from elixir_ray.engine import optimizer
 
@@ -71,6 +73,8 @@ def test_fp32_on_cuda_matches_torch_adamw(case):
         losses = engine_run(model, opt, data, STEPS, accum, device="cuda")
     stats = model.engine_stats()
     assert stats["evictions"] >= STEPS and stats["prefetches"] > 0  # the copy stream was used every step
+    if case.get("prefetch", 1) >= 5:  # loads really issued further ahead (2.0 accesses on the CPU, 1.0 one ahead)
+        assert stats["prefetch_lead"] / stats["prefetches"] >= 1.5
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_FP32_TOL
     assert _max_diff(model.state_dict(), ref_state) <= CUDA_FP32_TOL
 
@@ -80,7 +84,8 @@ def test_fp32_on_cuda_matches_torch_adamw(case):
     dict(accumulation_steps=2, prefetch=1, max_grad_norm=0.5, dos_gap=2),
     dict(accumulation_steps=2, prefetch=2, dos_gap=2, dos_tile=24),
     dict(accumulation_steps=1, prefetch=2, ckpt="non-reentrant", cycle=("host", "host", "device")),
-], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing"])
+    dict(accumulation_steps=1, prefetch=5, n_blocks=8, ckpt="non-reentrant", cycle=("host", "host", "device")),
+], ids=["in-backward", "clip-dos", "dos-in-backward", "checkpointing", "far-ahead"])
 def test_slow_copies_and_slow_cpu_updates_change_nothing(case, monkeypatch):
     """The same runs with every side-stream copy held back on the device and every CPU update held
     back on its thread: a missing wait between streams, or between the GPU and the background
@@ -148,6 +153,7 @@ def test_bf16_with_upload_copies_tracks_the_fp32_curve():
     losses = engine_run(model, opt, data, len(data), 1, device="cuda")
     assert model.store.chunks[0].upload is not None and model.engine_stats()["evictions"] > 0
     assert model.store.chunks[0].grad_buffer.dtype == torch.bfloat16
+    assert model.store.chunks[0].staging_dtype == torch.bfloat16  # collected in bf16 on the device too
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2
 
 
