@@ -109,6 +109,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert md.count("| elixir_ray |") == 2 and "| compute_and_waits |" in md  # main table and breakdown
     assert "| cpu_adam (background) |" in md
     assert "- elixir_ray: predicted step" in md and "chunk loads per step" in md and "one profiled step" in md
+    assert f"(a pool of {plan.n_blocks} blocks, loading up to {plan.prefetch_depth} chunk(s) ahead)" in md
     assert "the plan's critical path: the forward's compute" in md
     assert "Loss from the first warm-up step to the last timed one: reference " in md
     assert "CPU time per timed step of the training thread" in md and " ms in all threads)" in md

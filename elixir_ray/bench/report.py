@@ -117,6 +117,9 @@ def prediction_lines(results: list[dict]) -> list[str]:
             line += (f"; {pool['fetches']:.0f} chunk loads per step, {pool['prefetches']:.0f} of them prefetched")
             if pool["prefetches"]:
                 line += f" {pool.get('prefetch_lead', 0) / pool['prefetches']:.1f} accesses ahead on average"
+            plan = r.get("plan") or {}
+            if plan.get("n_blocks"):
+                line += f" (a pool of {plan['n_blocks']} blocks, loading up to {plan.get('prefetch_depth', 1)} chunk(s) ahead)"
         lag = device_lag(r.get("timeline") or [])
         if lag:
             line += (f"; forward {lag['device_forward'] * 1e3:.0f} ms on the device ({lag['host_forward'] * 1e3:.0f} on "
