@@ -13,7 +13,9 @@ predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates
 over its timeline's updates), which tells a wrong rate from a wrong model. `--search` also
 searches each run's shape afresh at its cap and those rates (every checkpointing setting, the
 compute from the traced FLOPs at the rate that gives the measured plan its own compute), to say
-what plan this version would choose there and what it would predict."""
+what plan this version would choose there and what it would predict. Its forward is then the
+traced FLOPs' share of the compute, where the re-costed plan keeps its own measured forward, so
+the two differ a little even for the same plan."""
 
 import argparse
 import dataclasses
