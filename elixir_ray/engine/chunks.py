@@ -60,6 +60,16 @@ def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
         torch.utils.swap_tensors(param, swapped)
 
 
+def staged_low(grads_low: bool, world: int) -> bool:
+    """Whether a host chunk collects its gradients in the compute dtype rather than fp32: where
+    they go down in it (Plan.host_grads_low, one backward per step, a compute dtype narrower than
+    fp32), with one rank. Each gradient was computed in that dtype, so the staging copy loses
+    nothing (a parameter with several gradients in one backward has each sum rounded, as autograd
+    rounds a tied weight's); with several ranks the reduction sums in fp32 first. The planner costs
+    the same rule (`planner.cost.chunk_costs`, `planner.search.flying_bytes`)."""
+    return grads_low and world == 1
+
+
 def device_scope(device: torch.device):
     """A scope in which `device` is the thread's current CUDA device (nothing on a CPU).
 
@@ -110,7 +120,7 @@ class Chunk:
     # [size] on the compute device: gradients collected during backward, in `staging_dtype`
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
     # fp32, but the compute dtype for a host chunk whose gradient goes down in it with one rank
-    # (`ChunkStore.staged_low`): nothing to widen, and no cast before the copy down
+    # (`staged_low`): nothing to widen, and no cast before the copy down
     staging_dtype: torch.dtype = torch.float32
     # ids of the slots whose gradient is in `staging`: a first gradient is copied in, not added to
     # zeros, and what no gradient wrote (padding, parameters without one) is zeroed at the reduction
@@ -194,7 +204,7 @@ class ChunkStore:
             else:
                 c.master, c.exp_avg, c.exp_avg_sq = (self.arena.take(c.shard_len, torch.float32) for _ in range(3))
                 c.grad_buffer = self.arena.take(c.shard_len, dtype if grads_low else torch.float32)
-                if self.staged_low(c):
+                if staged_low(grads_low, comm.world):
                     c.staging_dtype = dtype
                 if upload:
                     c.upload = self.arena.take(c.shard_len, dtype)
@@ -397,15 +407,6 @@ class ChunkStore:
                 mark_evicted(c.guarded, held or c.ready is not None)
 
     # -- gradients ------------------------------------------------------------------------------
-
-    def staged_low(self, c: Chunk) -> bool:
-        """Whether the chunk collects its gradients in the compute dtype rather than fp32: a host
-        chunk whose gradient goes down in that dtype (Plan.host_grads_low, one backward per step),
-        with one rank. Each gradient was computed in that dtype, so the staging copy loses nothing
-        (a parameter with several gradients in one backward has each sum rounded, as autograd
-        rounds a tied weight's); with several ranks the reduction sums in fp32 first."""
-        return (c.grad_buffer is not None and c.grad_buffer.dtype == self.dtype != torch.float32
-                and self.comm.world == 1)
 
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> Chunk:
         """Into the chunk's staging buffer (`Chunk.staging_dtype`): copied (widened to fp32 where

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections import OrderedDict
+from typing import Optional
 
 from torch._C import _len_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes
@@ -95,11 +96,13 @@ class ChunkPool:
         self.cursor = occ[j] if j < len(occ) else occ[0]
         return True
 
-    def next_use(self, chunk: int) -> int:
+    def next_use(self, chunk: int, after: Optional[int] = None) -> int:
+        """The chunk's next traced access after `after` (default: the access being served), in the
+        next step's numbering past the end of this one."""
         occ = self.occurrences.get(chunk)
         if not occ:
             return 1 << 60  # never used in the trace: evict first
-        j = bisect.bisect_right(occ, self.cursor)
+        j = bisect.bisect_right(occ, self.cursor if after is None else after)
         return occ[j] if j < len(occ) else occ[0] + len(self.events)
 
     def access(self, chunk_ids, pin: bool = False) -> None:
@@ -219,14 +222,7 @@ class ChunkPool:
         (without this, a GPT's forward evicted it and loaded it again). The next access's own
         chunks are loaded as before: waiting would stall on them."""
         farthest = self.next_use(victim.index)
-        return any(self._next_use_after(c.index, j) > farthest for c in resident if c is not victim)
-
-    def _next_use_after(self, chunk: int, j: int) -> int:
-        occ = self.occurrences.get(chunk)
-        if not occ:
-            return 1 << 60
-        k = bisect.bisect_right(occ, j)
-        return occ[k] if k < len(occ) else occ[0] + len(self.events)
+        return any(self.next_use(c.index, after=j) > farthest for c in resident if c is not victim)
 
     def release_pins(self) -> None:
         self.pinned.clear()

@@ -37,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 
+from elixir_ray.engine.chunks import staged_low
 from elixir_ray.planner.hardware import HardwareProfile
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
@@ -90,7 +91,7 @@ class ChunkCosts:
     fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
     stage: np.ndarray  # per micro-step, a device chunk: its gradients copied (widened) into its fp32 staging buffer
     # per micro-step, a host chunk: its gradients copied into its staging buffer, in the compute dtype
-    # where they go down in it with one rank (ChunkStore.staged_low), else widened and then cast back
+    # where they go down in it with one rank (engine.chunks.staged_low), else widened and then cast back
     stage_host: np.ndarray
 
 
@@ -115,15 +116,9 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         adam_dos=dos_in + dos_out + dos_update, dos_in=dos_in, dos_out=dos_out, dos_update=dos_update,
         fill_device=shards * (4 + elem_bytes) / memory_rate,
         stage=sizes * (elem_bytes + 4) / memory_rate,
-        stage_host=(sizes * (elem_bytes + grad_bytes) if staged_low(grad_bytes, world) else
+        stage_host=(sizes * (elem_bytes + grad_bytes) if staged_low(grad_bytes < 4, world) else
                     sizes * (elem_bytes + 4) + shards * ((4 + grad_bytes) if grad_bytes < 4 else 0)) / memory_rate,
     )
-
-
-def staged_low(grad_bytes: int, world: int) -> bool:
-    """Whether host chunks collect their gradients in the compute dtype (as `ChunkStore.staged_low`):
-    where they go down in it, with one rank."""
-    return grad_bytes < 4 and world == 1
 
 
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:

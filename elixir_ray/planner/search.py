@@ -20,13 +20,13 @@ from typing import Optional
 import numpy as np
 
 from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT
+from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
 from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
-                                     overlapped_step, staged_low)
+                                     overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.units import format_bytes
@@ -562,7 +562,7 @@ def flying_bytes(size: int, shard: int, grad_bytes: int, world: int) -> int:
     """A host chunk's reduction in flight: its staging buffer, in the compute dtype where its
     gradient goes down in it with one rank (`staged_low`); else fp32, with the cast shard beside
     it when the gradient goes down in the compute dtype."""
-    if staged_low(grad_bytes, world):
+    if staged_low(grad_bytes < 4, world):
         return size * grad_bytes
     return size * 4 + (shard * grad_bytes if grad_bytes < 4 else 0)
 
