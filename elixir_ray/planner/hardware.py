@@ -250,6 +250,12 @@ class PinnedCopies:
 
 
 MIN_COPY_ROUND_BYTES = 16 * 2**20  # each way per round, for PinnedCopies' rate to be a link's rate
+# timed updates per CPU AdamW rate (after one warm-up). In training on the H100 machine one run's
+# updates of the same chunk size spread about 15% either side of their median (10th to 90th
+# percentile), and with 3 timed updates one profile's rates from fp32 and from bf16 gradients, whose
+# kernels differ by a few percent, came out up to 1.49x apart (2026-11-27): the rate a plan is costed
+# at was then as much noise as measurement. 9 cost about 1 s more per profile there (128M parameters).
+HOST_UPDATE_REPEATS = 9
 
 
 def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optional[torch.dtype],
@@ -264,11 +270,11 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
     copies take; the third what those copies kept meanwhile, which the step's copies are costed at."""
     state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
-    alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
+    alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
     if not beside_copies:
         return alone, 0.0, 0.0
     with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)) as copies:
-        beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=3)
+        beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
     # rounds of small copies time their syncs more than the link: such a rate would under-cost
     # every copy of a plan, so it counts as not measured
     link = copies.gbps_each_way() if copy_bytes // 2 >= MIN_COPY_ROUND_BYTES else 0.0
