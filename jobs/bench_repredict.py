@@ -126,10 +126,8 @@ def main() -> int:
                 base = hw.cpu_adam_rate(low_grads=plan.host_grads_low) / (hw.cpu_adam_beside_copies or 1.0)
                 if base > 0:
                     hw = dataclasses.replace(hw, cpu_adam_beside_copies=ran / base)
-            # the benchmark's loop declares one backward per step: updates start in backward (a plan
-            # made from version 4 on, the one with its hardware, says so itself)
             path: dict = {}
-            step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=None if plan.hardware else True,
+            step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=updates_in_backward(plan),
                                      path=path)
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
             if args.search:
@@ -182,9 +180,16 @@ def search_again(model, sample, cap: int, plan: Plan, profile, hw: HardwareProfi
     effective = profile.trace.flops / compute / 1e12
     found, _ = search_module(model, (sample,), cap, 1, dataclasses.replace(hw, matmul_tflops=effective), dtype, None,
                              plan.grad_accum, None, True,
-                             updates_in_backward=plan.updates_in_backward if plan.hardware else True,
+                             updates_in_backward=updates_in_backward(plan),
                              memory_margin=plan.memory_margin if margin is None else margin)
     return found
+
+
+def updates_in_backward(plan: Plan) -> bool:
+    """Whether the plan's host updates start in backward: a plan made from version 4 on, the one with
+    its hardware, says so itself; before, the benchmark's loop declared one backward per step, so
+    they did."""
+    return plan.updates_in_backward if plan.hardware else True
 
 
 def plan_summary(plan: Plan) -> str:
