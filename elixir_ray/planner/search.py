@@ -313,6 +313,14 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     return _forward_chain(lay, loaded_rows, updated, load, forward, depth).reshape(plain.shape[:-1])
 
 
+def _update_queue(lay: Layout, costs, plain: np.ndarray, forward: float, in_backward: bool, load: np.ndarray,
+                  loaded: np.ndarray, depth: int):
+    """`_cpu_wait` with one layout's costs bound in, for `overlapped_step` to call with the backward's
+    length; each gradient's copy down is what a host chunk's reduction costs beyond a device chunk's."""
+    return partial(_cpu_wait, lay, plain, costs.adam_host, forward, in_backward=in_backward, load=load,
+                   copy_down=costs.reduce_host - costs.reduce_device, loaded=loaded, depth=depth)
+
+
 def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
                    forward: float, depth: int = 1) -> np.ndarray:
     """Per row: how much longer than its compute the forward lasts, its chunks taken in the order it
@@ -403,8 +411,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
         + engine_kernels,
         time["copies host->device"], time["copies device->host"], time["CPU AdamW"],
-        partial(_cpu_wait, lay, plain_host, costs.adam_host, forward, in_backward=updates_in_backward, load=load,
-                copy_down=costs.reduce_host - costs.reduce_device, loaded=host, depth=choice.depth),
+        _update_queue(lay, costs, plain_host, forward, updates_in_backward, load, host, choice.depth),
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
@@ -690,9 +697,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
                                    parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
                                    dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
 
-        queue = partial(_cpu_wait, lay, plain, costs.adam_host, parts.forward, in_backward=parts.updates_in_backward,
-                        load=load, copy_down=costs.reduce_host - costs.reduce_device, loaded=host,
-                        depth=prefetch_depth(n, lay.min_blocks))
+        queue = _update_queue(lay, costs, plain, parts.forward, parts.updates_in_backward, load, host,
+                              prefetch_depth(n, lay.min_blocks))
         # the queue played out only where the step could still be the best: each update alone is a
         # lower bound of it (a 10B GPT's search took three times as long playing out every row)
         bound = step(partial(queue, simulate=np.zeros(len(ok), dtype=bool)))
