@@ -410,6 +410,9 @@ def test_a_deeper_prefetch_costs_no_load_one_chunk_ahead_does_not(ckpt):
     with pytest.raises(ValueError, match="the plan's prefetch_depth must be an int >= 0"):
         elixir_ray.wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), device="cpu",
                         plan=dataclasses.replace(plan, prefetch_depth=-1))
+    with pytest.raises(ValueError, match=r"prefetch must be an int >= 0 \(chunks to load ahead\) or None"):
+        elixir_ray.wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=(data[0],), device="cpu", plan=plan,
+                        prefetch=True)  # a bool is 1 to Python, not "on"
 
 
 def test_old_plan_versions_and_unknown_fields_are_refused():

@@ -446,8 +446,8 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
                          f"or None, got {accumulation_steps!r}")
-    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
-        raise ValueError(f"prefetch must be an int >= 0 (chunks to load ahead) or None (the plan's), got {prefetch!r}")
+    if prefetch is not None:
+        _check_prefetch(prefetch, "prefetch", " or None (the plan's)")
     if memory_margin is not None:
         if plan is not None:
             raise ValueError("memory_margin is the plan search's, and a plan was given: pass it to elixir_ray.plan "
@@ -461,6 +461,12 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
         return _wrap(module, optimizer, as_sample_inputs(sample_inputs) if sample_inputs is not None else None,
                      device_memory, plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn,
                      accumulation_steps, prefetch, memory_margin)
+
+
+def _check_prefetch(value, what: str, otherwise: str = "") -> None:
+    """Chunks to load ahead: a bool (an int to Python) would read as 0 or 1 chunks, not as on or off."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0 (chunks to load ahead){otherwise}, got {value!r}")
 
 
 def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, max_grad_norm, dtype, device,
@@ -495,9 +501,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
         plan = _one_plan_for_all_ranks(comm, search)
     elif plan.world_size != comm.world:
         raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
-    if not isinstance(plan.prefetch_depth, int) or isinstance(plan.prefetch_depth, bool) or plan.prefetch_depth < 0:
-        raise ValueError(f"the plan's prefetch_depth must be an int >= 0 (chunks to load ahead), got "
-                         f"{plan.prefetch_depth!r}")
+    _check_prefetch(plan.prefetch_depth, "the plan's prefetch_depth")
     prefetch = plan.prefetch_depth if prefetch is None else prefetch
     if sorted(plan.param_order) != sorted(names):
         raise ValueError("the plan's param_order does not name exactly this module's parameters")
