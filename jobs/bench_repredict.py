@@ -8,8 +8,8 @@ already made, without a GPU.
 The step is re-costed with the rates and compute the plan was made with: the plan's `hardware`
 (plans from version 4 on), else the rates line of its notes; its forward's compute, else the
 traced FLOPs' forward share of its compute. `--compute-scale X` multiplies the compute and
-`--link-gbps G` sets `copies_beside_cpu_adam_gbps`, to see what a better-measured rate would
-predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates ran (the median
+`--link-gbps G` sets `copies_beside_cpu_adam_gbps` (`--device-adam-rate G`, the device AdamW's
+G params/s), to see what a better-measured rate would predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates ran (the median
 over its timeline's updates), which tells a wrong rate from a wrong model. `--search` also
 searches each run's shape afresh at its cap and those rates (every checkpointing setting, the
 compute from the traced FLOPs at the rate that gives the measured plan its own compute), to say
@@ -75,6 +75,9 @@ def main() -> int:
                         help="multiply each plan's compute by this before re-costing its step")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="re-cost the steps with copies_beside_cpu_adam_gbps set to this")
+    parser.add_argument("--device-adam-rate", type=float, default=None,
+                        help="re-cost the steps with the device AdamW at this many G params/s (it also sets the "
+                             "device memory rate the engine's own kernels are costed at)")
     parser.add_argument("--run-cpu-rate", action="store_true",
                         help="re-cost each step with the CPU AdamW at the rate the run's own updates ran (the "
                              "median over its timeline; a run without updates on its timeline keeps the plan's)")
@@ -85,6 +88,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.memory_margin is not None and not args.search:
         parser.error("--memory-margin is for --search")
+    if args.device_adam_rate is not None and not args.device_adam_rate > 0:
+        parser.error(f"--device-adam-rate must be a positive number of G params/s, got {args.device_adam_rate}")
     results = []
     for path in args.results:  # every file checked before any model is traced
         try:
@@ -121,6 +126,8 @@ def main() -> int:
             hw = plan_hardware(plan)
             if args.link_gbps is not None:
                 hw = dataclasses.replace(hw, copies_beside_cpu_adam_gbps=args.link_gbps)
+            if args.device_adam_rate is not None:
+                hw = dataclasses.replace(hw, device_adam_params_per_s=args.device_adam_rate * 1e9)
             ran = update_job_rates(result.get("timeline") or []).get("median") if args.run_cpu_rate else None
             if ran:  # the factor on the plan's rate that gives the run's (`HardwareProfile.cpu_adam_rate`)
                 base = hw.cpu_adam_rate(low_grads=plan.host_grads_low) / (hw.cpu_adam_beside_copies or 1.0)
