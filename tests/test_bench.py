@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert sum(parts.values()) == pytest.approx(step, rel=1e-6, abs=1e-9)  # the remainder closes the sum
     for system in ("reference", "fsdp2_offload"):
         assert not rows[system]["breakdown"] and rows[system]["breakdown_step_seconds"] is None
-        assert rows[system]["predicted_step_seconds"] is None
+        assert rows[system]["predicted_step_seconds"] is None and rows[system]["last_updates_seconds"] is None
+    assert ex["last_updates_seconds"] >= 0
     assert ex["predicted_step_seconds"] > 0 and ex["predicted_peak_bytes"] > 0  # the searched plan's prediction
     plan = Plan.from_dict(ex["plan"])  # the plan it ran, with the rates its prediction rests on
     assert plan.predicted_step_seconds == ex["predicted_step_seconds"]
@@ -153,6 +155,28 @@ def test_a_system_keeps_its_timed_figures_before_the_extra_steps():
     assert len(kept) == 2 and all(k["tokens_per_s"] == result.tokens_per_s for k in kept)
     assert not kept[0]["breakdown"] and kept[1]["breakdown"] and not kept[1]["host_profile"]
     assert result.host_profile and result.breakdown == kept[1]["breakdown"]
+
+
+def test_the_timed_window_stops_before_the_last_steps_updates_are_waited_for():
+    """The last timed step's background updates belong to the next step's wait (as the warm-up's
+    belong to the first timed step's), so the clock stops before `settle`; it is still called, and
+    how long it took is returned."""
+    from elixir_ray.bench.systems import _timed_window
+
+    calls = []
+
+    def step(batch):
+        calls.append("step")
+        return torch.zeros(())
+
+    def settle():
+        calls.append("settle")
+        time.sleep(1.0)  # stands for updates still running when the device is done
+
+    step.settle = settle
+    seconds, loss, _, _, last_updates = _timed_window(step, None, torch.device("cpu"), steps=3)
+    assert calls == ["step"] * 3 + ["settle"]
+    assert seconds < 0.3 and last_updates >= 1.0
 
 
 def test_timer_is_off_by_default_and_timing_does_not_change_training():

@@ -112,6 +112,10 @@ class SystemResult:
     # python_profile's C-function rows say how long those took
     host_thread_cpu_seconds: Optional[float] = None
     process_cpu_seconds: Optional[float] = None
+    # elixir_ray only: how long its last timed step's CPU updates ran after the device finished
+    # that step, outside the timed window (the next step's forward would wait for them, as the first
+    # timed step waited for the warm-up's; a training run pays them once, at its end)
+    last_updates_seconds: Optional[float] = None
     skipped: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -308,7 +312,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         first_loss = float(loss.detach()) if first_loss is None else first_loss
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
-    seconds, loss, thread_cpu, process_cpu = _timed_window(step, batch, device, steps, timer)
+    seconds, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batch, device, steps, timer)
     pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
             for k, v in step.pool_counts().items()} if counts_before else {}
     allocator = {k: (v - allocator_before[k]) / steps for k, v in allocator_counts(device).items()}
@@ -330,6 +334,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         plan=step.plan.to_dict() if hasattr(step, "plan") else {},
         timeline=timeline, pool=pool, allocator=allocator,
         host_thread_cpu_seconds=thread_cpu, process_cpu_seconds=process_cpu,
+        last_updates_seconds=last_updates if hasattr(step, "settle") else None,
     )
     if timer is not None:  # elixir_ray: where its time goes, in extra steps after the timed ones
         if keep is not None:
@@ -434,16 +439,25 @@ def timeline_events(timer) -> list:
 
 
 def _timed_window(step, batch, device: torch.device, steps: int,
-                  timer=None) -> tuple[float, torch.Tensor, float, float]:
+                  timer=None) -> tuple[float, torch.Tensor, float, float, float]:
     """Mean seconds per step over `steps` steps run back to back, as a training loop runs them
-    (with the last loss, and the CPU seconds per step of this thread and of the process):
-    the device is synced before the first and after the last, not between them, so work a system
-    leaves running into the next step (elixir_ray's Deep Optimizer States copies, on their own
-    streams beside the next forward; its CPU updates on their thread) overlaps it there instead of
-    being waited for at every step. elixir_ray's last updates are waited for (`step.settle`)
-    before the clock stops: they belong to the measured steps. Until 2026-11-26 every step was
-    synced and timed alone (the median taken), which made elixir_ray's DOS copies count whole.
-    With `timer` (elixir_ray's), the steps' events go on its timeline."""
+    (with the last loss, the CPU seconds per step of this thread and of the process, and how long
+    elixir_ray's last CPU updates ran after the clock stopped): the device is synced before the
+    first and after the last, not between them, so work a system leaves running into the next step
+    (elixir_ray's Deep Optimizer States copies, on their own streams beside the next forward; its
+    CPU updates on their thread) overlaps it there instead of being waited for at every step.
+
+    The clock stops at the device's end of the last step, before elixir_ray's last CPU updates are
+    waited for (`step.settle`): as in training, each timed step waits for the updates of the step
+    before it (the first, for the last warm-up step's, which are left running), so the window holds
+    one step's worth of them, as it holds one step of everything else. Waited for inside the window
+    (until 2026-11-27), the last step's updates counted twice: in the sixth session on the H100 the
+    six timed steps' mean was up to 14% above the mean interval between their starts (gpt-1.5b at
+    24 GiB: 296 against 270 ms), which is what a long run's step takes. The first step still gains a little:
+    the sync before the window gives the warm-up's updates the time the device lagged behind the
+    host (up to about 20 ms), once per window. Until 2026-11-26 every step was synced and timed
+    alone (the median taken), which made elixir_ray's DOS copies count whole. With `timer`
+    (elixir_ray's), the steps' events go on its timeline, the last updates' included."""
     if timer is not None:
         timer.timeline = []  # the measured steps' events, timed without device syncs
     _sync(device)
@@ -453,12 +467,13 @@ def _timed_window(step, batch, device: torch.device, steps: int,
         if timer is not None:
             timer.mark("step start")
         loss = step(batch)
+    _sync(device)
+    end, thread_end, process_end = time.perf_counter(), time.thread_time(), time.process_time()
     settle = getattr(step, "settle", None)
     if settle is not None:
         settle()
-    _sync(device)
-    return ((time.perf_counter() - start) / steps, loss, (time.thread_time() - thread_start) / steps,
-            (time.process_time() - process_start) / steps)
+    return ((end - start) / steps, loss, (thread_end - thread_start) / steps, (process_end - process_start) / steps,
+            time.perf_counter() - end)
 
 
 def _timed_step(step, batch, device: torch.device) -> tuple[float, torch.Tensor]:
