@@ -15,7 +15,12 @@ searches each run's shape afresh at its cap and those rates (every checkpointing
 compute from the traced FLOPs at the rate that gives the measured plan its own compute), to say
 what plan this version would choose there and what it would predict. Its forward is then the
 traced FLOPs' share of the compute, where the re-costed plan keeps its own measured forward, so
-the two differ a little even for the same plan."""
+the two differ a little even for the same plan.
+
+Beside each measured step, a run with the device's marks (CUDA) also has the mean interval
+between the device's marks at its timed steps' starts: a long run's step, free of the timed
+window's ends (until the twenty-seventh session the timed window also waited for the last
+step's CPU updates)."""
 
 import argparse
 import dataclasses
@@ -28,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elixir_ray.bench.report import device_lag, update_job_rates  # noqa: E402
+from elixir_ray.bench.report import device_lag, step_interval, update_job_rates  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
 from elixir_ray.engine.plan import Plan, recomputation  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
@@ -136,18 +141,21 @@ def main() -> int:
             path: dict = {}
             step = plan_step_seconds(plan, profile, hw, elem, updates_in_backward=updates_in_backward(plan),
                                      path=path)
-            steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step))
+            steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step,
+                          step_interval(result.get("timeline") or [])))
             if args.search:
                 searched.append((shape.name, result["cap_bytes"], step, search_again(
                     model, sample, result["cap_bytes"], plan, profile, hw, dtype, compute, args.memory_margin)))
             paths.append((shape.name, result["cap_bytes"], path, device_lag(result.get("timeline") or [])))
     if steps:
         print()
-        print("| shape | cap | measured step | predicted at the run | predicted now |")
-        print("|---|---|---|---|---|")
-        for name, cap, measured, then, now in steps:
+        print("| shape | cap | measured step | predicted at the run | predicted now | between the device's step "
+              "starts, against now |")
+        print("|---|---|---|---|---|---|")
+        for name, cap, measured, then, now, interval in steps:
+            between = f"{interval:.3f} s ({interval / now:.2f}x)" if interval else ""
             print(f"| {name} | {format_bytes(cap)} | {measured:.3f} s | {then:.3f} s ({measured / then:.2f}x) | "
-                  f"{now:.3f} s ({measured / now:.2f}x) |")
+                  f"{now:.3f} s ({measured / now:.2f}x) | {between} |")
         print()
         print("Where the step goes, now: the model's critical path beside the run's medians on the device "
               "(a run without the device's marks has none)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -167,6 +168,14 @@ def device_lag(timeline: list) -> dict:
             "device_forward": _median([device[1][i] - device[0][i] for i in range(n)]),
             "device_backward": _median([device[2][i] - device[1][i] for i in range(n)]),
             "behind_at_step": _median([device[2][i] - host[2][i] for i in range(n)])}
+
+
+def step_interval(timeline: list) -> Optional[float]:
+    """Mean seconds between the device's marks at the timed steps' starts (CUDA): what one step takes
+    in a long run, free of the window's ends (the last step's CPU updates, the first step's share of
+    the warm-up's). None with fewer than two marks."""
+    starts = _mark_times(timeline, "device step start")
+    return float(np.mean(np.diff(starts))) if len(starts) >= 2 else None
 
 
 def _mark_times(timeline: list, category: str) -> list:
