@@ -7,6 +7,7 @@ import logging
 import sys
 
 from elixir_ray.checkpoint import CheckpointError
+from elixir_ray.config import shipped_names
 from elixir_ray.errors import ClusterError, ConfigError
 
 
@@ -85,7 +86,7 @@ def _cmd_plan(args) -> int:
             except ValueError as exc:
                 raise ConfigError(f"{flag}: {exc}") from None
     if args.hardware:
-        from elixir_ray.config import shipped_file, shipped_names
+        from elixir_ray.config import shipped_file
 
         if not os.path.isfile(args.hardware):  # --hardware h100_anchors: the rates the package ships
             args.hardware = shipped_file("hardware", args.hardware, ".json") or args.hardware
@@ -211,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a YAML config",
                        description="Train from a YAML config. Connects to RAY_ADDRESS when set, "
                                    "otherwise starts an embedded local Ray cluster.")
-    p.add_argument("config", help="path to a YAML config, or the name of one the package ships (tiny, demo)")
+    p.add_argument("config", help="path to a YAML config, or the name of one the package ships "
+                   f"({', '.join(shipped_names('configs', '.yaml'))})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", metavar="CKPT_URI",
@@ -281,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Profile the config's model on the meta device (no weights), search the "
                                    "fastest placement within the budget, print the explanation beside the "
                                    "hand-made alternatives, and write a PNG of the predicted memory timeline.")
-    p.add_argument("config", help="path to a YAML config, or the name of one the package ships (tiny, demo)")
+    p.add_argument("config", help="path to a YAML config, or the name of one the package ships "
+                   f"({', '.join(shipped_names('configs', '.yaml'))})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--device-memory", metavar="BYTES", help="budget, e.g. 24GiB (default: engine.device_memory, "
                                                              "else what the device has free)")
