@@ -1,6 +1,7 @@
 """checkpoint.via=storage: the workers write their shards straight to durable storage (a state too
 large for the object store), on a real Ray cluster with real worker processes."""
 
+import errno
 import os
 import time
 
@@ -139,3 +140,24 @@ def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny
     assert max(result.snapshot_stalls) > 5  # the slow writes took longer than detect_timeout_s
     assert result.metrics.column("step").to_pylist() == list(range(1, 5)) and not result.persist_errors
     assert [p[-8:] for p in list_checkpoints(os.path.dirname(result.checkpoint_uri))] == ["00000002", "00000004"]
+
+
+def test_a_last_checkpoint_that_cannot_be_started_leaves_the_run_unsaved(ray_cluster, tiny_dataset, tmp_path,
+                                                                         monkeypatch):
+    """A disk that fills after the first checkpoint: the last one's directory cannot be made. The run
+    trained to step 4 and saved step 2, so it must say its final checkpoint was not written (it said
+    it was: the step it reached was set only once a write got that far)."""
+    real = controller.begin_checkpoint
+
+    def full_at_4(uri, step):
+        if step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(uri, step)
+
+    monkeypatch.setattr(controller, "begin_checkpoint", full_at_4)
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "via": "storage"})
+    result = train(cfg, progress=False)
+    assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4]
+    assert (result.final_step, result.checkpoint_step) == (4, 2) and not result.final_checkpoint_written
+    (error,) = result.persist_errors
+    assert "step 4" in error and "No space left on device" in error

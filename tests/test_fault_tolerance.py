@@ -349,3 +349,37 @@ def test_a_resume_with_dropout_onto_another_worker_count_warns_that_it_is_not_ex
         train(more, progress=False, resume=first.checkpoint_uri)
     assert "model.dropout=0.1 and the run goes on on 2 worker(s) instead of 1" in caplog.text
     assert "the checkpoint.s run had a global batch" not in caplog.text  # 2 x 2 = 1 x 4: only the streams differ
+
+
+def test_a_restarted_failure_is_kept_without_the_frames_it_came_through(ray_cluster, tiny_dataset, tmp_path):
+    """The controller keeps each restarted failure for the policy's comparisons; with its traceback
+    it kept the failed phase's frames, and the object refs in their locals (a snapshot's shards, a
+    restore's whole state), pinned in the object store for the rest of the run."""
+    import ray
+
+    from elixir_ray.api import as_config
+    from elixir_ray.cluster.controller import TrainController
+    from elixir_ray.cluster.failure import FailureKind, WorkerGroupFailure
+    from elixir_ray.cluster.placement import WorkerShape
+
+    controller = TrainController(as_config(tiny_config(tiny_dataset, tmp_path, fault={"max_restarts": 2})),
+                                 WorkerShape(num_workers=1, use_gpu=False, cpus_per_worker=1))
+
+    def snapshot():
+        pairs = [ray.put(b"x" * 2**16)]  # noqa: F841 (a snapshot's shard refs, in the frame that fails)
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError as exc:
+            failure = WorkerGroupFailure("taking a snapshot", "rank 0 raised", FailureKind.RAISED,
+                                         error="RuntimeError: boom")
+            failure.step = 3
+            raise failure from exc
+
+    try:
+        snapshot()
+    except WorkerGroupFailure as failure:
+        controller._recover_or_raise(failure)
+    (kept,) = controller.failures
+    assert (kept.__traceback__, kept.__cause__, kept.__context__) == (None, None, None)
+    assert kept.phase == "taking a snapshot" and kept.error == "RuntimeError: boom" and kept.step == 3
+    assert len(controller.outcome.restarts) == 1

@@ -58,6 +58,7 @@ OBJECT_STORE_SHARE = 0.5
 DEATH_GRACE_S = 5.0  # how long a rank's failure waits for news of a peer's death, to name the dead one
 PING_INTERVAL_S = 5.0  # how often a long setup call's wait checks that every worker still answers
 WRITE_POLL_S = 1.0  # how often the driver asks the ranks how far their checkpoint write has got
+WRITES_END_TIMEOUT_S = 10.0  # after a failed write, how long killed ranks' writes get to end before it is removed
 
 
 class RunState(enum.Enum):
@@ -192,6 +193,10 @@ class TrainController:
         if decision is Decision.FAIL:
             raise ClusterError(f"{failure}; giving up after {len(self.outcome.restarts)} restart(s) "
                                f"(fault.max_restarts={self.cfg.fault.max_restarts})") from failure
+        # kept for the policy's comparisons (phase, kind, error, step) only: its traceback and the
+        # exceptions chained to it would keep the failed phase's frames alive for the rest of the run,
+        # and with them object refs in their locals (a snapshot's shards, a restore's whole state)
+        failure.__traceback__ = failure.__cause__ = failure.__context__ = None
         self.failures.append(failure)
         self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
@@ -627,6 +632,9 @@ class TrainController:
         is reported and training goes on (as a failed background write would); a rank that dies or
         fails otherwise is a worker-group failure, restored from the previous checkpoint."""
         start = time.monotonic()
+        # trained this far whether or not the write below succeeds: a checkpoint that cannot even be
+        # started must leave the run's last checkpoint older than its last step, so it says so
+        self.outcome.final_step = self.step
         self.on_note(f"step {self.step}: the workers are writing the checkpoint ({self._state_bytes() / 2**30:.2f} GiB) "
                      f"to {self.checkpoint_uri}; training waits")
         try:
@@ -635,9 +643,14 @@ class TrainController:
             self.persister.report(f"could not persist the checkpoint of step {self.step} to {self.checkpoint_uri}: "
                                   f"{exc}")
             return
+        writes = [w.write_shard.remote(work) for w in self.workers]
         try:
-            results = self._wait_for_writes([w.write_shard.remote(work) for w in self.workers])
+            results = self._wait_for_writes(writes)
         except BaseException:
+            # the other ranks may still be writing into `work`: they are killed, and their writes seen
+            # to end, before it is removed (else a part file lands in a directory being deleted)
+            self._teardown()
+            ray.wait(writes, num_returns=len(writes), timeout=WRITES_END_TIMEOUT_S, fetch_local=False)
             abort_checkpoint(work)
             raise
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
@@ -649,7 +662,6 @@ class TrainController:
         if step != self.step:  # the directory was made for self.step
             abort_checkpoint(work)
             raise WorkerGroupFailure("writing a checkpoint", f"the ranks are at step {step}, not {self.step}")
-        self.outcome.final_step = step
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             abort_checkpoint(work)
