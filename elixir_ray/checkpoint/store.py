@@ -184,6 +184,9 @@ def _write_manifest(fs: pafs.FileSystem, work: str, final: str, manifest: dict) 
             aside = f"{os.path.dirname(final)}/{TMP_PREFIX}{os.path.basename(final)[len('step-'):]}-replaced"
             _remove_checkpoint(fs, aside)
             fs.move(final, aside)
+            # a rename keeps the old copy's age: made young, a reader's clean-up
+            # (`_finish_interrupted_commits`) takes it for the commit in progress it is, and leaves it
+            os.utime(aside)
         fs.move(work, final)
         storage.sync_to_disk(fs, os.path.dirname(final))
         if aside is not None:
