@@ -18,9 +18,10 @@ traced FLOPs' share of the compute, where the re-costed plan keeps its own measu
 the two differ a little even for the same plan.
 
 Beside each measured step, a run with the device's marks (CUDA) also has the mean interval
-between the device's marks at its timed steps' starts: a long run's step, free of the timed
-window's ends (until the twenty-seventh session the timed window also waited for the last
-step's CPU updates)."""
+between the device's marks at its timed steps' starts, from the second step's: an estimate of a
+long run's step, free of the timed window's ends (until the twenty-seventh session the window's
+first step followed a synced warm-up step, and the window waited for its last step's CPU
+updates)."""
 
 import argparse
 import dataclasses

@@ -179,6 +179,16 @@ def test_the_timed_window_stops_before_the_last_steps_updates_are_waited_for():
     assert seconds < 0.3 and last_updates >= 1.0
 
 
+def test_the_step_interval_leaves_out_the_first_step():
+    """The first timed step of a run before the twenty-seventh session followed a synced warm-up step
+    and found fewer CPU updates pending, so the estimate of a long run's step starts at the second."""
+    from elixir_ray.bench.report import step_interval
+
+    marks = [["device step start", t, t, -1, 0] for t in (0.0, 1.0, 3.0, 6.0)]
+    assert step_interval(marks + [["step start", 0.5, 0.5, -1, 0]]) == pytest.approx(2.5)
+    assert step_interval(marks[:2]) is None
+
+
 def test_timer_is_off_by_default_and_timing_does_not_change_training():
     torch.manual_seed(0)
     base = Toy()

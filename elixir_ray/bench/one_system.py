@@ -17,7 +17,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--cap-bytes", type=int, default=None)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")

@@ -45,7 +45,7 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile, 
                                                     updates_in_backward=True, margin=searched.memory_margin)}
 
 
-def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 2,
+def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 3,
                    device: Optional[str] = None, progress=print, log_dir: Optional[str] = None,
                    memory_margin: float = SAFETY) -> list[dict]:
     """`log_dir`: where each run's whole output goes (plan-N.log), a failure's traceback included.

@@ -102,8 +102,7 @@ def prediction_lines(results: list[dict]) -> list[str]:
         line = (f"{label(r)}: predicted step {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s "
                 f"({r['step_seconds'] / r['predicted_step_seconds']:.2f}x)")
         if r.get("last_updates_seconds") is not None:
-            line += (f" (the last step's CPU updates ran {r['last_updates_seconds'] * 1e3:.0f} ms past the timed "
-                     f"steps: the next step's wait)")
+            line += f" (the last step's CPU updates ran {r['last_updates_seconds'] * 1e3:.0f} ms past the timed steps)"
         if r.get("peak_device_bytes") and r.get("predicted_peak_bytes"):
             line += (f"; predicted peak {format_bytes(r['predicted_peak_bytes'])}, measured "
                      f"{format_bytes(r['peak_device_bytes'])} ({r['peak_device_bytes'] / r['predicted_peak_bytes']:.2f}x)")
@@ -171,11 +170,12 @@ def device_lag(timeline: list) -> dict:
 
 
 def step_interval(timeline: list) -> Optional[float]:
-    """Mean seconds between the device's marks at the timed steps' starts (CUDA): what one step takes
-    in a long run, free of the window's ends (the last step's CPU updates, the first step's share of
-    the warm-up's). None with fewer than two marks."""
+    """Mean seconds between the device's marks at the timed steps' starts (CUDA), from the second
+    step's: an estimate of a long run's step, free of the window's ends (the last step's CPU updates
+    after it; before the twenty-seventh session a first step that followed a synced warm-up, with
+    fewer updates pending than any later one). None with fewer than three marks."""
     starts = _mark_times(timeline, "device step start")
-    return float(np.mean(np.diff(starts))) if len(starts) >= 2 else None
+    return float(np.mean(np.diff(starts[1:]))) if len(starts) >= 3 else None
 
 
 def _mark_times(timeline: list, category: str) -> list:

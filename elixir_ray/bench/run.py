@@ -21,7 +21,7 @@ from elixir_ray.units import format_bytes
 
 
 def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6,
-              warmup: int = 2, device: Optional[str] = None, progress=print,
+              warmup: int = 3, device: Optional[str] = None, progress=print,
               memory_margin: Optional[float] = None, alloc_conf: Optional[str] = None) -> tuple[list[dict], dict]:
     """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
     every other system once per cap, in the caps' order. With several caps each capped result is
@@ -126,7 +126,7 @@ def main_args(args) -> int:
                           f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
     systems = args.systems or list(SYSTEMS)
     steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
-    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
                                device="cpu" if args.smoke else None, memory_margin=args.memory_margin,
                                alloc_conf=args.alloc_conf)
@@ -164,7 +164,8 @@ def add_arguments(p) -> None:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     p.add_argument("--steps", type=at_least(1), default=None,
                    help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")
-    p.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps first; default 2, 1 with --smoke")
+    p.add_argument("--warmup", type=at_least(0), default=None,
+                   help="untimed steps first, run back to back as the timed ones are; default 3, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
     p.add_argument("--memory-margin", type=fraction, default=None,
                    help=f"elixir_ray's plan search keeps this fraction of the cap back for the allocator "

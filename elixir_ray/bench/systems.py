@@ -281,7 +281,7 @@ def reference_parameters(shape: BenchShape) -> int:
 
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
-               steps: int = 6, warmup: int = 2, plan=None, keep=None,
+               steps: int = 6, warmup: int = 3, plan=None, keep=None,
                memory_margin: Optional[float] = None) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
     given, is called with the result as it stands after the timed steps and again after the
@@ -307,9 +307,10 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
     loss = first_loss = None
-    for _ in range(warmup):
-        _, loss = _timed_step(step, batch, device)
-        first_loss = float(loss.detach()) if first_loss is None else first_loss
+    for _ in range(warmup):  # back to back, as the timed steps run: the last leaves its work running into them
+        loss = step(batch)
+        if first_loss is None:
+            first_loss = float(loss.detach())  # a sync, after the first only
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
     seconds, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batch, device, steps, timer)
@@ -442,37 +443,47 @@ def _timed_window(step, batch, device: torch.device, steps: int,
                   timer=None) -> tuple[float, torch.Tensor, float, float, float]:
     """Mean seconds per step over `steps` steps run back to back, as a training loop runs them
     (with the last loss, the CPU seconds per step of this thread and of the process, and how long
-    elixir_ray's last CPU updates ran after the clock stopped): the device is synced before the
-    first and after the last, not between them, so work a system leaves running into the next step
-    (elixir_ray's Deep Optimizer States copies, on their own streams beside the next forward; its
-    CPU updates on their thread) overlaps it there instead of being waited for at every step.
+    elixir_ray's last CPU updates ran after the clock stopped).
 
-    The clock stops at the device's end of the last step, before elixir_ray's last CPU updates are
-    waited for (`step.settle`): as in training, each timed step waits for the updates of the step
-    before it (the first, for the last warm-up step's, which are left running), so the window holds
-    one step's worth of them, as it holds one step of everything else. Waited for inside the window
-    (until 2026-11-27), the last step's updates counted twice: in the sixth session on the H100 the
-    six timed steps' mean was up to 14% above the mean interval between their starts (gpt-1.5b at
-    24 GiB: 296 against 270 ms), which is what a long run's step takes. The first step still gains a little:
-    the sync before the window gives the warm-up's updates the time the device lagged behind the
-    host (up to about 20 ms), once per window. Until 2026-11-26 every step was synced and timed
-    alone (the median taken), which made elixir_ray's DOS copies count whole. With `timer`
-    (elixir_ray's), the steps' events go on its timeline, the last updates' included."""
+    The warm-up's steps run back to back too (only the first is synced, for its loss), and the
+    window starts with no sync: the first timed step finds what a step of a long run finds, its
+    predecessor's work still running (elixir_ray's CPU updates on their thread, its Deep Optimizer
+    States copies, any system's queued kernels). On CUDA the clock is two events on the current
+    stream, one queued before the first timed step and one after the last, so what it times is the
+    device's: from the end of the warm-up's queued work to the end of the last step's, the device's
+    waits for the host included. On the CPU it is the wall clock. Either way it stops before
+    elixir_ray's last CPU updates are waited for (`step.settle`): the next step's forward would wait
+    for them, as the first timed step waited for the warm-up's.
+
+    Until 2026-11-27 the last warm-up step was synced and the window waited for the last timed
+    step's updates: one tail of updates too many at the end, and a first step that found fewer of
+    them pending than any later one (a review of the fifth and sixth sessions' timelines: the first
+    interval between timed steps' starts 26 to 257 ms shorter than the mean of the others in 8 of
+    10 runs). Until 2026-11-26 every step was synced and timed alone (the median taken), which
+    made elixir_ray's DOS copies count whole. With `timer` (elixir_ray's), the steps' events go on
+    its timeline, the last updates' included."""
     if timer is not None:
         timer.timeline = []  # the measured steps' events, timed without device syncs
-    _sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
     start, thread_start, process_start = time.perf_counter(), time.thread_time(), time.process_time()
     loss = None
     for _ in range(steps):
         if timer is not None:
             timer.mark("step start")
         loss = step(batch)
-    _sync(device)
+    if cuda:
+        finish.record()
+        finish.synchronize()
     end, thread_end, process_end = time.perf_counter(), time.thread_time(), time.process_time()
+    seconds = begin.elapsed_time(finish) / 1e3 if cuda else end - start
+    _sync(device)  # the other streams' work too, before the updates are waited for
     settle = getattr(step, "settle", None)
     if settle is not None:
         settle()
-    return ((end - start) / steps, loss, (thread_end - thread_start) / steps, (process_end - process_start) / steps,
+    return (seconds / steps, loss, (thread_end - thread_start) / steps, (process_end - process_start) / steps,
             time.perf_counter() - end)
 
 
