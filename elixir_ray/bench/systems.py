@@ -479,6 +479,9 @@ def _timed_window(step, batch, device: torch.device, steps: int,
         finish.synchronize()
     end, thread_end, process_end = time.perf_counter(), time.thread_time(), time.process_time()
     seconds = begin.elapsed_time(finish) / 1e3 if cuda else end - start
+    if not 0 < seconds <= end - start + 1e-3:  # the events fire between the host's record and its sync
+        raise RuntimeError(f"the device's clock for the timed steps ({seconds:.4f} s) is outside the host's "
+                           f"({end - start:.4f} s): the benchmark's timing is broken, not the system")
     _sync(device)  # the other streams' work too, before the updates are waited for
     settle = getattr(step, "settle", None)
     if settle is not None:
