@@ -9,8 +9,9 @@ The step is re-costed with the rates and compute the plan was made with: the pla
 (plans from version 4 on), else the rates line of its notes; its forward's compute, else the
 traced FLOPs' forward share of its compute. `--compute-scale X` multiplies the compute and
 `--link-gbps G` sets `copies_beside_cpu_adam_gbps` (`--device-adam-rate G`, the device AdamW's
-G params/s), to see what a better-measured rate would predict; `--run-cpu-rate` costs each run's CPU AdamW at the rate its own updates ran (the median
-over its timeline's updates), which tells a wrong rate from a wrong model. `--search` also
+G params/s), to see what a better-measured rate would predict; `--run-cpu-rate` costs each run's
+CPU AdamW at the rate its own updates ran (the median over its timeline's updates), which tells a
+wrong rate from a wrong model. `--search` also
 searches each run's shape afresh at its cap and those rates (every checkpointing setting, the
 compute from the traced FLOPs at the rate that gives the measured plan its own compute), to say
 what plan this version would choose there and what it would predict. Its forward is then the

@@ -285,11 +285,15 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
     copies take; the third what those copies kept meanwhile, which the step's copies are costed at."""
     state = HostChunkState(numel, grad_dtype, upload_dtype, pin_for)
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
-    alone = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
+
+    def rate() -> float:
+        return numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
+
+    alone = rate()
     if not beside_copies:
         return alone, 0.0, 0.0
     with PinnedCopies(pin_for, elements=max(1, copy_bytes // 4)) as copies:
-        beside = numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
+        beside = rate()
     # rounds of small copies time their syncs more than the link: such a rate would under-cost
     # every copy of a plan, so it counts as not measured
     link = copies.gbps_each_way() if copy_bytes // 2 >= MIN_COPY_ROUND_BYTES else 0.0
