@@ -471,3 +471,49 @@ def test_the_device_marks_place_each_step_on_the_device_clock():
     assert {e[3] for e in everything if e[0] == "device load"} <= set(range(len(model.store.chunks)))
     summary = load_stalls(everything)
     assert summary["steps"] == 3 and summary["forward_loads"] > 0 and summary["forward_stall"] >= 0
+
+
+def test_the_benchmarks_window_places_the_device_marks_from_its_closing_event():
+    """The benchmark's timed steps start with the device still busy (no sync after the warm-up):
+    each device mark is placed from the window's synchronized closing event, so that the first
+    step's start lands on the device when the queued work before it has run, at or after the
+    host's mark, and the window's time is the events' (inside the host's)."""
+    import time
+
+    from elixir_ray.bench.systems import _timed_window
+
+    torch.manual_seed(0)
+    model, opt = _engine(Toy(), 8, accumulation_steps=1)
+    data = batches(2, 8)
+    engine_run(model, opt, data[:1], 1, 1, device="cuda")  # warm
+    x = data[1].to("cuda")
+    square = torch.randn(4096, 4096, device="cuda")
+
+    def busy():
+        for _ in range(20):
+            square @ square
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    busy()
+    torch.cuda.synchronize()
+    busy_seconds = time.perf_counter() - started
+
+    def step(batch):
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    step.settle = model.store.settle_all
+    timer = model.store.timer
+    busy()  # queued, not waited for: the device is busy when the window's first mark is recorded
+    seconds, loss, _, _, after = _timed_window(step, x, torch.device("cuda"), 3, timer)
+    device = [e for e in timer.device_timeline() if e[0] == "device step start"]
+    host = [e for e in timer.timeline if e[0] == "step start"]
+    timer.timeline = None
+    assert len(device) == len(host) == 3 and seconds > 0 and after >= 0 and torch.isfinite(loss)
+    # the first step's start ran on the device after the queued matmuls (placed from the first
+    # mark, as before the anchor, it would read as the host's time exactly)
+    assert device[0][1] - host[0][1] >= 0.5 * busy_seconds
+    assert all(d[1] >= h[1] - 1e-3 for d, h in zip(device, host))

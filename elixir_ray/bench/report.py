@@ -102,7 +102,7 @@ def prediction_lines(results: list[dict]) -> list[str]:
         line = (f"{label(r)}: predicted step {r['predicted_step_seconds']:.3f} s, measured {r['step_seconds']:.3f} s "
                 f"({r['step_seconds'] / r['predicted_step_seconds']:.2f}x)")
         if r.get("last_updates_seconds") is not None:
-            line += f" (the last step's CPU updates ran {r['last_updates_seconds'] * 1e3:.0f} ms past the timed steps)"
+            line += f" (the last step's CPU updates and copies ran {r['last_updates_seconds'] * 1e3:.0f} ms past the timed steps)"
         if r.get("peak_device_bytes") and r.get("predicted_peak_bytes"):
             line += (f"; predicted peak {format_bytes(r['predicted_peak_bytes'])}, measured "
                      f"{format_bytes(r['peak_device_bytes'])} ({r['peak_device_bytes'] / r['predicted_peak_bytes']:.2f}x)")

@@ -85,6 +85,8 @@ class StepTimer:
         self._open = False  # a region is being timed: nested ones are already inside its time
         self.timeline: Optional[list] = None  # a list: events appended (see the module's docstring)
         self.device_marks: list = []  # (category, host time, CUDA event, chunk) per mark while the timeline is on
+        # (host time, CUDA event): an event known to have run by that time (`anchor`), which places the marks
+        self.device_anchor: Optional[tuple] = None
 
     def region(self, category: str):
         """A context timing its body under `category` (a no-op when disabled or nested)."""
@@ -121,21 +123,33 @@ class StepTimer:
         event.record(stream)
         self.device_marks.append((category, now, event, chunk))
 
+    def anchor(self, host_time: float, event) -> None:
+        """Note that `event` (a CUDA event with timing) had run by `host_time` on the host clock, as
+        one just synchronized has: `device_timeline` places the marks from it. The benchmark anchors
+        on its window's closing event, synchronized at the window's end, because its steps start with
+        the device still busy with the warm-up's work, so that a mark at their start ran later on the
+        device than the host recorded it."""
+        self.device_anchor = (host_time, event)
+
     def device_timeline(self) -> list:
         """("device " + category, t, t, chunk, 0) per mark: when its stream (the compute stream's,
         or the one `device_mark` named) reached it, on the host clock (chunk -1 for `mark`'s), and
-        forget the marks. The first mark is taken to have run on the device when the
-        host recorded it (the benchmark marks the first step's start right after a device sync, when
-        the stream is idle); later ones are placed by their events' elapsed times from it. Syncs
-        the device (for after the timed steps); [] off CUDA or without marks."""
+        forget the marks and the anchor. Each is placed by its event's elapsed time to the anchor's
+        event (`anchor`), or without one, from the first mark, taken to have run on the device when
+        the host recorded it (true only where the stream was idle then, as after a device sync).
+        Syncs the device (for after the timed steps); [] off CUDA or without marks."""
         marks, self.device_marks = self.device_marks, []
+        anchor, self.device_anchor = self.device_anchor, None
         if not marks:
             return []
         self._sync()
-        _, origin, first, _ = marks[0]
+        if anchor is None:
+            _, origin, first, _ = marks[0]
+            anchor = (origin, first)
+        at_anchor, anchor_event = anchor
         out = []
         for category, _, event, chunk in marks:
-            at = origin + first.elapsed_time(event) / 1e3
+            at = at_anchor - event.elapsed_time(anchor_event) / 1e3  # negative for one after the anchor's
             out.append(("device " + category, at, at, chunk, 0))
         return out
 
