@@ -31,8 +31,11 @@ $(VENV)/.installed: pyproject.toml Makefile $(TORCH_STAMP)
 
 venv: $(VENV)/.installed
 
+# DEMO_ARGS: more arguments for the demo's training, e.g. make demo DEMO_ARGS='--set train.steps=60'
+DEMO_ARGS ?=
+
 demo: venv
-	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml
+	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml $(DEMO_ARGS)
 	$(VENV)/bin/elixir-ray sample runs/demo/checkpoints --prompt "def " --tokens 160
 
 test: venv

@@ -81,7 +81,8 @@ class Result:
             f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
-            *_step_time_line(self.metrics, getattr(self.plan, "predicted_step_seconds", 0.0), self.start_step),
+            *_step_time_line(self.metrics, getattr(self.plan, "predicted_step_seconds", 0.0), self.start_step,
+                             _plan_device(self.plan)),
             *(f"restart: {r.reason}; " + (f"restored step {r.restored_step} from {r.restored_from} on "
                                           f"{r.world_size} worker(s)" if r.restored_from
                                           else "failed again before its restore") for r in self.restarts),
@@ -117,7 +118,13 @@ def as_config(config: Union[RunConfig, dict, str], overrides: Optional[list[str]
     raise ConfigError(f"train() takes a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
-def _step_time_line(metrics, predicted: float, start_step: int = 0) -> list[str]:
+def _plan_device(plan) -> str:
+    """The device type the run's engine plan was made for ("cpu", "cuda"), or "" when unknown."""
+    engine = getattr(plan, "engine", None) or {}
+    return str((engine.get("hardware") or {}).get("device", "")).split(":")[0]
+
+
+def _step_time_line(metrics, predicted: float, start_step: int = 0, device: str = "") -> list[str]:
     """The run's step time beside its plan's prediction: whether the automatic plan held on this
     machine (the rates it was searched with are a short profile's). This run's steps only (a
     resumed run's metrics hold the steps before it too, with another plan), and the first, which
@@ -135,6 +142,9 @@ def _step_time_line(metrics, predicted: float, start_step: int = 0) -> list[str]
             + (" after the first" if len(seconds) > 1 else ""))
     if predicted and predicted > 0:
         line += f"; the plan predicted {predicted:.3f}s (measured {median / predicted:.2f}x)"
+        if device == "cpu" and median > 1.3 * predicted:
+            line += (" (on a CPU the model leaves out the engine's per-chunk Python work, much of a small "
+                     "model's step: docs/planner.md, \"Limits, honestly\")")
     return [line]
 
 
@@ -324,6 +334,26 @@ def check_output_dir(cfg: RunConfig) -> None:
                       f"storage or a URI (--set output_dir=/data/runs, s3://...)", stacklevel=3)
 
 
+def warn_of_earlier_checkpoints(cfg: RunConfig) -> None:
+    """A new run (no --resume) whose checkpoint directory already holds an earlier run's checkpoints
+    writes its own beside them, and a directory given to --resume, export or sample takes the
+    highest step there, whichever run wrote it: a user who meant to start afresh under the same name
+    would read the old run's weights back without a word, so say it."""
+    try:
+        earlier = list_checkpoints(cfg.checkpoint_uri)
+    except (OSError, CheckpointError):  # an unreadable directory: the run's own writes say what is wrong
+        return
+    if not earlier:
+        return
+    newest = os.path.basename(earlier[-1].rstrip("/"))
+    warnings.warn(f"{_shown(cfg.checkpoint_uri)} already holds {len(earlier)} checkpoint(s) of an earlier run "
+                  f"(the newest: {newest}): this run starts afresh and writes its own beside them (one of the "
+                  f"same step replaced), and --resume, export or sample given that directory take the highest step "
+                  f"there, whichever run wrote it. "
+                  f"To continue the earlier run, pass --resume {earlier[-1]}; to keep the two apart, give this run "
+                  f"another name (--set name=...)", stacklevel=3)
+
+
 def check_checkpoint_space(cfg: RunConfig) -> None:
     """A checkpoint that cannot be written where it goes would lose the run's weights at its end:
     refuse a local `checkpoint.uri` under a file or in a directory that cannot be written, or whose
@@ -460,9 +490,32 @@ def _ensure_ray(cfg: RunConfig) -> bool:
             raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: {text[:600]} "
                                f"({hint})") from None
     else:
-        ray.init(address="local", num_cpus=cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2),
-                 include_dashboard=False, namespace=cfg.cluster.namespace)
+        ray.init(address="local", num_cpus=_local_cpus(cfg), include_dashboard=False, namespace=cfg.cluster.namespace)
     return True
+
+
+def _local_cpus(cfg: RunConfig) -> int:
+    """The CPUs of the local cluster `train()` starts when RAY_ADDRESS is unset."""
+    return cfg.cluster.local_num_cpus or max(2, os.cpu_count() or 2)
+
+
+def check_local_cluster_shape(cfg: RunConfig) -> None:
+    """Where `train()` will start a local cluster, the workers the config asks for are checked
+    against what it will have before it starts (a dozen seconds), as a joined cluster's are
+    once joined."""
+    import ray
+    import torch
+
+    from elixir_ray.cluster.placement import resolve_worker_shape
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        resolve_worker_shape(cfg, {"CPU": _local_cpus(cfg), "GPU": gpus})
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the local cluster a run starts where RAY_ADDRESS is unset: {_local_cpus(cfg)} CPUs, "
+                          f"cluster.local_num_cpus sets how many; {gpus} GPU(s))") from None
 
 
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
@@ -474,7 +527,10 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
         check_resume(cfg, resume)
     check_output_dir(cfg)
     check_checkpoint_space(cfg)
+    check_local_cluster_shape(cfg)
     claim = claim_outputs(cfg)
+    if resume is None:
+        warn_of_earlier_checkpoints(cfg)
     try:
         return _train_claimed(cfg, progress, resume)
     finally:
@@ -593,11 +649,14 @@ def earlier_metrics(cfg: RunConfig) -> list[dict]:
 
 
 def _where_to_resume(controller, metrics_uri: str) -> str:
-    if controller is None or not controller.outcome.checkpoint_uri:
+    """What a stopped or failed run kept: its newest checkpoint to resume from, and its metrics."""
+    if controller is None:
         return ""
+    metrics = f"\nmetrics so far: {_shown(metrics_uri)}" if controller.outcome.metrics else ""
+    if not controller.outcome.checkpoint_uri:
+        return "\nno checkpoint was written yet: there is nothing to resume from" + metrics if metrics else ""
     uri, step = controller.outcome.checkpoint_uri, controller.outcome.checkpoint_step
-    return (f"\nthe newest checkpoint is step {step}: continue with --resume {uri}"
-            f"\nmetrics so far: {_shown(metrics_uri)}")
+    return f"\nthe newest checkpoint is step {step}: continue with --resume {uri}" + metrics
 
 
 def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 
 from elixir_ray.checkpoint import CheckpointError
 from elixir_ray.config import shipped_names
@@ -82,9 +83,11 @@ def _cmd_plan(args) -> int:
     for flag, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
         if value is not None:
             try:
-                parse_bytes(value)
+                size = parse_bytes(value)
             except ValueError as exc:
                 raise ConfigError(f"{flag}: {exc}") from None
+            if size <= 0:
+                raise ConfigError(f"{flag} {value}: a budget must be above 0, for example {flag}=24GiB")
     if args.hardware:
         from elixir_ray.config import shipped_file
 
@@ -221,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the highest step there, whichever run wrote it); train.steps must be above its step, "
                         "and the same global batch (workers x micro_batch x grad_accum) continues it exactly")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_train)
+    p.set_defaults(func=_cmd_train, parser=p)
 
     p = sub.add_parser("prepare-data", help="tokenise text files into a dataset",
                        description="Tokenise documents into an Arrow token dataset: each document's tokens, "
@@ -246,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the field of a .jsonl line, or the column of a .parquet file, that holds the text "
                         "(default: text)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr while the files are tokenised")
-    p.set_defaults(func=_cmd_prepare_data)
+    p.set_defaults(func=_cmd_prepare_data, parser=p)
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict",
                        description="Export model weights from a checkpoint (or the newest valid one in a "
@@ -257,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT",
                    help="output file path or URI, e.g. weights.safetensors (not .pt: the file is safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr while the weights are written")
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=_cmd_export, parser=p)
 
     p = sub.add_parser("sample", help="write text with a checkpoint's model",
                        description="Continue a prompt with the model of a checkpoint (or of the newest valid "
@@ -277,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(not needed for the byte-level tokenizer)")
     p.add_argument("--eos-token", metavar="TOKEN", help="as given to prepare-data, if it was")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
-    p.set_defaults(func=_cmd_sample)
+    p.set_defaults(func=_cmd_sample, parser=p)
 
     p = sub.add_parser("plan", help="show the plan the planner picks for a config, and why",
                        description="Profile the config's model on the meta device (no weights), search the "
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-hardware", metavar="JSON", help="also write the rates used, to plan elsewhere later")
     p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside the config)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")
-    p.set_defaults(func=_cmd_plan)
+    p.set_defaults(func=_cmd_plan, parser=p)
 
     from elixir_ray.bench.run import add_arguments
 
@@ -304,18 +307,61 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the same GPT through each system, each in its own process, and "
                                    "report tokens/s, TFLOPS, peak memory and the ratio to plain PyTorch.")
     add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, parser=p)
     return parser
+
+
+def _set_hint(args, unknown: list[str]) -> str:
+    """What was probably meant by an unknown option: one of the command's own with dashes for
+    underscores (`plan --device_memory`), or a config key (`train --steps 20`: --set train.steps=20)."""
+    import difflib
+
+    from elixir_ray.config import config_keys_named
+
+    options = list(args.parser._option_string_actions)
+    for i, arg in enumerate(unknown):
+        if not arg.startswith("--"):
+            continue
+        flag, _, value = arg.partition("=")
+        close = difflib.get_close_matches(flag.replace("_", "-"), options, n=1, cutoff=0.8)
+        if close:
+            return f" (did you mean {close[0]}?)"
+        if hasattr(args, "set"):
+            name = flag[2:]
+            keys = [k for k in config_keys_named(name.rsplit(".", 1)[-1]) if "." not in name or k == name]
+            if keys:
+                value = value or (unknown[i + 1] if i + 1 < len(unknown) else "VALUE")
+                return f" (config values are set with --set: --set {keys[0]}={value})"
+    return " (config values are set with --set KEY=VALUE, e.g. --set train.steps=50)" if hasattr(args, "set") else ""
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """Our warnings (UserWarning) as one line, like the errors: the file and line they were raised
+    at say nothing to someone running the command. Others keep Python's form."""
+    if issubclass(category, UserWarning):
+        return f"elixir-ray: warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage and what was probably meant
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_set_hint(args, unknown)}")
+    before, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return args.func(args)
     except (ConfigError, ClusterError, CheckpointError) as exc:
         print(f"elixir-ray: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was kept is said above (a run names its checkpoint), no traceback
+        print("elixir-ray: stopped", file=sys.stderr)
+        return 130
+    finally:
+        warnings.formatwarning = before  # for a caller in the same process (tests)
 
 
 if __name__ == "__main__":

@@ -234,6 +234,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def parse_overrides(items: list[str]) -> dict:
     """Turn ['train.steps=50', ...] into a nested dict; values are read as YAML scalars."""
+    if isinstance(items, (str, bytes)):  # one string would be read a character at a time
+        raise ConfigError(f"overrides {items!r}: give a list of key=value strings, for example [{items!r}]")
     tree: dict = {}
     for item in items or []:
         if "=" not in item:
@@ -241,6 +243,21 @@ def parse_overrides(items: list[str]) -> dict:
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
     return tree
+
+
+def config_keys_named(name: str) -> list[str]:
+    """The dotted config keys whose last part is `name` (dashes read as underscores): what a user
+    who typed `--steps` on the command line meant to --set."""
+    name = name.replace("-", "_")
+
+    def walk(cls, prefix: str):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if _is_dataclass_type(tp):
+                yield from walk(tp, f"{prefix}{f.name}.")
+            elif f.name == name:
+                yield f"{prefix}{f.name}"
+    return list(walk(RunConfig, ""))
 
 
 def _merge(base: dict, extra: dict) -> dict:

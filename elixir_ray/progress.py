@@ -32,11 +32,12 @@ class ProgressBar:
         if self.start is None:
             self.start, self._first_step = time.monotonic(), step
         done = step - self._first_step
-        eta = (time.monotonic() - self.start) / done * (self.total - step) if done else 0.0
+        # no estimate before a second step has timed one ("--")
+        eta = _fmt_seconds((time.monotonic() - self.start) / done * (self.total - step)) if done else "--"
         filled = int(self.width * step / self.total)
         bar = "#" * filled + "." * (self.width - filled)
         return (f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  "
-                f"{_fmt_rate(tokens_per_s)} tok/s  ETA {_fmt_seconds(eta)}")
+                f"{_fmt_rate(tokens_per_s)} tok/s  ETA {eta}")
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         first = self.start is None  # the first step shown (a resumed run's starts past 1)

@@ -1,9 +1,10 @@
 """Entrypoint for `ray job submit -- python jobs/train.py --config jobs/configs/tiny.yaml`.
 
-The job supervisor sets RAY_ADDRESS, so the run joins the cluster the job was submitted to.
+It takes what `elixir-ray train` takes (the config by path or shipped name, `--set`, `--resume`,
+`--quiet`; `--help` prints that command's help), the config also as `--config PATH`. The job
+supervisor sets RAY_ADDRESS, so the run joins the cluster the job was submitted to.
 """
 
-import argparse
 import os
 import sys
 
@@ -11,12 +12,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elixir_ray.cli import main  # noqa: E402
 
+
+def train_argv(argv: list[str]) -> list[str]:
+    """`elixir-ray train`'s arguments: `--config PATH` (or `--config=PATH`) becomes the positional config."""
+    out, args = ["train"], iter(argv)
+    for arg in args:
+        if arg == "--config":
+            path = next(args, None)
+            out.extend([path] if path is not None else [])  # none after it: train says the config is required
+        elif arg.startswith("--config="):
+            out.append(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Train under `ray job submit`.")
-    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    parser.add_argument("--resume", metavar="CKPT_URI",
-                        help="continue a stopped run from a checkpoint, or the newest valid one in a directory")
-    args = parser.parse_args()
-    argv = ["train", args.config, *sum((["--set", s] for s in args.set), [])]
-    sys.exit(main(argv + (["--resume", args.resume] if args.resume else [])))
+    sys.exit(main(train_argv(sys.argv[1:])))

@@ -175,3 +175,11 @@ def test_a_hugging_face_model_is_given_by_its_fields_or_its_config_json(tmp_path
     # one field of the file's changed from the command line; the others stay the file's
     cfg = config_from_dict({"model": {"hf": "m"}}, ["model.hf.num_hidden_layers=5"])
     assert cfg.model.hf["num_hidden_layers"] == 5 and cfg.model.hf["hidden_size"] == 64
+
+
+def test_overrides_given_as_one_string_are_refused_naming_the_list_they_should_be():
+    """A string is iterable: read as overrides, 'train.steps=3' was refused at its first character."""
+    with pytest.raises(ConfigError, match=r"overrides 'train.steps=3': give a list of key=value strings, for example "
+                                          r"\['train.steps=3'\]"):
+        config_from_dict({}, "train.steps=3")
+    assert config_from_dict({}, ["train.steps=3"]).train.steps == 3

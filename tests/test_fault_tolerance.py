@@ -140,6 +140,36 @@ def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
     assert "run stopped (SystemExit)\nthe newest checkpoint is step" in out and "continue with --resume" in out, out
 
 
+def test_ctrl_c_before_the_first_checkpoint_says_so_without_a_traceback(tiny_dataset, tmp_path):
+    """Ctrl-C (SIGINT) ends `elixir-ray train` with exit status 130 and what the run kept (its
+    metrics; no checkpoint yet, so nothing to resume from), not Python's traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 100000}, checkpoint={"every_steps": 100000},
+                      cluster={"num_workers": 1, "local_num_cpus": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "elixir_ray", "train", str(path), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "runs" / "t" / "metrics.parquet"
+    deadline = time.monotonic() + 240
+    while not metrics.exists() and time.monotonic() < deadline:  # written 10 s into training
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert ("run stopped (KeyboardInterrupt)\nno checkpoint was written yet: there is nothing to resume from\n"
+            f"metrics so far: {metrics}") in out, out
+    assert "Traceback" not in out and out.rstrip().endswith("elixir-ray: stopped"), out
+
+
 def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_path):
     base = dict(train={"steps": 8}, checkpoint={"every_steps": 4, "keep": 3})
     full = train(tiny_config(tiny_dataset, tmp_path / "full", **base), progress=False)

@@ -97,6 +97,22 @@ def test_kernels_too_big_to_replay_are_estimated_from_flops_and_bytes():
     assert estimated.step_seconds > matmul_part  # plus the memory-bound kernels at the copy rate
 
 
+def test_kernels_whose_flops_would_take_long_to_replay_are_estimated_and_the_rest_timed():
+    """A call that at the matmul rate would run for over LONG_CALL_S (attention at a long sequence on
+    a CPU) is estimated from its FLOPs, not replayed several times over; calls without FLOPs (norms,
+    casts) are still timed."""
+    from elixir_ray.planner.op_timing import LONG_CALL_S
+
+    trace = trace_step(_gpt(device="meta"), (torch.zeros(2, 129, dtype=torch.long),))
+    biggest = max(op.flops for op in trace.ops)
+    slow = dataclasses.replace(CPU, matmul_tflops=biggest / (2 * LONG_CALL_S) / 1e12)  # the biggest: 2 x LONG_CALL_S
+    result = time_ops(trace.ops, slow)
+    long_ops = [op for op in trace.ops if op.flops / (slow.matmul_tflops * 1e12) > LONG_CALL_S]
+    assert long_ops and sorted(result.estimated) == sorted(op.op for op in long_ops)
+    assert result.timed == len(trace.ops) - len(long_ops) > 0
+    assert result.step_seconds >= sum(op.flops * op.count for op in long_ops) / (slow.matmul_tflops * 1e12)
+
+
 def test_plan_made_beside_the_device_times_its_kernels():
     model = _gpt(device="meta")
     sample = (torch.zeros(2, 129, dtype=torch.long),)

@@ -477,6 +477,10 @@ def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
     (["--png", "/nonexistent-dir/x.png"], "the directory /nonexistent-dir does not exist"),
     (["--png", "chart.jpg"], "name the file *.png"),
     (["--json", "jobs"], "--json jobs is a directory"),
+    (["--device-memory=0"], "--device-memory 0: a budget must be above 0"),
+    # an option of the command spelt with underscores, a config key given as an option
+    (["--device_memory", "1GiB"], "unrecognized arguments: --device_memory 1GiB (did you mean --device-memory?)"),
+    (["--micro-batch", "2"], "(config values are set with --set: --set train.micro_batch=2)"),
 ])
 def test_cli_plan_refuses_bad_flags_in_one_line_before_planning(flags, message, capsys):
     from elixir_ray.cli import main

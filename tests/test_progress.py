@@ -16,6 +16,8 @@ def test_a_log_shows_the_first_step_seen_every_nth_and_the_last_with_notes_betwe
     lines = out.getvalue().splitlines()
     assert [line.split("  ")[0].split()[-1] for line in lines if line.startswith("[")] == ["13/30", "20/30", "30/30"]
     assert "step 15: eval loss 2.5000" in lines
+    first = next(line for line in lines if line.startswith("["))
+    assert first.endswith("ETA --")  # nothing to estimate from before a second step: not "0:00"
 
 
 def test_the_summary_says_when_a_restart_failed_again_before_its_restore():

@@ -58,7 +58,7 @@ def test_a_directory_without_any_readable_manifest_is_refused(tmp_path, tiny_dat
         warnings.simplefilter("error")  # the refusal says it all: no warnings beside it
         with pytest.raises(ConfigError, match=r"step-00000004' has no readable manifest"):
             check_resume(cfg, root)
-        with pytest.raises(ConfigError, match="has no readable manifest"):
+        with pytest.raises(ConfigError, match=r"^--resume '.*nothing-here': no such file or directory$"):
             check_resume(cfg, str(tmp_path / "nothing-here"))
 
 
@@ -338,3 +338,19 @@ def test_a_checkpoint_from_before_checkpoints_named_their_tokenizer_is_bytes(tmp
 def _text(path, text):
     path.write_text(text)
     return str(path)
+
+
+def test_a_new_run_whose_checkpoint_directory_holds_an_earlier_runs_checkpoints_says_so(tmp_path, tiny_dataset):
+    """A run started afresh under an earlier run's name writes beside its checkpoints, where a
+    directory given to --resume, export or sample takes the highest step, whichever run wrote it."""
+    from elixir_ray.api import warn_of_earlier_checkpoints
+
+    cfg = _cfg(tmp_path, tiny_dataset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_of_earlier_checkpoints(cfg)  # nothing there yet: no warning
+    newest = _save_model(cfg.checkpoint_uri, 40, cfg)
+    _save_model(cfg.checkpoint_uri, 30, cfg)
+    with pytest.warns(UserWarning, match=rf"already holds 2 checkpoint\(s\) of an earlier run \(the newest: "
+                                         rf"step-00000040\).* pass --resume {newest};"):
+        warn_of_earlier_checkpoints(cfg)

@@ -142,6 +142,9 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     line = next(x for x in result.summary().splitlines() if x.startswith("step time:"))
     assert line.startswith(f"step time: median {sum(median) / 2:.3f}s over 2 step(s) after the first")
     assert f"the plan predicted {result.plan.predicted_step_seconds:.3f}s" in line
+    # a CPU step well over its prediction says why (the model leaves out the engine's Python work)
+    assert result.plan.engine["hardware"]["device"] == "cpu"
+    assert ('"Limits, honestly"' in line) == (sum(median) / 2 > 1.3 * result.plan.predicted_step_seconds), line
     assert result.final_loss == table.column("loss").to_pylist()[-1] and result.final_eval_loss is None
     assert result.config.train.steps == 3 and result.config.name == "t"  # what a sweep compares runs by
 
@@ -188,6 +191,27 @@ def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_datas
     assert not started.exists()  # no worker was ever created
     train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
     assert started.exists()  # the marker does mark a worker that starts
+
+
+def test_too_many_workers_for_the_local_cluster_fails_before_it_starts(tmp_path, tiny_dataset):
+    """Where `elixir-ray train` would start a local cluster (RAY_ADDRESS unset), the workers are
+    checked against the CPUs it would have before it starts (a dozen seconds on this machine)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tiny_dataset, tmp_path, cluster={"num_workers": 3,
+                                                                                   "local_num_cpus": 2})))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "elixir_ray", "train", str(path), "--quiet"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("elixir-ray: error: cluster.num_workers=3 x cluster.cpus_per_worker=1 needs 3 "
+                                  "CPUs but the Ray cluster has 2: lower one of them (the local cluster a run starts "
+                                  "where RAY_ADDRESS is unset: 2 CPUs, cluster.local_num_cpus sets how many"), done.stderr
+    assert "Ray" not in done.stdout and done.stderr.count("\n") == 1  # one line: no cluster was started
 
 
 def test_missing_dataset_fails_before_ray(tmp_path, tiny_dataset):

@@ -35,6 +35,12 @@ def device_peak(r: dict) -> str:
     return format_bytes(r["peak_device_bytes"]) if str(r.get("device", "")).startswith("cuda") else "n/a (CPU)"
 
 
+def _tflops(value: float) -> str:
+    """One decimal on a GPU (hundreds of TFLOPS); three significant digits below 10, where one
+    decimal would read a CPU's 0.03 as 0.0."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
 def markdown_table(results: list[dict]) -> str:
     lines = ["| system | cap | tokens/s | TFLOPS | ratio to reference | peak device | peak host | step (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -44,7 +50,7 @@ def markdown_table(results: list[dict]) -> str:
             continue
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(
-            f"| {r['system']} | {cap} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
+            f"| {r['system']} | {cap} | {r['tokens_per_s']:,.0f} | {_tflops(r['tflops'])} | "
             f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
@@ -312,7 +318,8 @@ def write_chart(results: list[dict], path: str, title: str) -> None:
     ax2.set_xticks(xs, names)
     ax2.set_ylabel("GiB")
     ax2.set_title("peak memory")
-    ax2.legend()
+    ax2.set_ylim(0, max([r[k] / 2**30 for r in done for k in ("peak_device_bytes", "peak_host_bytes")], default=1) * 1.25)
+    ax2.legend(loc="upper center", ncol=2, fontsize=8)  # in the room above the bars, over none of them
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=20)
     if split:

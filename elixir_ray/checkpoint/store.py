@@ -264,6 +264,8 @@ def checkpoint_path_hint(uri: str) -> str:
                 else " (a file: give a checkpoint directory, or a directory of them)")
     if os.path.isdir(os.path.join(uri, "checkpoints")):
         return f" (a run directory? its checkpoints are in {uri.rstrip('/')}/checkpoints)"
+    if not os.path.exists(uri):
+        return ": no such file or directory"
     return ""
 
 

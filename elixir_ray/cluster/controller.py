@@ -171,8 +171,12 @@ class TrainController:
         self._rendezvous()
         if not self.outcome.profiles:
             self._enter(RunState.PROFILING)
+            # the minute or so before the first step is said, so that it does not read as a hang
+            self.on_note(f"profiling {len(self.workers)} worker(s): copy, AdamW and matmul rates, and the "
+                         f"model's kernels on the device")
             self._profile()
         self._enter(RunState.PLANNING)
+        self.on_note(f"searching the plan for {len(self.workers)} worker(s)")
         self._plan()
         self._enter(RunState.RESTORING)
         self._restore()

@@ -93,8 +93,9 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     off_chart = (f", budget {format_bytes(plan.budget_bytes)} above the chart"
                  if plan.budget_bytes and not budget_drawn else "")
     ax.set_title(f"predicted device memory (peak {format_bytes(plan.predicted_peak_bytes)}{off_chart})")
-    ax.set_ylim(0, top / gib * 1.55)  # room above the curves for the legend
-    ax.legend(loc="upper left", fontsize=8, ncol=2)
+    ax.set_ylim(0, top / gib * 1.1)
+    # below the axes: inside, it covered the budget's lines (drawn at the top of the curves' range)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8, ncol=3)
     host = np.array([p != "device" for p in plan.placements])
     dos = dos_mask(host, plan.dos_gap)
     sizes = np.array(plan.chunk_numels, dtype=float) / 1e6
@@ -113,7 +114,7 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     fig.suptitle(f"{plan.predicted_step_seconds * 1e3:,.1f} ms predicted per step")
     fig.tight_layout()
     tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")  # the legends below the axes included
     plt.close(fig)
     import os
 

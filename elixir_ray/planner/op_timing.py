@@ -12,9 +12,9 @@ the peak.
 
 Attention is timed through `F.scaled_dot_product_attention`, so that the device picks the kernel
 it would pick in training (flash attention on a GPU), forward and backward apart. A call that
-cannot be replayed (an operator the device lacks, tensors too big for `max_bytes`) is estimated
-from its FLOPs at the measured matmul rate, or its bytes at the measured device copy rate, and
-named in `ComputeTimes.estimated`.
+cannot be replayed (an operator the device lacks, tensors too big for `max_bytes`, FLOPs of over
+`LONG_CALL_S` at the matmul rate) is estimated from its FLOPs at the measured matmul rate, or its
+bytes at the measured device copy rate, and named in `ComputeTimes.estimated`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ class ComputeTimes:
     estimated: list[str] = field(default_factory=list)  # distinct calls estimated instead (operator names)
 
 
+# A call whose FLOPs at the matmul rate come to more than this is estimated, not replayed: its
+# replay (a warm-up and several timed runs) would take minutes (attention at a sequence of 100k on a
+# CPU), and at that size it is bound by its arithmetic, which the estimate counts. A call whose
+# first run takes longer anyway is timed by that run alone.
+LONG_CALL_S = 0.5
+
+
 def device_is_here(hardware: HardwareProfile) -> bool:
     """Whether this process can run kernels on the device `hardware` describes: the same device,
     of the same name (a profile from another machine, or without a name, is not timed here)."""
@@ -67,7 +74,8 @@ def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[i
         key = call_key(call)
         if key not in cache:
             seconds = None
-            if max_bytes is None or call.bytes <= max_bytes:
+            long_call = bool(call.flops) and call.flops / (hardware.matmul_tflops * 1e12) > LONG_CALL_S
+            if (max_bytes is None or call.bytes <= max_bytes) and not long_call:
                 seconds = _replay(call, device, repeats)
             if seconds is None:
                 if not call.flops and copy_rate is None:
@@ -142,8 +150,11 @@ def _sync(device: torch.device) -> None:
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Seconds per call of `fn` run back to back, as a step's kernels run (launches overlap the
     device's work; one sync per batch, not per call): the median of `repeats` batches."""
+    start = time.perf_counter()
     fn()  # warm-up: first-call setup and allocator growth are not the step's cost
     _sync(device)
+    if time.perf_counter() - start > LONG_CALL_S:  # setup is a small part of so long a call
+        return time.perf_counter() - start
     start = time.perf_counter()
     fn()
     _sync(device)
