@@ -34,7 +34,10 @@ venv: $(VENV)/.installed
 # DEMO_ARGS: more arguments for the demo's training, e.g. make demo DEMO_ARGS='--set train.steps=60'
 DEMO_ARGS ?=
 
+# Each demo starts afresh: an earlier demo's checkpoints (a longer one's higher steps) would be what
+# the sample below reads.
 demo: venv
+	rm -rf runs/demo
 	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml $(DEMO_ARGS)
 	$(VENV)/bin/elixir-ray sample runs/demo/checkpoints --prompt "def " --tokens 160
 

@@ -571,6 +571,8 @@ def _train_claimed(cfg: RunConfig, progress: bool, resume: Optional[str]) -> Res
         try:
             outcome = controller.run()
         except BaseException as exc:  # SIGTERM too (`ray job stop`): Ray's driver turns it into SystemExit
+            if bar:
+                bar.close()  # the lines below start on a line of their own, not after the bar's
             saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
             if isinstance(exc, ClusterError):
                 raise ClusterError(f"{exc}{_where_to_resume(controller, saver.uri)}") from exc
@@ -649,14 +651,19 @@ def earlier_metrics(cfg: RunConfig) -> list[dict]:
 
 
 def _where_to_resume(controller, metrics_uri: str) -> str:
-    """What a stopped or failed run kept: its newest checkpoint to resume from, and its metrics."""
+    """What a stopped or failed run kept: its newest checkpoint to resume from (its own, else the one
+    it was resumed from), and its metrics. Read from the persister, not the outcome, which is filled
+    in after the teardown that a second Ctrl-C can cut short."""
     if controller is None:
         return ""
     metrics = f"\nmetrics so far: {_shown(metrics_uri)}" if controller.outcome.metrics else ""
-    if not controller.outcome.checkpoint_uri:
-        return "\nno checkpoint was written yet: there is nothing to resume from" + metrics if metrics else ""
-    uri, step = controller.outcome.checkpoint_uri, controller.outcome.checkpoint_step
-    return f"\nthe newest checkpoint is step {step}: continue with --resume {uri}" + metrics
+    persister = controller.persister
+    if persister is not None and persister.committed:
+        step, uri = persister.committed[-1]
+        return f"\nthe newest checkpoint is step {step}: continue with --resume {uri}" + metrics
+    if controller.resume is not None:  # none of its own yet: the one it started from is still there
+        return f"\nno checkpoint written since the start: continue with --resume {controller.resume.uri}" + metrics
+    return "\nno checkpoint was written yet: there is nothing to resume from" + metrics if metrics else ""
 
 
 def _write_outputs(cfg: RunConfig, outcome, seconds: float) -> Result:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
@@ -311,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _set_hint(args, unknown: list[str]) -> str:
+def _set_hint(args, unknown: list[str], argv: list[str]) -> str:
     """What was probably meant by an unknown option: one of the command's own with dashes for
     underscores (`plan --device_memory`), or a config key (`train --steps 20`: --set train.steps=20)."""
     import difflib
@@ -319,7 +320,7 @@ def _set_hint(args, unknown: list[str]) -> str:
     from elixir_ray.config import config_keys_named
 
     options = list(args.parser._option_string_actions)
-    for i, arg in enumerate(unknown):
+    for arg in unknown:
         if not arg.startswith("--"):
             continue
         flag, _, value = arg.partition("=")
@@ -330,27 +331,32 @@ def _set_hint(args, unknown: list[str]) -> str:
             name = flag[2:]
             keys = [k for k in config_keys_named(name.rsplit(".", 1)[-1]) if "." not in name or k == name]
             if keys:
-                value = value or (unknown[i + 1] if i + 1 < len(unknown) else "VALUE")
+                if not value:  # the word after it as typed (argparse may have taken it as the config)
+                    after = argv[argv.index(arg) + 1] if arg in argv and argv.index(arg) + 1 < len(argv) else ""
+                    value = after if after and not after.startswith("-") else "VALUE"
                 return f" (config values are set with --set: --set {keys[0]}={value})"
     return " (config values are set with --set KEY=VALUE, e.g. --set train.steps=50)" if hasattr(args, "set") else ""
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:
-    """Our warnings (UserWarning) as one line, like the errors: the file and line they were raised
-    at say nothing to someone running the command. Others keep Python's form."""
-    if issubclass(category, UserWarning):
+    """Our warnings (a UserWarning raised from elixir_ray's code) as one line, like the errors: the
+    file and line they were raised at say nothing to someone running the command. Others (a
+    library's own) keep Python's form."""
+    if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PACKAGE_DIR):
         return f"elixir-ray: warning: {message}\n"
     return _python_format_warning(message, category, filename, lineno, line)
 
 
 _python_format_warning = warnings.formatwarning
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, with its usage and what was probably meant
-        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_set_hint(args, unknown)}")
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_set_hint(args, unknown, argv)}")
     before, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return args.func(args)

@@ -183,3 +183,33 @@ def test_overrides_given_as_one_string_are_refused_naming_the_list_they_should_b
                                           r"\['train.steps=3'\]"):
         config_from_dict({}, "train.steps=3")
     assert config_from_dict({}, ["train.steps=3"]).train.steps == 3
+
+
+def test_an_option_that_is_a_config_key_is_refused_naming_the_set_that_was_meant(capsys):
+    """`train --steps 20 CONFIG`: argparse takes 20 for the config, so the value is read from the
+    words as typed; an option of the command spelt with underscores is named."""
+    from elixir_ray.cli import main
+
+    for argv, hint in [(["train", "--steps", "20", "tiny"], "--set train.steps=20)"),
+                       (["train", "tiny", "--steps=20"], "--set train.steps=20)"),
+                       (["plan", "tiny", "--world_size", "2"], "(did you mean --world-size?)")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"elixir-ray {argv[0]}: error: unrecognized arguments" in err, err
+        assert err.rstrip().endswith(hint), err
+
+
+def test_the_command_prints_its_own_warnings_as_one_line_and_a_librarys_as_python_does():
+    import os
+    import warnings
+
+    import torch
+
+    from elixir_ray import cli
+
+    ours = os.path.join(os.path.dirname(cli.__file__), "api.py")
+    assert cli._format_warning("a run ...", UserWarning, ours, 3) == "elixir-ray: warning: a run ...\n"
+    theirs = os.path.join(os.path.dirname(torch.__file__), "storage.py")
+    assert cli._format_warning("deprecated", UserWarning, theirs, 7) == warnings.formatwarning(
+        "deprecated", UserWarning, theirs, 7)

@@ -170,6 +170,30 @@ def test_ctrl_c_before_the_first_checkpoint_says_so_without_a_traceback(tiny_dat
     assert "Traceback" not in out and out.rstrip().endswith("elixir-ray: stopped"), out
 
 
+def test_a_stopped_run_names_the_checkpoint_to_resume_from_its_own_else_the_one_it_started_from(tiny_dataset,
+                                                                                              tmp_path):
+    """Read from the persister (a second Ctrl-C can cut short the teardown after which the outcome
+    is filled in); a resumed run stopped before a checkpoint of its own names the one it resumed from."""
+    from elixir_ray.api import _where_to_resume, as_config
+    from elixir_ray.cluster.controller import RestoreSource, TrainController
+    from elixir_ray.cluster.placement import WorkerShape
+    from elixir_ray.cluster.snapshots import CheckpointPersister
+
+    cfg = as_config(tiny_config(tiny_dataset, tmp_path))
+    controller = TrainController(cfg, WorkerShape(num_workers=1, use_gpu=False, cpus_per_worker=1))
+    assert _where_to_resume(controller, "m.parquet") == ""  # nothing trained: nothing to say
+    controller.outcome.metrics = [{"step": 1}]
+    assert _where_to_resume(controller, "m.parquet").startswith("\nno checkpoint was written yet")
+    controller.resume = RestoreSource("runs/old/checkpoints/step-00000040")
+    assert _where_to_resume(controller, "m.parquet").startswith(
+        "\nno checkpoint written since the start: continue with --resume runs/old/checkpoints/step-00000040\n")
+    controller.persister = CheckpointPersister(cfg.checkpoint_uri, 3)
+    controller.persister.committed = [(44, "runs/t/checkpoints/step-00000044")]
+    assert _where_to_resume(controller, "m.parquet").startswith(
+        "\nthe newest checkpoint is step 44: continue with --resume runs/t/checkpoints/step-00000044\n")
+    controller.persister.close()
+
+
 def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_path):
     base = dict(train={"steps": 8}, checkpoint={"every_steps": 4, "keep": 3})
     full = train(tiny_config(tiny_dataset, tmp_path / "full", **base), progress=False)

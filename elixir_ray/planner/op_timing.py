@@ -46,7 +46,7 @@ class ComputeTimes:
 # A call whose FLOPs at the matmul rate come to more than this is estimated, not replayed: its
 # replay (a warm-up and several timed runs) would take minutes (attention at a sequence of 100k on a
 # CPU), and at that size it is bound by its arithmetic, which the estimate counts. A call whose
-# first run takes longer anyway is timed by that run alone.
+# first run takes longer anyway is timed by one more run alone.
 LONG_CALL_S = 0.5
 
 
@@ -153,8 +153,12 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
     start = time.perf_counter()
     fn()  # warm-up: first-call setup and allocator growth are not the step's cost
     _sync(device)
-    if time.perf_counter() - start > LONG_CALL_S:  # setup is a small part of so long a call
-        return time.perf_counter() - start
+    first = time.perf_counter() - start
+    if first > LONG_CALL_S:  # one more run, without the first's setup, is enough for so long a call
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return min(first, time.perf_counter() - start)
     start = time.perf_counter()
     fn()
     _sync(device)
