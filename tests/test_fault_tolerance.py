@@ -109,32 +109,42 @@ def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, ti
     assert "step time: median" in resumed.summary() and "over 1 step(s) after the first" in resumed.summary()
 
 
-def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
-    """`ray job stop` sends SIGTERM: the run ends as on Ctrl-C, with the metrics so far written."""
-    import signal
+def _cli_run_stopped(tiny_dataset, tmp_path, every_steps: int, ready, signal_number) -> tuple[int, str]:
+    """`elixir-ray train` of an endless tiny run in a process of its own, sent `signal_number` once
+    `ready()` holds: its exit status and output."""
     import subprocess
     import sys
     import time
 
     import yaml
 
-    from elixir_ray.metrics import read_metrics
-
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 100000}, checkpoint={"every_steps": 3},
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 100000}, checkpoint={"every_steps": every_steps},
                       cluster={"num_workers": 1, "local_num_cpus": 2})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([sys.executable, "-m", "elixir_ray", "train", str(path), "--quiet"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    checkpoints = tmp_path / "runs" / "t" / "checkpoints"
     deadline = time.monotonic() + 240
-    while not (checkpoints.exists() and list_checkpoints(str(checkpoints))) and time.monotonic() < deadline:
+    while not ready() and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal_number)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0, out
+    return proc.returncode, out
+
+
+def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
+    """`ray job stop` sends SIGTERM: the run ends as on Ctrl-C, with the metrics so far written."""
+    import signal
+
+    from elixir_ray.metrics import read_metrics
+
+    checkpoints = tmp_path / "runs" / "t" / "checkpoints"
+    code, out = _cli_run_stopped(tiny_dataset, tmp_path, 3,
+                                 lambda: checkpoints.exists() and bool(list_checkpoints(str(checkpoints))),
+                                 signal.SIGTERM)
+    assert code != 0, out
     steps = [row["step"] for row in read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))]
     assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1)), (steps, out)
     assert "run stopped (SystemExit)\nthe newest checkpoint is step" in out and "continue with --resume" in out, out
@@ -144,27 +154,11 @@ def test_ctrl_c_before_the_first_checkpoint_says_so_without_a_traceback(tiny_dat
     """Ctrl-C (SIGINT) ends `elixir-ray train` with exit status 130 and what the run kept (its
     metrics; no checkpoint yet, so nothing to resume from), not Python's traceback."""
     import signal
-    import subprocess
-    import sys
-    import time
 
-    import yaml
-
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 100000}, checkpoint={"every_steps": 100000},
-                      cluster={"num_workers": 1, "local_num_cpus": 2})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-m", "elixir_ray", "train", str(path), "--quiet"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "runs" / "t" / "metrics.parquet"
-    deadline = time.monotonic() + 240
-    while not metrics.exists() and time.monotonic() < deadline:  # written 10 s into training
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
+    code, out = _cli_run_stopped(tiny_dataset, tmp_path, 100000, metrics.exists,  # written 10 s into training
+                                 signal.SIGINT)
+    assert code == 130, out
     assert ("run stopped (KeyboardInterrupt)\nno checkpoint was written yet: there is nothing to resume from\n"
             f"metrics so far: {metrics}") in out, out
     assert "Traceback" not in out and out.rstrip().endswith("elixir-ray: stopped"), out
@@ -298,7 +292,8 @@ def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_d
     first = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
     killer = WorkerKiller(worker_actor_name("t", 1), 1)
     killer.start()
-    second = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
+    with pytest.warns(UserWarning, match="of an earlier run"):  # the earlier run's checkpoints: said, then left alone
+        second = train(tiny_config(tiny_dataset, tmp_path, **base), progress=False)
     killer.join(timeout=5)
     assert killer.killed_at is not None, "the worker was never killed"
     (record,) = second.restarts
