@@ -480,7 +480,7 @@ def test_the_benchmarks_window_places_the_device_marks_from_its_closing_event():
     host's mark, and the window's time is the events' (inside the host's)."""
     import time
 
-    from elixir_ray.bench.systems import _timed_window
+    from elixir_ray.bench.systems import _timed_window, engine_step
 
     torch.manual_seed(0)
     model, opt = _engine(Toy(), 8, accumulation_steps=1)
@@ -499,13 +499,7 @@ def test_the_benchmarks_window_places_the_device_marks_from_its_closing_event():
     torch.cuda.synchronize()
     busy_seconds = time.perf_counter() - started
 
-    def step(batch):
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    step.settle = model.store.settle_all
+    step = engine_step(model, opt)
     timer = model.store.timer
     busy()  # queued, not waited for: the device is busy when the window's first mark is recorded
     seconds, loss, _, _, after = _timed_window(step, x, torch.device("cuda"), 3, timer)

@@ -263,18 +263,25 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
                              accumulation_steps=1,  # one backward per step: CPU updates start during it
                              memory_margin=memory_margin)
 
-        def step(batch):
-            loss = wrapped(batch)
-            loss.backward()
-            wopt.step()
-            wopt.zero_grad()
-            return loss
-        step.plan = wrapped.plan
-        step.pool_counts = lambda: dict(wrapped.store.counts)
-        step.settle = wrapped.store.settle_all  # waits for the background thread's CPU updates
-        return step, params, wrapped.store.timer
+        return engine_step(wrapped, wopt), params, wrapped.store.timer
 
     raise ValueError(f"unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+
+
+def engine_step(model, optimizer):
+    """One training step through the chunk engine (`wrap`'s model and optimizer), as the benchmark
+    times it, with what the benchmark reads beside it: the plan, the pool's counts, and `settle`,
+    which waits for the background thread's CPU updates."""
+    def step(batch):
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    step.plan = model.plan
+    step.pool_counts = lambda: dict(model.store.counts)
+    step.settle = model.store.settle_all
+    return step
 
 
 def reference_parameters(shape: BenchShape) -> int:
