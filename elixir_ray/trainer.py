@@ -29,12 +29,14 @@ EVAL_SEED = 0  # the order eval.windows are taken in: fixed, so a held-out set i
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step `steps - 1`)."""
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step `steps - 1`),
+    also where that step is the only one after the warm-up; a run no longer than its warm-up ends
+    before the decay starts."""
     o, total = cfg.optim, cfg.train.steps
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, total - 1 - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / span)
+    span = total - 1 - o.warmup_steps
+    progress = 1.0 if span <= 0 else min(1.0, (step - o.warmup_steps) / span)
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -122,7 +124,8 @@ class RankTrainer:
         tokens = self.global_batch * self.seq_len
         return {
             "step": self.state.step, "loss": loss, "lr": lr,
-            "grad_norm": float(self.optimizer.last_grad_norm or 0.0),
+            # None without clipping: the engine computes the norm only to clip by it (0.0 read as a zero gradient)
+            "grad_norm": None if self.optimizer.last_grad_norm is None else float(self.optimizer.last_grad_norm),
             "tokens": tokens, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
             "samples_consumed": self.state.samples_consumed,
             "eval_loss": self.evaluate() if self._evaluates_now() else None,  # not in the step's time

@@ -129,6 +129,7 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     table = pq.read_table(result.metrics_uri)
     assert table.column("step").to_pylist() == [1, 2, 3]
     assert all(v > 0 for v in table.column("tokens_per_s").to_pylist())
+    assert all(v > 0 for v in table.column("grad_norm").to_pylist())  # clipped by default: the norm is known
     manifest, tensors = load_checkpoint(result.checkpoint_uri)
     assert manifest["step"] == 3
     assert manifest["samples_consumed"] == 3 * 4 * 2
@@ -147,6 +148,15 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert ('"Limits, honestly"' in line) == (sum(median) / 2 > 1.3 * result.plan.predicted_step_seconds), line
     assert result.final_loss == table.column("loss").to_pylist()[-1] and result.final_eval_loss is None
     assert result.config.train.steps == 3 and result.config.name == "t"  # what a sweep compares runs by
+
+
+def test_without_clipping_the_gradient_norm_is_not_logged_as_zero(ray_cluster, tiny_dataset, tmp_path):
+    """The engine computes the global norm only to clip by it: unclipped, the metrics hold nulls, not
+    0.0 (which reads as a zero gradient)."""
+    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2}, optim={"max_grad_norm": None},
+                      cluster={"num_workers": 1})
+    result = train(cfg, progress=False)
+    assert result.metrics.column("grad_norm").to_pylist() == [None, None]
 
 
 def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(ray_cluster, tiny_dataset, tmp_path):

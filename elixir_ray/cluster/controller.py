@@ -287,13 +287,13 @@ class TrainController:
                 init_method = f"file://{path}"
                 if not all(self._get_watched([w.sees_file.remote(path) for w in self.workers], "checking the file")):
                     # ranks in containers of their own share no temp directory: a TCP store on loopback
-                    port = self._get_watched([self.workers[0].free_port.remote("127.0.0.1")], "probing a port")[0]
+                    port = self._get_watched([self.workers[0].free_port.remote()], "probing a port")[0]
                     init_method = f"tcp://127.0.0.1:{port}"
                     log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
                                 "(it listens on every interface)", os.path.dirname(path), port)
             else:
                 addr = infos[0]["node_ip"]
-                port = self._get_watched([self.workers[0].free_port.remote(addr)], "probing a port")[0]
+                port = self._get_watched([self.workers[0].free_port.remote()], "probing a port")[0]
                 init_method = f"tcp://{addr}:{port}"
             try:
                 self._get([w.init_process_group.remote(init_method, self.shape.backend,

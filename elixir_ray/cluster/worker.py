@@ -113,10 +113,18 @@ class RankWorker:
             except FileNotFoundError:
                 pass
 
-    def free_port(self, bind_address: str) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((bind_address, 0))
-            return s.getsockname()[1]
+    def free_port(self) -> int:
+        """A port free on every interface, as torch's TCP store binds it (all of them, IPv6 too where
+        the host has it): one free only on the address the ranks connect to may be taken on another,
+        and the store then fails to start (a review reproduced it: a port listened on at 127.0.0.1
+        was handed out for another address)."""
+        family_kwargs = {"family": socket.AF_INET6, "dualstack_ipv6": True} if socket.has_dualstack_ipv6() else {}
+        try:
+            with socket.create_server(("", 0), **family_kwargs) as s:
+                return s.getsockname()[1]
+        except OSError:  # IPv6 present but not usable here (a container without it): IPv4's wildcard
+            with socket.create_server(("", 0)) as s:
+                return s.getsockname()[1]
 
     def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:
         """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes."""
