@@ -510,11 +510,11 @@ def check_local_cluster_shape(cfg: RunConfig) -> None:
 
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         return
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cpus, gpus = _local_cpus(cfg), torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        resolve_worker_shape(cfg, {"CPU": _local_cpus(cfg), "GPU": gpus})
+        resolve_worker_shape(cfg, {"CPU": cpus, "GPU": gpus})
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (the local cluster a run starts where RAY_ADDRESS is unset: {_local_cpus(cfg)} CPUs, "
+        raise ConfigError(f"{exc} (the local cluster a run starts where RAY_ADDRESS is unset: {cpus} CPUs, "
                           f"cluster.local_num_cpus sets how many; {gpus} GPU(s))") from None
 
 

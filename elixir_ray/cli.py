@@ -332,8 +332,8 @@ def _set_hint(args, unknown: list[str], argv: list[str]) -> str:
             keys = [k for k in config_keys_named(name.rsplit(".", 1)[-1]) if "." not in name or k == name]
             if keys:
                 if not value:  # the word after it as typed (argparse may have taken it as the config)
-                    after = argv[argv.index(arg) + 1] if arg in argv and argv.index(arg) + 1 < len(argv) else ""
-                    value = after if after and not after.startswith("-") else "VALUE"
+                    after = argv[argv.index(arg) + 1:argv.index(arg) + 2] if arg in argv else []
+                    value = after[0] if after and not after[0].startswith("-") else "VALUE"
                 return f" (config values are set with --set: --set {keys[0]}={value})"
     return " (config values are set with --set KEY=VALUE, e.g. --set train.steps=50)" if hasattr(args, "set") else ""
 

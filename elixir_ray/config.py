@@ -251,8 +251,9 @@ def config_keys_named(name: str) -> list[str]:
     name = name.replace("-", "_")
 
     def walk(cls, prefix: str):
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            tp = typing.get_type_hints(cls)[f.name]
+            tp = hints[f.name]
             if _is_dataclass_type(tp):
                 yield from walk(tp, f"{prefix}{f.name}.")
             elif f.name == name:

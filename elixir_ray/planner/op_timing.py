@@ -74,14 +74,13 @@ def time_ops(ops: list[OpCall], hardware: HardwareProfile, max_bytes: Optional[i
         key = call_key(call)
         if key not in cache:
             seconds = None
-            long_call = bool(call.flops) and call.flops / (hardware.matmul_tflops * 1e12) > LONG_CALL_S
-            if (max_bytes is None or call.bytes <= max_bytes) and not long_call:
+            at_matmul = call.flops / (hardware.matmul_tflops * 1e12)  # its estimate, where it has FLOPs
+            if (max_bytes is None or call.bytes <= max_bytes) and not at_matmul > LONG_CALL_S:
                 seconds = _replay(call, device, repeats)
             if seconds is None:
                 if not call.flops and copy_rate is None:
                     copy_rate = _device_copy_rate(device)
-                seconds = (call.flops / (hardware.matmul_tflops * 1e12) if call.flops
-                           else call.bytes / copy_rate)
+                seconds = at_matmul if call.flops else call.bytes / copy_rate
                 cache[key] = (seconds, False)
             else:
                 cache[key] = (seconds, True)
