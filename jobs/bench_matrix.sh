@@ -6,7 +6,8 @@
 #
 # Stages:
 #   cuda-tests  the engine's CUDA tests (streams, pinned arena, bf16 curve, memory within the
-#               searched budget, the traced activation peak against the allocator's)
+#               searched budget, the traced activation peak against the allocator's), and FSDP2
+#               offload as the benchmark builds it following plain PyTorch from the same weights
 #   ray-gpu     a Ray run on the GPU (NCCL, one worker, gpt-124m at a 2 GiB budget: device and host
 #               chunks, CPU AdamW and Deep Optimizer States), its worker SIGKILLed at step 15 and the
 #               run recovered from the object store (jobs/bench_recovery.py)
@@ -32,6 +33,9 @@
 #               builds its CPU Adam first, about a minute: one device call's worth)
 #   gpt-4b-24-all  gpt-4b-24 and peers-24 in one run: plain PyTorch, elixir_ray, FSDP2 offload and
 #               DeepSpeed ZeRO-3 offload (one reference for all four, a minute less than the two stages)
+#   gpt-4b-24-all-margin  the same with elixir_ray's plan keeping 10% of the cap back and every
+#               process on expandable segments, as gpt-4b-margin (DeepSpeed last: it alone may need
+#               four minutes, so give the stage eight)
 #   plans-24    the searched plan against the hand-made ones, gpt-4b capped at 24 GiB
 #   gpt-10b     elixir_ray alone on the 10.3B GPT capped at 70 GiB (the reference does not fit)
 #
@@ -58,12 +62,12 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
     case "$stage" in
-        cuda-tests) "$PY" -m pytest -q -s -p no:cacheprovider tests/test_engine_cuda.py ;;
+        cuda-tests) "$PY" -m pytest -q -s -p no:cacheprovider tests/test_engine_cuda.py tests/test_bench_peers.py ;;
         ray-gpu) "$PY" jobs/bench_recovery.py --config jobs/configs/tiny.yaml --steps 30 --every 10 --kill-at 15 \
                      --kill-rank 0 --set cluster.num_workers=1 --set cluster.cpus_per_worker=8 \
                      --set model.size=gpt-124m --set model.vocab_size=257 --set engine.device_memory=2GiB \
@@ -89,6 +93,9 @@ stage_command() {
                       --out "$dir" ;;
         gpt-4b-24-all) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
                       --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload --out "$dir" ;;
+        gpt-4b-24-all-margin) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
+                      --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload \
+                      --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         plans-24) "$PY" jobs/bench_plans.py --shape gpt-4b --cap 24GiB --steps 4 --out "$dir/plans.json" ;;
         gpt-10b) "$PY" jobs/bench.py --shape gpt-10b --cap 70GiB --systems elixir_ray --steps 4 --out "$dir" ;;
     esac

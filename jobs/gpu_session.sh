@@ -11,7 +11,7 @@
 # Before the call, on the development machine (once per checkout):
 #   echo /.device/ >> .git/info/exclude && mkdir -p .device
 #   cp ../shared/device/ray-2.60.0-cp312-site.tar.gz .device/
-#   cp -r ../shared/device/deepspeed-wheels .device/      # for the peers-24 and deepspeed-24 stages
+#   cp -r ../shared/device/deepspeed-wheels .device/      # for the stages that run DeepSpeed (peers-24, deepspeed-24, gpt-4b-24-all*)
 # and name .device in the call's carry.
 #
 # Environment: OUT (where the packed stages go; default runs/gpu), STAGE_TIMEOUT_S (per stage;
@@ -45,7 +45,7 @@ elif ! "$PY" -c 'import ray' 2>/dev/null; then
 fi
 if ls .device/deepspeed-wheels/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .device/deepspeed-wheels/*.whl \
-        || echo "installing DeepSpeed failed: the peers-24 and deepspeed-24 stages will skip it"
+        || echo "installing DeepSpeed failed: the stages that run DeepSpeed will skip it"
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 STAGE_TIMEOUT_S="${STAGE_TIMEOUT_S:-240}" PACK_INTO="$OUT" PYTHON="$PY" \

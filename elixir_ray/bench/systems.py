@@ -189,6 +189,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+        step.model = model  # for a check that a peer trains what this trains (tests/test_bench_peers.py)
         return step, model.num_parameters(), None
 
     if system == "fsdp2_offload":
@@ -214,6 +215,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+        step.model = model
         return step, sum(p.numel() for p in model.parameters()), None
 
     if system == "deepspeed_z3_offload":
