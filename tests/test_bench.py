@@ -114,6 +114,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert f"(a pool of {plan.n_blocks} blocks, loading up to {plan.prefetch_depth} chunk(s) ahead)" in md
     assert "the plan's critical path: the forward's compute" in md
     assert "Loss from the first warm-up step to the last timed one: reference " in md
+    assert "does not train as plain PyTorch does" not in md  # every system here trains the reference's way
     assert "CPU time per timed step of the training thread" in md and " ms in all threads)" in md
     assert "Python on the training thread" in md and "- reference: step " in md and "Python calls; " in md
     assert "| reference |" in capsys.readouterr().out
@@ -547,3 +548,30 @@ def test_a_peers_single_rank_group_sets_what_a_launcher_would():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1", "0", "0", "1", "127.0.0.1"]
+
+
+def _result(system: str, first: float, final: float, **extra) -> dict:
+    """A result as `elixir-ray bench` writes it, with what the report's tables read."""
+    return dict(system=system, cap_bytes=24 * 2**30, tokens_per_s=1000.0, tflops=100.0, device="cuda:0",
+                peak_device_bytes=2**30, peak_host_bytes=2**30, step_seconds=1.0, first_loss=first,
+                final_loss=final, **extra)
+
+
+def test_the_report_says_which_peer_does_not_train_as_plain_pytorch_does():
+    """The third GPU session's FSDP2 ended at 13.9 where plain PyTorch fell to 9.5, and the
+    report read as if its speed compared; a system whose loss falls by less than half the
+    reference's now gets a line saying so. Different first losses (each its own initial weights)
+    alone are not that."""
+    from elixir_ray.bench.report import markdown_table, training_apart
+
+    results = [_result("reference", 11.455, 9.512), _result("elixir_ray", 11.426, 9.647),
+               _result("fsdp2_offload", 11.2, 13.945), _result("slow_learner", 11.0, 10.2),
+               _result("deepspeed_z3_offload", 0, 0, skipped="deepspeed is not installed")]
+    apart = training_apart(results)
+    assert len(apart) == 2 and apart[0].startswith("fsdp2_offload does not train as plain PyTorch does")
+    assert "from 11.200 to 13.945 where the reference's fell by 1.943" in apart[0]
+    assert apart[1].startswith("slow_learner ")
+    assert f"**{apart[0]}**" in markdown_table(results)
+    # a reference that barely moved (a tiny shape, few steps) tells nothing apart
+    assert training_apart([_result("reference", 5.0, 4.9), _result("fsdp2_offload", 5.0, 5.1)]) == []
+    assert training_apart([_result("elixir_ray", 5.0, 4.0)]) == []  # no reference
