@@ -88,9 +88,9 @@ def training_apart(results: list[dict]) -> list[str]:
     and the report did not say so."""
     ref = next((r for r in results if r["system"] == "reference" and not r.get("skipped")
                 and r.get("first_loss") is not None), None)
-    if ref is None or ref["first_loss"] - ref["final_loss"] < MIN_REFERENCE_FALL:
+    fell = ref["first_loss"] - ref["final_loss"] if ref is not None else 0.0
+    if fell < MIN_REFERENCE_FALL:
         return []
-    fell = ref["first_loss"] - ref["final_loss"]
     out = []
     for r in results:
         if r is ref or r.get("skipped") or r.get("first_loss") is None:
