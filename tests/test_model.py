@@ -2,6 +2,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir_ray.model.gpt import GPT, GPTConfig, build_gpt
@@ -444,3 +445,82 @@ def test_a_hugging_face_models_loss_scores_the_pairs_the_gpts_loss_scores():
     targets = window[:, 1:].clone()
     targets[1:] = -100  # padding rows, as evaluation pads its last batch
     assert hf_loss(model, window[:, :-1], targets).item() == pytest.approx(hf_loss(model, window[:1]).item(), abs=1e-6)
+
+
+def _head_problem(dtype=torch.float32):
+    torch.manual_seed(0)
+    h = torch.randn(3, 7, 16, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(41, 16, dtype=dtype) * 0.3).requires_grad_()
+    targets = torch.randint(0, 41, (3, 7))
+    targets[1, 2:] = -100  # padding, as evaluation pads its last batch
+    return h, weight, targets
+
+
+@pytest.mark.parametrize("slice_logits, autocast", [(1 << 25, False), (50, False), (50, True), (1, False)])
+def test_the_sliced_loss_gives_cross_entropys_values_and_gradients(monkeypatch, slice_logits, autocast):
+    """The head's logits a vocabulary slice at a time (one slice, several, one column each) give
+    F.cross_entropy's loss and gradients on all the fp32 logits, -100 targets skipped, under CPU
+    autocast too (where the matmuls run in bf16 and only the sums' order differs)."""
+    from elixir_ray.model import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
+    h, weight, targets = _head_problem()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = F.cross_entropy((h @ weight.t()).float().reshape(-1, 41), targets.reshape(-1))
+    want_grads = torch.autograd.grad(want, (h, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = loss_module.sliced_cross_entropy(h, weight, targets, ("cpu", torch.bfloat16) if autocast else None)
+    got_grads = torch.autograd.grad(got, (h, weight))
+    tol = dict(rtol=1e-2, atol=5e-4) if autocast else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **tol)
+
+
+def test_the_sliced_loss_is_twice_differentiable_and_refuses_a_target_outside_the_vocabulary(monkeypatch):
+    """A gradient penalty through the sliced loss is F.cross_entropy's (its backward's per-row
+    log-sum-exp is no constant then), and a target outside the vocabulary is refused by name, as
+    F.cross_entropy refuses it, rather than scored as if its logit were 0."""
+    from elixir_ray.model import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", 50)
+    h, weight, targets = _head_problem(torch.float64)
+
+    def penalty(loss_of):
+        grads = torch.autograd.grad(loss_of(), (h, weight), create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), (h, weight))
+
+    want = penalty(lambda: F.cross_entropy((h @ weight.t()).float().reshape(-1, 41), targets.reshape(-1)))
+    got = penalty(lambda: loss_module.sliced_cross_entropy(h, weight, targets))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+    targets[0, 0] = 41
+    with pytest.raises(IndexError, match="target 41 is outside the vocabulary of 41 tokens"):
+        loss_module.sliced_cross_entropy(h, weight, targets)
+
+
+def test_the_gpts_loss_keeps_no_logits_for_backward_unless_a_hook_on_the_head_needs_them():
+    """The GPT's loss keeps nothing of the logits' size for backward (the largest activation of a
+    checkpointed step, at a 50k vocabulary), with the same loss and gradients as through the head
+    module; a forward hook on the head (one that could change its output) takes that way instead."""
+    def step(hooked):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(d_model=16, n_layers=2, n_heads=2, vocab_size=300, seq_len=8))
+        if hooked:
+            model.head.register_forward_hook(lambda module, args, out: None)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(torch.randint(0, 300, (3, 9)))  # 24 rows: more logits than weights
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, max(saved)
+
+    (loss, grads, largest), (plain_loss, plain_grads, plain_largest) = step(False), step(True)
+    assert plain_largest >= 3 * 8 * 300 > largest  # the plain way keeps all the logits
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
+    _assert_grads_close(grads, plain_grads, rtol=1e-5, atol=1e-7)

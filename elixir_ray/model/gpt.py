@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _module_hooks  # its every-module hook registries
 from torch.utils.checkpoint import checkpoint
 
+from elixir_ray.model.loss import autocast_operand as _cast
+from elixir_ray.model.loss import plain_cross_entropy, sliced_cross_entropy
+
 # per block, what backward recomputes instead of keeping: nothing; the norms and the GELU (whose
 # outputs are 6 of the 16 hidden-size units a block saves per token, for a few memory-bound
 # kernels); or the whole block (its forward again, matmuls included: a third more compute)
@@ -100,14 +103,6 @@ def _autocast_of(t: torch.Tensor):
         return (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
     except RuntimeError:
         return None
-
-
-def _cast(t: torch.Tensor, amp) -> torch.Tensor:
-    """What autocast (`amp`, or None) does to a matmul's operand: floating tensors other than
-    float64 go to its dtype."""
-    if amp is None or t.dtype == amp[1] or not t.is_floating_point() or t.dtype == torch.float64:
-        return t
-    return t.to(amp[1])
 
 
 # A selective block's pieces: autograd Functions that keep for backward only what the matmuls take
@@ -537,6 +532,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final layer norm's output: what the head turns into logits."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
@@ -552,14 +551,25 @@ class GPT(nn.Module):
                     x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x, selective=mode == "selective" and training)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
 
     def forward(self, batch: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy. `batch` holds seq_len+1 tokens per row unless `targets` is given."""
+        """Mean cross-entropy (targets of -100 count for nothing). `batch` holds seq_len+1 tokens
+        per row unless `targets` is given.
+
+        The head's logits are computed a slice of the vocabulary at a time (`loss.sliced_cross_entropy`),
+        never whole, where the head is a plain bias-free linear layer with no hook that could
+        change its result (the engine's fetch does not; DeepSpeed's do, and so do a user's): its
+        forward pre-hooks run as calling it would run them. Otherwise, through the head module and
+        F.cross_entropy on all the fp32 logits at once (the same values, more memory)."""
         if targets is None:
             batch, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.logits(batch)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        h = self.hidden(batch)
+        head = self.head
+        if type(head) is not nn.Linear or head.bias is not None or _hooks_may_change((head,)):
+            return plain_cross_entropy(head, h, targets)
+        _pre_hooks_only(head, (h,))
+        return sliced_cross_entropy(h, head.weight, targets, _autocast_of(h))
 
 
 def init_gpt_weights(module: nn.Module, n_layers: int) -> None:
