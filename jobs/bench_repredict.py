@@ -18,6 +18,10 @@ what plan this version would choose there and what it would predict. Its forward
 traced FLOPs' share of the compute, where the re-costed plan keeps its own measured forward, so
 the two differ a little even for the same plan.
 
+Each run's model is traced with the loss it computed (`sliced_loss` in its result: the logits a
+vocabulary slice at a time, or, in a run that does not say, all at once as before 2026-11-28); a
+search afresh traces this version's GPT.
+
 Beside each measured step, a run with the device's marks (CUDA) also has the mean interval
 between the device's marks at its timed steps' starts, from the second step's: an estimate of a
 long run's step, free of the timed window's ends (until the twenty-seventh session the window's
@@ -114,7 +118,9 @@ def main() -> int:
     steps, paths, searched = [], [], []
     for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
-        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
+        # the loss as the run computed it: runs that do not say took the logits whole (before 2026-11-28)
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta",
+                          sliced_loss=bool(result.get("sliced_loss")))
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
         dtype = getattr(torch, plan.dtype)
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -146,8 +152,9 @@ def main() -> int:
             steps.append((shape.name, result["cap_bytes"], result["step_seconds"], plan.predicted_step_seconds, step,
                           step_interval(result.get("timeline") or [])))
             if args.search:
+                now_model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
                 searched.append((shape.name, result["cap_bytes"], step, search_again(
-                    model, sample, result["cap_bytes"], plan, profile, hw, dtype, compute, args.memory_margin)))
+                    now_model, sample, result["cap_bytes"], plan, profile, hw, dtype, compute, args.memory_margin)))
             paths.append((shape.name, result["cap_bytes"], path, device_lag(result.get("timeline") or [])))
     if steps:
         print()

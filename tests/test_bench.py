@@ -61,6 +61,8 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
         for key in ("first_loss", "final_loss"):
             assert rows[system][key] == pytest.approx(rows["reference"][key], abs=0.1), (system, key)
         assert rows[system]["final_loss"] < rows[system]["first_loss"]  # and it trains
+    for system in ("reference", "fsdp2_offload", "elixir_ray"):  # each took the logits a vocabulary slice at a time
+        assert rows[system]["sliced_loss"] is True, system
     assert rows["deepspeed_z3_offload"].get("skipped") or rows["deepspeed_z3_offload"]["tokens_per_s"] > 0
 
     ex = rows["elixir_ray"]
@@ -115,6 +117,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     assert "the plan's critical path: the forward's compute" in md
     assert "Loss from the first warm-up step to the last timed one: reference " in md
     assert "does not train as plain PyTorch does" not in md  # every system here trains the reference's way
+    assert "took the head's logits all at once" not in md
     assert "CPU time per timed step of the training thread" in md and " ms in all threads)" in md
     assert "Python on the training thread" in md and "- reference: step " in md and "Python calls; " in md
     assert "| reference |" in capsys.readouterr().out
@@ -575,3 +578,16 @@ def test_the_report_says_which_peer_does_not_train_as_plain_pytorch_does():
     # a reference that barely moved (a tiny shape, few steps) tells nothing apart
     assert training_apart([_result("reference", 5.0, 4.9), _result("fsdp2_offload", 5.0, 5.1)]) == []
     assert training_apart([_result("elixir_ray", 5.0, 4.0)]) == []  # no reference
+
+
+def test_the_report_names_a_system_whose_loss_took_the_logits_whole():
+    """DeepSpeed's hooks on the head make the GPT take all its logits at once (more activation
+    memory, the same values): the report says so where the others sliced them, and is silent
+    for runs from before the sliced loss, which do not say."""
+    from elixir_ray.bench.report import markdown_table
+
+    sliced = [_result("reference", 11.0, 9.5, sliced_loss=True), _result("elixir_ray", 11.0, 9.6, sliced_loss=True)]
+    md = markdown_table(sliced + [_result("deepspeed_z3_offload", 11.0, 9.6, sliced_loss=False)])
+    assert "all at once (not a vocabulary slice at a time, as the others did) in: deepspeed_z3_offload." in md
+    assert "all at once" not in markdown_table(sliced)
+    assert "all at once" not in markdown_table([_result("reference", 11.0, 9.5), _result("elixir_ray", 11.0, 9.6)])

@@ -266,6 +266,35 @@ def test_traced_activation_peak_is_what_cuda_allocates(checkpointing):
     assert abs(predicted - measured) <= 0.10 * measured
 
 
+def test_the_sliced_loss_on_cuda_gives_the_plain_losss_values_for_a_fraction_of_its_memory():
+    """The GPT's loss a vocabulary slice at a time, in bf16 on the device: the loss and gradients
+    of F.cross_entropy on all the fp32 logits, and a lower allocator peak over the step (the
+    logits' fp32 copy, log-softmax and gradient not held)."""
+    shape = dict(d_model=512, n_layers=2, n_heads=8, vocab_size=50304, seq_len=512)
+    batch = torch.randint(0, shape["vocab_size"], (8, shape["seq_len"] + 1), device="cuda")
+
+    def step(plain):
+        torch.manual_seed(0)
+        model = build_gpt(shape, "full", device="cuda").to(torch.bfloat16)
+        if plain:
+            model.head.register_forward_hook(lambda module, args, out: None)
+        model(batch).backward()  # warm-up: workspaces
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = model(batch)
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.float().item(), model.wte.weight.grad.float(), torch.cuda.max_memory_allocated() - before
+
+    (loss, grad, peak), (plain_loss, plain_grad, plain_peak) = step(False), step(True)
+    print(f"sliced loss {loss:.5f}, peak {peak / 2**20:.0f} MiB; plain {plain_loss:.5f}, {plain_peak / 2**20:.0f} MiB")
+    assert abs(loss - plain_loss) < 1e-3
+    assert (grad - plain_grad).abs().max().item() < 2e-2 * plain_grad.abs().max().item()
+    assert peak < plain_peak - 4 * 8 * 512 * 50304  # at least the fp32 logits' copy less
+
+
 _ON_SECOND_GPU = """
 import sys, threading, torch
 sys.path.insert(0, sys.argv[1])

@@ -64,6 +64,10 @@ class SystemResult:
     # a first loss apart from the reference's means a different model or initialisation, and a final
     # one apart from it after a matching first means a different training
     first_loss: Optional[float] = None
+    # whether the GPT's loss took the head's logits a vocabulary slice at a time (`GPT.slices_loss`:
+    # every system since 2026-11-28 but DeepSpeed, whose hooks on the head take them whole); None
+    # where the run does not say (every run before, which took them whole)
+    sliced_loss: Optional[bool] = None
     # CUDA: the allocator's peak reserved bytes, and how often it had to free its cache and retry an
     # allocation (each retry synchronises the device: under a cap, a cause of slow steps to look for)
     peak_reserved_bytes: int = 0
@@ -251,6 +255,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             engine.backward(loss)
             engine.step()
             return loss
+        step.model = model
         return step, sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()), None
 
     if system == "elixir_ray":
@@ -265,7 +270,9 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
                              accumulation_steps=1,  # one backward per step: CPU updates start during it
                              memory_margin=memory_margin)
 
-        return engine_step(wrapped, wopt), params, wrapped.store.timer
+        step = engine_step(wrapped, wopt)
+        step.model = model
+        return step, params, wrapped.store.timer
 
     raise ValueError(f"unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
 
@@ -338,7 +345,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
-        first_loss=first_loss,
+        first_loss=first_loss, sliced_loss=step.model.slices_loss() if hasattr(step, "model") else None,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),

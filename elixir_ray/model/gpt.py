@@ -49,6 +49,10 @@ class GPTConfig:
     seq_len: int = 128
     dropout: float = 0.0
     activation_checkpointing: bool | str = False  # every block's mode: False/"none", "selective", True/"full"
+    # the loss takes the head's logits a vocabulary slice at a time (model/loss.py); False: all at
+    # once through F.cross_entropy, as every GPU run before 2026-11-28 did (jobs/bench_repredict.py
+    # traces those runs so)
+    sliced_loss: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -558,18 +562,25 @@ class GPT(nn.Module):
         per row unless `targets` is given.
 
         The head's logits are computed a slice of the vocabulary at a time (`loss.sliced_cross_entropy`),
-        never whole, where the head is a plain bias-free linear layer with no hook that could
-        change its result (the engine's fetch does not; DeepSpeed's do, and so do a user's): its
-        forward pre-hooks run as calling it would run them. Otherwise, through the head module and
-        F.cross_entropy on all the fp32 logits at once (the same values, more memory)."""
+        never whole, where `slices_loss()` says so; the head's forward pre-hooks run as calling
+        it would run them. Otherwise, through the head module and F.cross_entropy on all the fp32
+        logits at once (the same values, more memory)."""
         if targets is None:
             batch, targets = batch[:, :-1], batch[:, 1:]
         h = self.hidden(batch)
         head = self.head
-        if type(head) is not nn.Linear or head.bias is not None or _hooks_may_change((head,)):
+        if not self.slices_loss():
             return plain_cross_entropy(head, h, targets)
         _pre_hooks_only(head, (h,))
         return sliced_cross_entropy(h, head.weight, targets, _autocast_of(h))
+
+    def slices_loss(self) -> bool:
+        """Whether the loss takes the logits a vocabulary slice at a time: with `cfg.sliced_loss`,
+        where the head is a plain bias-free linear layer with no hook that could change its result
+        (the engine's fetching pre-hooks do not; DeepSpeed's, and a user's, may)."""
+        head = self.head
+        return (self.cfg.sliced_loss and type(head) is nn.Linear and head.bias is None
+                and not _hooks_may_change((head,)))
 
 
 def init_gpt_weights(module: nn.Module, n_layers: int) -> None:
@@ -589,11 +600,11 @@ def init_gpt_weights(module: nn.Module, n_layers: int) -> None:
 
 
 def build_gpt(shape: dict, activation_checkpointing: bool | str = False, dropout: float = 0.0,
-              device: str | torch.device | None = None) -> GPT:
+              device: str | torch.device | None = None, sliced_loss: bool = True) -> GPT:
     cfg = GPTConfig(
         d_model=shape["d_model"], n_layers=shape["n_layers"], n_heads=shape["n_heads"],
         vocab_size=shape["vocab_size"], seq_len=shape["seq_len"], dropout=dropout,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=activation_checkpointing, sliced_loss=sliced_loss,
     )
     if device is None:
         return GPT(cfg)
