@@ -19,7 +19,7 @@ traced FLOPs' share of the compute, where the re-costed plan keeps its own measu
 the two differ a little even for the same plan.
 
 Each run's model is traced with the loss it computed (`sliced_loss` in its result: the logits a
-vocabulary slice at a time, or, in a run that does not say, all at once as before 2026-11-28); a
+slice of rows at a time, or, in a run that does not say, all at once as before 2026-11-28); a
 search afresh traces this version's GPT.
 
 Beside each measured step, a run with the device's marks (CUDA) also has the mean interval

@@ -61,7 +61,7 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
         for key in ("first_loss", "final_loss"):
             assert rows[system][key] == pytest.approx(rows["reference"][key], abs=0.1), (system, key)
         assert rows[system]["final_loss"] < rows[system]["first_loss"]  # and it trains
-    for system in ("reference", "fsdp2_offload", "elixir_ray"):  # each took the logits a vocabulary slice at a time
+    for system in ("reference", "fsdp2_offload", "elixir_ray"):  # each took the logits a slice of rows at a time
         assert rows[system]["sliced_loss"] is True, system
     assert rows["deepspeed_z3_offload"].get("skipped") or rows["deepspeed_z3_offload"]["tokens_per_s"] > 0
 
@@ -588,6 +588,6 @@ def test_the_report_names_a_system_whose_loss_took_the_logits_whole():
 
     sliced = [_result("reference", 11.0, 9.5, sliced_loss=True), _result("elixir_ray", 11.0, 9.6, sliced_loss=True)]
     md = markdown_table(sliced + [_result("deepspeed_z3_offload", 11.0, 9.6, sliced_loss=False)])
-    assert "all at once (not a vocabulary slice at a time, as the others did) in: deepspeed_z3_offload." in md
+    assert "all at once (not a slice of rows at a time, as the others did) in: deepspeed_z3_offload." in md
     assert "all at once" not in markdown_table(sliced)
     assert "all at once" not in markdown_table([_result("reference", 11.0, 9.5), _result("elixir_ray", 11.0, 9.6)])

@@ -267,7 +267,7 @@ def test_traced_activation_peak_is_what_cuda_allocates(checkpointing):
 
 
 def test_the_sliced_loss_on_cuda_gives_the_plain_losss_values_for_a_fraction_of_its_memory():
-    """The GPT's loss a vocabulary slice at a time, in bf16 on the device: the loss and gradients
+    """The GPT's loss a slice of rows at a time, in bf16 on the device: the loss and gradients
     of F.cross_entropy on all the fp32 logits, and a lower allocator peak over the step (the
     logits' fp32 copy, log-softmax and gradient not held)."""
     shape = dict(d_model=512, n_layers=2, n_heads=8, vocab_size=50304, seq_len=512)

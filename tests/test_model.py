@@ -456,9 +456,9 @@ def _head_problem(dtype=torch.float32):
     return h, weight, targets
 
 
-@pytest.mark.parametrize("slice_logits, autocast", [(1 << 25, False), (50, False), (50, True), (1, False)])
+@pytest.mark.parametrize("slice_logits, autocast", [(1 << 25, False), (100, False), (100, True), (1, False)])
 def test_the_sliced_loss_gives_cross_entropys_values_and_gradients(monkeypatch, slice_logits, autocast):
-    """The head's logits a vocabulary slice at a time (one slice, several, one column each) give
+    """The head's logits a slice of rows at a time (one slice, several, one row each) give
     F.cross_entropy's loss and gradients on all the fp32 logits, -100 targets skipped, under CPU
     autocast too (where the matmuls run in bf16 and only the sums' order differs)."""
     from elixir_ray.model import loss as loss_module
@@ -467,11 +467,11 @@ def test_the_sliced_loss_gives_cross_entropys_values_and_gradients(monkeypatch, 
     h, weight, targets = _head_problem()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         want = F.cross_entropy((h @ weight.t()).float().reshape(-1, 41), targets.reshape(-1))
-    want_grads = torch.autograd.grad(want, (h, weight))
+    want_grads = torch.autograd.grad(2.5 * want, (h, weight))  # a factor from backward, scaling them
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         got = loss_module.sliced_cross_entropy(h, weight, targets, ("cpu", torch.bfloat16) if autocast else None)
-    got_grads = torch.autograd.grad(got, (h, weight))
-    tol = dict(rtol=1e-2, atol=5e-4) if autocast else dict(rtol=1e-5, atol=1e-7)
+    got_grads = torch.autograd.grad(2.5 * got, (h, weight))
+    tol = dict(rtol=2e-2, atol=3e-3) if autocast else dict(rtol=1e-5, atol=1e-7)  # bf16: a few units in the last place
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads):
         assert g.dtype == w.dtype
@@ -479,9 +479,9 @@ def test_the_sliced_loss_gives_cross_entropys_values_and_gradients(monkeypatch, 
 
 
 def test_the_sliced_loss_is_twice_differentiable_and_refuses_a_target_outside_the_vocabulary(monkeypatch):
-    """A gradient penalty through the sliced loss is F.cross_entropy's (its backward's per-row
-    log-sum-exp is no constant then), and a target outside the vocabulary is refused by name, as
-    F.cross_entropy refuses it, rather than scored as if its logit were 0."""
+    """A gradient penalty through the sliced loss is F.cross_entropy's (the gradients its forward
+    computed are no constants then), and a target outside the vocabulary is refused by name, as
+    F.cross_entropy refuses it."""
     from elixir_ray.model import loss as loss_module
 
     monkeypatch.setattr(loss_module, "SLICE_LOGITS", 50)

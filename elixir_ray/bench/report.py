@@ -61,7 +61,7 @@ def markdown_table(results: list[dict]) -> str:
     lines += [f"**{line}**" for line in training_apart(results)]
     whole = [label(r) for r in results if not r.get("skipped") and r.get("sliced_loss") is False]
     if whole and any(r.get("sliced_loss") for r in results):  # the same values, more activation memory
-        lines += ["", "The loss took the head's logits all at once (not a vocabulary slice at a time, as the "
+        lines += ["", "The loss took the head's logits all at once (not a slice of rows at a time, as the "
                       f"others did) in: {', '.join(whole)}."]
     breakdown = breakdown_table(results)
     if breakdown:

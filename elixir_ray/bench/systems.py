@@ -64,7 +64,7 @@ class SystemResult:
     # a first loss apart from the reference's means a different model or initialisation, and a final
     # one apart from it after a matching first means a different training
     first_loss: Optional[float] = None
-    # whether the GPT's loss took the head's logits a vocabulary slice at a time (`GPT.slices_loss`:
+    # whether the GPT's loss took the head's logits a slice of rows at a time (`GPT.slices_loss`:
     # every system since 2026-11-28 but DeepSpeed, whose hooks on the head take them whole); None
     # where the run does not say (every run before, which took them whole)
     sliced_loss: Optional[bool] = None

@@ -49,7 +49,7 @@ class GPTConfig:
     seq_len: int = 128
     dropout: float = 0.0
     activation_checkpointing: bool | str = False  # every block's mode: False/"none", "selective", True/"full"
-    # the loss takes the head's logits a vocabulary slice at a time (model/loss.py); False: all at
+    # the loss takes the head's logits a slice of rows at a time (model/loss.py); False: all at
     # once through F.cross_entropy, as every GPU run before 2026-11-28 did (jobs/bench_repredict.py
     # traces those runs so)
     sliced_loss: bool = True
@@ -561,7 +561,7 @@ class GPT(nn.Module):
         """Mean cross-entropy (targets of -100 count for nothing). `batch` holds seq_len+1 tokens
         per row unless `targets` is given.
 
-        The head's logits are computed a slice of the vocabulary at a time (`loss.sliced_cross_entropy`),
+        The head's logits are computed a slice of rows at a time (`loss.sliced_cross_entropy`),
         never whole, where `slices_loss()` says so; the head's forward pre-hooks run as calling
         it would run them. Otherwise, through the head module and F.cross_entropy on all the fp32
         logits at once (the same values, more memory)."""
@@ -575,7 +575,7 @@ class GPT(nn.Module):
         return sliced_cross_entropy(h, head.weight, targets, _autocast_of(h))
 
     def slices_loss(self) -> bool:
-        """Whether the loss takes the logits a vocabulary slice at a time: with `cfg.sliced_loss`,
+        """Whether the loss takes the logits a slice of rows at a time: with `cfg.sliced_loss`,
         where the head is a plain bias-free linear layer with no hook that could change its result
         (the engine's fetching pre-hooks do not; DeepSpeed's, and a user's, may)."""
         head = self.head
