@@ -59,12 +59,16 @@ class _SlicedCrossEntropy(torch.autograd.Function):
         for lo in range(0, rows, step):
             hi = min(lo + step, rows)
             logits = torch.matmul(hc[lo:hi], wc.t()).float()
-            lse = torch.logsumexp(logits, dim=1)
-            picked = logits.gather(1, target[lo:hi, None]).squeeze(1)
-            total += ((lse - picked) * share[lo:hi]).sum()
+            picked = logits.gather(1, target[lo:hi, None])
+            # the log-sum-exp in place, op by op: torch's logsumexp would take a temporary of the
+            # logits' size that the planner's trace does not see
+            top = logits.amax(dim=1, keepdim=True)
+            p = logits.sub_(top).exp_()
+            z = p.sum(dim=1, keepdim=True)
+            total += ((top + z.log() - picked).squeeze(1) * share[lo:hi]).sum()
             if need_h or need_w:  # softmax less one at the target, times the row's share
-                p = logits.sub_(lse[:, None]).exp_()
-                p.scatter_add_(1, target[lo:hi, None], torch.full_like(picked[:, None], -1.0))
+                p.div_(z)
+                p.scatter_add_(1, target[lo:hi, None], torch.full_like(picked, -1.0))
                 g_logits = p.mul_(share[lo:hi, None]).to(hc.dtype)  # as autograd casts the gradient of `.float()` back
                 if need_h:
                     gh[lo:hi] = torch.matmul(g_logits, wc)
