@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# logits computed at once, at most (128 MiB in fp32): this many over the vocabulary rows to a slice
+# logits computed at once, at most (128 MiB in fp32): a slice takes as many rows as this allows
 SLICE_LOGITS = 1 << 25
 IGNORE_INDEX = -100  # F.cross_entropy's default: a target that counts for nothing (padding)
 
