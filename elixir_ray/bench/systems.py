@@ -345,7 +345,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         step_seconds=seconds, tokens_per_s=tokens / seconds,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
-        first_loss=first_loss, sliced_loss=step.model.slices_loss() if hasattr(step, "model") else None,
+        first_loss=first_loss, sliced_loss=step.model.slices_loss(),
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),

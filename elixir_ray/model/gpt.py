@@ -20,7 +20,7 @@ from torch.nn.modules import module as _module_hooks  # its every-module hook re
 from torch.utils.checkpoint import checkpoint
 
 from elixir_ray.model.loss import autocast_operand as _cast
-from elixir_ray.model.loss import plain_cross_entropy, sliced_cross_entropy
+from elixir_ray.model.loss import logits_cross_entropy, sliced_cross_entropy
 
 # per block, what backward recomputes instead of keeping: nothing; the norms and the GELU (whose
 # outputs are 6 of the 16 hidden-size units a block saves per token, for a few memory-bound
@@ -570,7 +570,7 @@ class GPT(nn.Module):
         h = self.hidden(batch)
         head = self.head
         if not self.slices_loss():
-            return plain_cross_entropy(head, h, targets)
+            return logits_cross_entropy(head(h), targets)
         _pre_hooks_only(head, (h,))
         return sliced_cross_entropy(h, head.weight, targets, _autocast_of(h))
 

@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from elixir_ray.errors import ConfigError
+from elixir_ray.model.loss import logits_cross_entropy
 
 # keys every config class takes through its keyword arguments (older config.json files carry the
 # first ones; attn_implementation picks eager, sdpa or flash attention)
@@ -173,8 +173,7 @@ def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: Optional[torch.Tens
     With `targets`, `tokens` are the inputs and positions whose target is -100 are not scored."""
     if targets is None:
         tokens, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(input_ids=tokens, use_cache=False).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return logits_cross_entropy(model(input_ids=tokens, use_cache=False).logits, targets)
 
 
 def hf_sample_inputs(tokens: torch.Tensor) -> dict:
@@ -187,4 +186,4 @@ def hf_trace_loss(output) -> torch.Tensor:
     (the trace runs on the meta device, where the targets' values do not matter)."""
     logits = output.logits
     targets = torch.zeros(logits.shape[:-1].numel(), dtype=torch.long, device=logits.device)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets)
+    return logits_cross_entropy(logits, targets)

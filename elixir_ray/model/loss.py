@@ -18,7 +18,6 @@ logits through F.cross_entropy.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 # logits computed at once, at most (128 MiB in fp32): a slice takes as many rows as this allows
@@ -85,8 +84,7 @@ class _SlicedCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         if torch.is_grad_enabled():  # create_graph (a gradient penalty): gradients differentiable to the end
             return _differentiable_backward(ctx.amp, h, weight, target, valid, grad, need_h, need_w)
-        scale = grad.to(torch.float32)
-        return ((gh * scale.to(gh.dtype)) if need_h else None), ((gw * scale.to(gw.dtype)) if need_w else None), \
+        return ((gh * grad.to(gh.dtype)) if need_h else None), ((gw * grad.to(gw.dtype)) if need_w else None), \
             None, None, None
 
 
@@ -133,7 +131,7 @@ def sliced_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return _SlicedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), amp, want_grads)
 
 
-def plain_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The same loss through the head module and F.cross_entropy on fp32 logits (all of them at once)."""
-    logits = head(h)
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same loss from all the logits at once (the head module's output, or a Hugging Face
+    model's), through F.cross_entropy in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
