@@ -36,6 +36,10 @@
 #   gpt-4b-24-all-margin  the same with elixir_ray's plan keeping 10% of the cap back and every
 #               process on expandable segments, as gpt-4b-margin (DeepSpeed last: it alone may need
 #               four minutes, so give the stage eight)
+#   gpt-4b-24-fsdp2-pageable  plain PyTorch, elixir_ray (as gpt-4b-24-all-margin) and FSDP2 offload to
+#               pageable host memory (blocking gradient copies, --fsdp2-pageable): the FSDP2 to compare
+#               with where cuda-tests finds the pinned one's training apart from plain PyTorch's and the
+#               pageable one's not
 #   plans-24    the searched plan against the hand-made ones, gpt-4b capped at 24 GiB
 #   gpt-10b     elixir_ray alone on the 10.3B GPT capped at 70 GiB (the reference does not fit)
 #
@@ -62,7 +66,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin gpt-4b-24-fsdp2-pageable plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -95,6 +99,9 @@ stage_command() {
                       --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload --out "$dir" ;;
         gpt-4b-24-all-margin) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
                       --systems reference elixir_ray fsdp2_offload deepspeed_z3_offload \
+                      --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
+        gpt-4b-24-fsdp2-pageable) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB \
+                      --systems reference elixir_ray fsdp2_offload --fsdp2-pageable \
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         plans-24) "$PY" jobs/bench_plans.py --shape gpt-4b --cap 24GiB --steps 4 --out "$dir/plans.json" ;;
         gpt-10b) "$PY" jobs/bench.py --shape gpt-10b --cap 70GiB --systems elixir_ray --steps 4 --out "$dir" ;;

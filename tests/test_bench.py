@@ -30,12 +30,18 @@ def test_bench_passes_the_memory_margin_to_elixir_ray_and_the_allocator_settings
     from elixir_ray.cli import main
 
     out = tmp_path / "bench"
-    assert main(["bench", "--smoke", "--systems", "reference", "elixir_ray", "--cap", "64MiB", "--memory-margin",
-                 "0.5", "--alloc-conf", "expandable_segments:True", "--out", str(out)]) == 0
+    assert main(["bench", "--smoke", "--systems", "reference", "elixir_ray", "fsdp2_offload", "--cap", "64MiB",
+                 "--memory-margin", "0.5", "--alloc-conf", "expandable_segments:True", "--fsdp2-pageable",
+                 "--out", str(out)]) == 0
     rows = {r["system"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
     assert {r["alloc_conf"] for r in rows.values()} == {"expandable_segments:True"}
     plan = rows["elixir_ray"]["plan"]
     assert plan["memory_margin"] == 0.5 and plan["predicted_peak_bytes"] <= 32 * 2**20
+    # --fsdp2-pageable reaches FSDP2's process alone; on the CPU FSDP2 offloads nothing, so its result
+    # does not claim either kind of host memory
+    commands = {system: (out / f"{system}.log").read_text().splitlines()[0] for system in rows}
+    assert [s for s, line in commands.items() if "--fsdp2-pageable" in line] == ["fsdp2_offload"], commands
+    assert rows["fsdp2_offload"]["fsdp2_pinned"] is None and not rows["fsdp2_offload"].get("skipped")
     with pytest.raises(SystemExit):
         main(["bench", "--smoke", "--memory-margin", "1.5", "--out", str(out)])
 
@@ -591,3 +597,13 @@ def test_the_report_names_a_system_whose_loss_took_the_logits_whole():
     assert "all at once (not a slice of rows at a time, as the others did) in: deepspeed_z3_offload." in md
     assert "all at once" not in markdown_table(sliced)
     assert "all at once" not in markdown_table([_result("reference", 11.0, 9.5), _result("elixir_ray", 11.0, 9.6)])
+
+
+def test_the_report_names_fsdp2_offloading_to_pageable_memory():
+    from elixir_ray.bench.report import label, markdown_table
+
+    pinned, pageable = _result("fsdp2_offload", 11.0, 9.6, fsdp2_pinned=True), _result("fsdp2_offload", 11.0, 9.6,
+                                                                                        fsdp2_pinned=False)
+    assert (label(pinned), label(pageable), label(_result("reference", 11.0, 9.5))) == (
+        "fsdp2_offload", "fsdp2_offload (pageable)", "reference")
+    assert "| fsdp2_offload (pageable) |" in markdown_table([_result("reference", 11.0, 9.5), pageable])

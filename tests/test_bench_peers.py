@@ -28,11 +28,15 @@ def _losses(step, batch) -> list[float]:
 # FSDP2 on the CPU: DTensor's random initialisation warns that a CPU mesh may lack support; the
 # initialisation check below is what says whether it did what the reference's did
 @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+@pytest.mark.parametrize("device, pinned", [
+    ("cpu", True),  # no offload on the CPU: pinning has nothing to do there
+    # pinned, as the benchmark runs it; pageable (blocking gradient copies) tells an asynchronous
+    # copy's race from any other cause when the pinned case fails
+    *(pytest.param("cuda", pinned, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                             reason="needs a CUDA device"))
+      for pinned in (True, False)),
 ])
-def test_fsdp2_offload_as_the_benchmark_builds_it_follows_plain_pytorch_from_the_same_weights(device):
+def test_fsdp2_offload_as_the_benchmark_builds_it_follows_plain_pytorch_from_the_same_weights(device, pinned):
     on_cuda = device == "cuda"
     # wide enough that each step moves the loss by far more than bf16's noise (on the CPU, fp32, the
     # reference's loss went 9.2 to 6.9 over the 6 steps at d 512, 9.1 to 8.2 at d 256), and
@@ -43,7 +47,7 @@ def test_fsdp2_offload_as_the_benchmark_builds_it_follows_plain_pytorch_from_the
     torch.manual_seed(0)
     try:
         reference = _build("reference", shape, device, None)[0]
-        fsdp = _build("fsdp2_offload", shape, device, None)[0]
+        fsdp = _build("fsdp2_offload", shape, device, None, fsdp2_pin_memory=pinned)[0]
         ours, theirs = dict(reference.model.named_parameters()), dict(fsdp.model.named_parameters())
         assert ours.keys() == theirs.keys()  # the tied embedding once in each
         with torch.no_grad():

@@ -23,6 +23,8 @@ def main() -> int:
     parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="elixir_ray only: the share of the cap its plan search keeps back")
+    parser.add_argument("--fsdp2-pageable", action="store_true",
+                        help="fsdp2_offload only: offload to pageable host memory instead of pinned")
     args = parser.parse_args()
     plan = None
     if args.plan:
@@ -38,7 +40,8 @@ def main() -> int:
     try:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
                             steps=args.steps, warmup=args.warmup, plan=plan, keep=keep,
-                            memory_margin=args.memory_margin).to_dict()
+                            memory_margin=args.memory_margin,
+                            fsdp2_pin_memory=not args.fsdp2_pageable).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure

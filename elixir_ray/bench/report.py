@@ -26,8 +26,13 @@ def add_ratios(results: list[dict]) -> list[dict]:
 
 
 def label(r: dict) -> str:
-    """A result's name in the report: its system, and its cap where the run had several."""
-    return r.get("label") or r["system"]
+    """A result's name in the report: its system, and its cap where the run had several; FSDP2
+    offloading to pageable memory (`--fsdp2-pageable`) says so."""
+    return (r.get("label") or r["system"]) + _pageable(r)
+
+
+def _pageable(r: dict) -> str:
+    return " (pageable)" if r.get("fsdp2_pinned") is False else ""
 
 
 def device_peak(r: dict) -> str:
@@ -50,7 +55,7 @@ def markdown_table(results: list[dict]) -> str:
             continue
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(
-            f"| {r['system']} | {cap} | {r['tokens_per_s']:,.0f} | {_tflops(r['tflops'])} | "
+            f"| {r['system']}{_pageable(r)} | {cap} | {r['tokens_per_s']:,.0f} | {_tflops(r['tflops'])} | "
             f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )

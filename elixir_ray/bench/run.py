@@ -22,12 +22,15 @@ from elixir_ray.units import format_bytes
 
 def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6,
               warmup: int = 3, device: Optional[str] = None, progress=print,
-              memory_margin: Optional[float] = None, alloc_conf: Optional[str] = None) -> tuple[list[dict], dict]:
+              memory_margin: Optional[float] = None, alloc_conf: Optional[str] = None,
+              fsdp2_pageable: bool = False) -> tuple[list[dict], dict]:
     """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
     every other system once per cap, in the caps' order. With several caps each capped result is
     kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report.
     `memory_margin`: elixir_ray's plan search keeps this share of the cap back (default: the
-    planner's); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process alike."""
+    planner's); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process alike;
+    `fsdp2_pageable`: FSDP2 offloads to pageable host memory (blocking gradient copies) instead of
+    its default, pinned (`systems._build`)."""
     caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
     if memory_margin is not None:
         check_margin(memory_margin)  # before the reference's minutes
@@ -52,6 +55,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
                 cmd += ["--device", device]
             if memory_margin is not None and system == "elixir_ray":
                 cmd += ["--memory-margin", str(memory_margin)]
+            if fsdp2_pageable and system == "fsdp2_offload":
+                cmd += ["--fsdp2-pageable"]
             env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf is not None else {}
             code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"), env=env)
             if os.path.exists(out):
@@ -129,7 +134,7 @@ def main_args(args) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
                                device="cpu" if args.smoke else None, memory_margin=args.memory_margin,
-                               alloc_conf=args.alloc_conf)
+                               alloc_conf=args.alloc_conf, fsdp2_pageable=args.fsdp2_pageable)
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
@@ -173,5 +178,8 @@ def add_arguments(p) -> None:
     p.add_argument("--alloc-conf", default=None,
                    help="PYTORCH_CUDA_ALLOC_CONF for every system's process alike, e.g. "
                         "expandable_segments:True (default: this environment's); each result records it")
+    p.add_argument("--fsdp2-pageable", action="store_true",
+                   help="FSDP2 offload to pageable host memory, its gradients copied down in blocking copies, "
+                        "instead of pinned memory and asynchronous copies (FSDP2's default)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.md, bench.png and each "
                                                        "system's output, SYSTEM.log (default: runs/bench)")

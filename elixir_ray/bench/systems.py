@@ -68,6 +68,10 @@ class SystemResult:
     # every system since 2026-11-28 but DeepSpeed, whose hooks on the head take them whole); None
     # where the run does not say (every run before, which took them whole)
     sliced_loss: Optional[bool] = None
+    # FSDP2 offload on a GPU only: whether its host memory was pinned (its default, asynchronous
+    # gradient copies) or pageable (`--fsdp2-pageable`, blocking copies); None otherwise (on the
+    # CPU FSDP2 offloads nothing)
+    fsdp2_pinned: Optional[bool] = None
     # CUDA: the allocator's peak reserved bytes, and how often it had to free its cache and retry an
     # allocation (each retry synchronises the device: under a cap, a cause of slow steps to look for)
     peak_reserved_bytes: int = 0
@@ -173,11 +177,16 @@ def _check_tied(model, system: str) -> None:
 
 
 def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int], plan=None,
-           memory_margin: Optional[float] = None):
+           memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True):
     """(step function taking a batch and returning the loss, parameter count, StepTimer or None).
 
     The timer, for elixir_ray, is its engine's (`model.store.timer`), disabled until
-    `step_breakdown` turns it on for its own steps.
+    `step_breakdown` turns it on for its own steps. `fsdp2_pin_memory=False` gives FSDP2's CPU
+    offload pageable memory, so that its gradients cross to the host in blocking copies. That is
+    how `tests/test_bench_peers.py` tells a race in FSDP2's asynchronous gradient offload from
+    any other cause of the training that went wrong on the H100 (torch fixed races of that kind
+    in 2026 for HSDP and for gradient hooks, pytorch#180665 and #180666; the GPU machine has
+    torch 2.11). The benchmark runs FSDP2's default, pinned.
     """
     dtype = getattr(torch, shape.dtype)
     autocast = dtype != torch.float32
@@ -203,7 +212,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
         kwargs = {}
         if device.type == "cuda":  # FSDP2 offloads only from a GPU; on CPU it runs unsharded
-            kwargs = dict(offload_policy=CPUOffloadPolicy(),
+            kwargs = dict(offload_policy=CPUOffloadPolicy(pin_memory=fsdp2_pin_memory),
                           mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
         for block in model.blocks:
             fully_shard(block, **kwargs)
@@ -300,12 +309,13 @@ def reference_parameters(shape: BenchShape) -> int:
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
                steps: int = 6, warmup: int = 3, plan=None, keep=None,
-               memory_margin: Optional[float] = None) -> SystemResult:
+               memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
     given, is called with the result as it stands after the timed steps and again after the
     breakdown's steps, before the profiled one: a process that dies in the extra steps (a
     profiler's crash) still leaves what the timed steps measured. `memory_margin` (elixir_ray
-    only, without `plan`): the share of the cap its plan search keeps back."""
+    only, without `plan`): the share of the cap its plan search keeps back. `fsdp2_pin_memory`
+    (FSDP2 only): False offloads to pageable memory (`_build`)."""
     torch.manual_seed(0)
     device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
@@ -314,7 +324,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    step, params, timer = _build(system, shape, device, cap_bytes, plan, memory_margin)
+    step, params, timer = _build(system, shape, device, cap_bytes, plan, memory_margin, fsdp2_pin_memory)
     peak_build = 0
     if device.type == "cuda":
         peak_build = torch.cuda.max_memory_allocated(device)
@@ -346,6 +356,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
         first_loss=first_loss, sliced_loss=step.model.slices_loss(),
+        fsdp2_pinned=fsdp2_pin_memory if system == "fsdp2_offload" and device.type == "cuda" else None,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
         predicted_step_seconds=getattr(getattr(step, "plan", None), "predicted_step_seconds", None),
