@@ -300,6 +300,16 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
     return alone, beside, link
 
 
+def _copy_rates(copy_bytes: int, device: torch.device) -> tuple[float, float]:
+    """(host->device, device->host) GB/s of one copy of `copy_bytes`, from pinned host memory on a
+    GPU; its buffers are freed on return, before the rates measured after it."""
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    h2d = copy_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
+    d2h = copy_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
+    return h2d, d2h
+
+
 def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                      copy_bytes: int | None = None, adam_numel: int | None = None,
                      matmul_n: int | None = None, host_adam_numel: int | None = None) -> HardwareProfile:
@@ -312,11 +322,7 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     copy_bytes = copy_bytes or (256 * 2**20 if on_gpu else 64 * 2**20)
     adam_numel = adam_numel or (64 * 2**20 if on_gpu else 4 * 2**20)
-    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=on_gpu)
-    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    h2d = copy_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
-    d2h = copy_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
-    del host, dev
+    h2d, d2h = _copy_rates(copy_bytes, device)
     threads = torch.get_num_threads()
     torch.set_num_threads(update_threads())  # as many as the engine's update thread takes
     try:
