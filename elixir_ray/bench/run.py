@@ -36,6 +36,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
         check_margin(memory_margin)  # before the reference's minutes
         if "elixir_ray" not in systems:
             progress(f"note: --memory-margin {memory_margin} applies to elixir_ray only, which is not among the systems")
+    if fsdp2_pageable and "fsdp2_offload" not in systems:
+        progress("note: --fsdp2-pageable applies to fsdp2_offload only, which is not among the systems")
     several = len(caps) > 1
     runs = [("reference", None)] if "reference" in systems else []  # first: the ratios' base
     runs += [(system, cap) for cap in caps for system in systems if system != "reference"]
