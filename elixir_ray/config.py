@@ -205,7 +205,7 @@ def _build(cls, data: Any, prefix: str):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix[:-1] or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -318,6 +318,9 @@ def shipped_names(folder: str, suffix: str) -> list[str]:
 
 
 def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
+    if os.path.isdir(path):
+        raise ConfigError(f"config {path!r} is a directory: give a YAML file in it, or a config the package ships "
+                          f"by name: {', '.join(shipped_names('configs', '.yaml'))}")
     if not os.path.isfile(path):
         shipped = shipped_file("configs", path, ".yaml")
         if shipped is None:
@@ -373,6 +376,8 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
         _positive(f"train.{key}", getattr(t, key))
+    if not 0 <= t.seed < 2**63:  # numpy's data order and torch's generators take a non-negative 64-bit seed
+        raise ConfigError(f"train.seed must be a whole number from 0 to 2**63 - 1, got {t.seed}")
     if t.dtype not in _DTYPES:
         raise ConfigError(f"train.dtype {t.dtype!r} is unknown (allowed: {', '.join(_DTYPES)})")
     if t.dtype == "float16" and m.hf is not None:  # loss scaling needs the model to return the loss

@@ -42,6 +42,9 @@ def test_explicit_fields_override_named_size():
     ({"checkpoint": {"via": "disk"}}, "checkpoint.via must be auto, object_store or storage, got 'disk'"),
     ({"eval": {"windows": 0}}, "eval.windows must be a positive number"),
     ({"eval": {"every_steps": -1}}, "eval.every_steps must be >= 0"),
+    ({"train": {"seed": -1}}, "train.seed must be a whole number from 0 to 2**63 - 1, got -1"),
+    ({"train": {"seed": 2**63}}, "train.seed must be a whole number from 0"),
+    ({"train": 5}, "train: expected a mapping, got 5"),
 ])
 def test_bad_values_name_the_field(data, needle):
     with pytest.raises(ConfigError) as exc:
@@ -63,6 +66,8 @@ def test_override_syntax_error():
 def test_load_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="is a directory: give a YAML file in it"):
+        load_config(str(tmp_path))
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
