@@ -69,3 +69,19 @@ def test_a_collectives_error_is_never_the_runs_own():
         failures = [_failure(error=error.error, step=2), _failure(error=error.error, step=2)]
         assert RestartPolicy(max_restarts=3).decide(failures[1], failures[:1]) is Decision.RESTART
     assert error_line(FloatingPointError("the loss is not finite")) == "FloatingPointError: the loss is not finite"
+
+
+def test_a_step_predicted_to_outlast_the_hang_timeout_is_refused_and_one_near_it_warned():
+    """A step slower than fault.detect_timeout_s is taken for a hung worker on every try (a new
+    user's seq_len 100000 on the CPU, predicted at 28 minutes a step, restarted three times): the
+    driver refuses it before training, naming the setting and a value that fits three steps."""
+    from elixir_ray.cluster.failure import step_against_timeout
+
+    error, warning = step_against_timeout(1701.5, 60)
+    assert warning is None and error.startswith("the plan predicts 1,701.5 s a step, and fault.detect_timeout_s is 60 s")
+    assert "Set fault.detect_timeout_s to at least 5104 (three steps)" in error
+    assert step_against_timeout(60, 60)[0] is not None  # a step as long as the timeout fails as surely
+    error, warning = step_against_timeout(25, 60)
+    assert error is None and "consider fault.detect_timeout_s=75" in warning
+    assert step_against_timeout(19.9, 60) == (None, None)
+    assert step_against_timeout(0.0, 60) == (None, None)  # no prediction (a plan read from an older file)

@@ -33,7 +33,7 @@ from elixir_ray.checkpoint import CheckpointError, check_compatible, load_first_
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import (Decision, FailureKind, RestartPolicy, StepError, WorkerGroupFailure,
-                                        error_line)
+                                        error_line, step_against_timeout)
 from elixir_ray.cluster.placement import (WorkerShape, bundle_rank_order, cpu_thread_hint, create_placement_group,
                                           workers_that_fit)
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -328,6 +328,11 @@ class TrainController:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
             plan.notes.append(self._thread_hint)
+        error, warning = step_against_timeout(plan.predicted_step_seconds, self.cfg.fault.detect_timeout_s)
+        if error:
+            raise ClusterError(error)
+        if warning and self.outcome.plan is None:  # once, not again at each restart's plan
+            log.warning(warning)
         self.outcome.plan = plan
         self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
