@@ -27,5 +27,11 @@ def train_argv(argv: list[str]) -> list[str]:
     return out
 
 
+HELP_HEADER = ("jobs/train.py: the entrypoint for `ray job submit`. The config is --config PATH (or the first "
+               "argument); the rest is what `elixir-ray train` takes:\n")
+
+
 if __name__ == "__main__":
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(HELP_HEADER)
     sys.exit(main(train_argv(sys.argv[1:])))

@@ -80,3 +80,13 @@ def _submit(bin_dir, dash_port, tmp_path, env):
             # `ray start` turns on token authentication; the CLI sends ~/.ray/auth_token in this mode
             env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=300, cwd=REPO,
         )
+
+
+def test_the_job_entrypoints_help_says_how_it_takes_the_config():
+    """`python jobs/train.py --help` is what a user submitting a job reads: it prints `elixir-ray
+    train`'s help, which names the config as a positional, so it first says --config PATH works."""
+    proc = subprocess.run([sys.executable, "jobs/train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("jobs/train.py: the entrypoint for `ray job submit`. The config is --config PATH")
+    assert "usage: elixir-ray train" in proc.stdout and "--set KEY=VALUE" in proc.stdout
