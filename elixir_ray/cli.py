@@ -209,7 +209,8 @@ def at_least(low: int):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elixir-ray",
-        description="Train GPT models larger than GPU memory as a fault-tolerant Ray job.",
+        description="Train language models larger than GPU memory (the built-in GPT, or a Hugging Face model "
+                    "from its config) as a fault-tolerant Ray job.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -298,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", metavar="JSON", help="rates measured elsewhere (see --save-hardware), or h100_anchors "
                                                       "(shipped), instead of measuring this machine; give the budget too")
     p.add_argument("--save-hardware", metavar="JSON", help="also write the rates used, to plan elsewhere later")
-    p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside the config)")
+    p.add_argument("--png", metavar="PATH", help="chart output (default: CONFIG.plan.png beside a config file; "
+                                                 "NAME.plan.png here for a config the package ships, given by name)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan, parser=p)
 

@@ -607,3 +607,11 @@ def test_the_report_names_fsdp2_offloading_to_pageable_memory():
     assert (label(pinned), label(pageable), label(_result("reference", 11.0, 9.5))) == (
         "fsdp2_offload", "fsdp2_offload (pageable)", "reference")
     assert "| fsdp2_offload (pageable) |" in markdown_table([_result("reference", 11.0, 9.5), pageable])
+
+
+def test_a_report_without_the_reference_says_its_ratio_does_not_apply():
+    from elixir_ray.bench.report import add_ratios, markdown_table
+
+    md = markdown_table(add_ratios([_result("elixir_ray", 11.0, 9.6)]))
+    assert "| elixir_ray | 24.0 GiB | 1,000 | 100.0 | n/a |" in md and "nan" not in md
+    assert "| 1.00 |" in markdown_table(add_ratios([_result("reference", 11.0, 9.5)]))

@@ -31,6 +31,12 @@ def label(r: dict) -> str:
     return (r.get("label") or r["system"]) + _pageable(r)
 
 
+def _ratio(r: dict) -> str:
+    """The ratio to the reference, or "n/a" in a run without one (the reference not among the systems)."""
+    ratio = r.get("ratio_to_reference")
+    return "n/a" if ratio is None or ratio != ratio else f"{ratio:.2f}"
+
+
 def _pageable(r: dict) -> str:
     return " (pageable)" if r.get("fsdp2_pinned") is False else ""
 
@@ -56,7 +62,7 @@ def markdown_table(results: list[dict]) -> str:
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(
             f"| {r['system']}{_pageable(r)} | {cap} | {r['tokens_per_s']:,.0f} | {_tflops(r['tflops'])} | "
-            f"{r.get('ratio_to_reference', float('nan')):.2f} | {device_peak(r)} | "
+            f"{_ratio(r)} | {device_peak(r)} | "
             f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
         )
     losses = [f"{label(r)} {r['first_loss']:.3f} to {r['final_loss']:.3f}" for r in results
