@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+import warnings
 from importlib import resources
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -332,6 +333,8 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
             data = yaml.safe_load(f)
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    if data is None:  # an empty file (or only comments): likely not the file meant
+        warnings.warn(f"config file {path!r} is empty: every setting is its default", stacklevel=2)
     return config_from_dict(data, overrides)
 
 

@@ -68,6 +68,10 @@ def test_load_config_file_errors(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="is a directory: give a YAML file in it"):
         load_config(str(tmp_path))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set yet\n")
+    with pytest.warns(UserWarning, match="is empty: every setting is its default"):
+        assert load_config(str(empty)).name == "run"
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
