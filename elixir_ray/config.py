@@ -319,11 +319,11 @@ def shipped_names(folder: str, suffix: str) -> list[str]:
 
 
 def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
-    if os.path.isdir(path):
-        raise ConfigError(f"config {path!r} is a directory: give a YAML file in it, or a config the package ships "
-                          f"by name: {', '.join(shipped_names('configs', '.yaml'))}")
     if not os.path.isfile(path):
-        shipped = shipped_file("configs", path, ".yaml")
+        shipped = shipped_file("configs", path, ".yaml")  # a shipped name wins over a folder of that name here
+        if shipped is None and os.path.isdir(path):
+            raise ConfigError(f"config {path!r} is a directory: give a YAML file in it, or a config the package "
+                              f"ships by name: {', '.join(shipped_names('configs', '.yaml'))}")
         if shipped is None:
             raise ConfigError(f"config file {path!r} does not exist (give a YAML file, or a config the package "
                               f"ships by name: {', '.join(shipped_names('configs', '.yaml'))})")
@@ -379,7 +379,7 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
         _positive(f"train.{key}", getattr(t, key))
-    if not 0 <= t.seed < 2**63:  # numpy's data order and torch's generators take a non-negative 64-bit seed
+    if not 0 <= t.seed < 2**63:  # non-negative for numpy's data order; each rank's generator takes seed + 1 + rank
         raise ConfigError(f"train.seed must be a whole number from 0 to 2**63 - 1, got {t.seed}")
     if t.dtype not in _DTYPES:
         raise ConfigError(f"train.dtype {t.dtype!r} is unknown (allowed: {', '.join(_DTYPES)})")

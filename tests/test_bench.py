@@ -607,6 +607,8 @@ def test_the_report_names_fsdp2_offloading_to_pageable_memory():
     assert (label(pinned), label(pageable), label(_result("reference", 11.0, 9.5))) == (
         "fsdp2_offload", "fsdp2_offload (pageable)", "reference")
     assert "| fsdp2_offload (pageable) |" in markdown_table([_result("reference", 11.0, 9.5), pageable])
+    failed = {"system": "fsdp2_offload", "skipped": "failed: OutOfMemoryError", "fsdp2_pinned": False}
+    assert "| fsdp2_offload (pageable) | | skipped: failed: OutOfMemoryError |" in markdown_table([failed])
 
 
 def test_a_report_without_the_reference_says_its_ratio_does_not_apply():

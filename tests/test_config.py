@@ -63,11 +63,14 @@ def test_override_syntax_error():
         parse_overrides(["train.steps"])
 
 
-def test_load_config_file_errors(tmp_path):
+def test_load_config_file_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="is a directory: give a YAML file in it"):
         load_config(str(tmp_path))
+    (tmp_path / "tiny").mkdir()  # a run's folder named as a shipped config (output_dir=.) does not hide it
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").name == "tiny"
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing set yet\n")
     with pytest.warns(UserWarning, match="is empty: every setting is its default"):

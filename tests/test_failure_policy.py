@@ -79,9 +79,13 @@ def test_a_step_predicted_to_outlast_the_hang_timeout_is_refused_and_one_near_it
 
     error, warning = step_against_timeout(1701.5, 60)
     assert warning is None and error.startswith("the plan predicts 1,701.5 s a step, and fault.detect_timeout_s is 60 s")
-    assert "Set fault.detect_timeout_s to at least 5104 (three steps)" in error
+    assert "Set fault.detect_timeout_s to at least 5105 (three steps)" in error and "train.grad_accum" in error
     assert step_against_timeout(60, 60)[0] is not None  # a step as long as the timeout fails as surely
     error, warning = step_against_timeout(25, 60)
     assert error is None and "consider fault.detect_timeout_s=75" in warning
+    # rounded up: never a value the run already has
+    assert "consider fault.detect_timeout_s=61" in step_against_timeout(20.1, 60)[1]
+    where = " for 2 worker(s) after a restart (before it, 4)"
+    assert step_against_timeout(70, 60, where)[0].startswith("the plan" + where + " predicts 70.0 s a step")
     assert step_against_timeout(19.9, 60) == (None, None)
     assert step_against_timeout(0.0, 60) == (None, None)  # no prediction (a plan read from an older file)

@@ -57,7 +57,7 @@ def markdown_table(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("skipped"):
-            lines.append(f"| {r['system']} | | skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['system']}{_pageable(r)} | | skipped: {r['skipped']} | | | | | |")
             continue
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(

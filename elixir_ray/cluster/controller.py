@@ -328,10 +328,14 @@ class TrainController:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
             plan.notes.append(self._thread_hint)
-        error, warning = step_against_timeout(plan.predicted_step_seconds, self.cfg.fault.detect_timeout_s)
+        # a restart with fewer workers keeps the global batch: more micro-steps each, a longer step
+        before = self.outcome.plan
+        where = (f" for {plan.world_size} worker(s) after a restart (before it, {before.world_size})"
+                 if before is not None and before.world_size != plan.world_size else "")
+        error, warning = step_against_timeout(plan.predicted_step_seconds, self.cfg.fault.detect_timeout_s, where)
         if error:
             raise ClusterError(error)
-        if warning and self.outcome.plan is None:  # once, not again at each restart's plan
+        if warning and (before is None or where):  # not again at each restart onto as many workers
             log.warning(warning)
         self.outcome.plan = plan
         self.outcome.checkpoint_via = self._checkpoint_via()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -95,27 +96,30 @@ class RestartPolicy:
         return Decision.RESTART
 
 
-# a predicted step within this share of fault.detect_timeout_s gets a warning: predictions can be
-# short (on a GPU by up to a tenth, 2026-11-27; on a busy CPU by more), and a step that outlasts the
-# timeout is taken for a hung rank
+# a predicted step within this share of fault.detect_timeout_s gets a warning: steps have run up to
+# 1.65 times their prediction on the H100 (an older cost model, 2026-11-27; 1.03 to 1.09 for this
+# one), more on a busy CPU, and a step that outlasts the timeout is taken for a hung rank
 STEP_WARN_SHARE = 1 / 3
 
 
-def step_against_timeout(predicted_step_s: float, detect_timeout_s: float) -> tuple[Optional[str], Optional[str]]:
-    """(error, warning) for a run whose plan predicts `predicted_step_s` a step while the driver
-    takes `detect_timeout_s` without a finished step for a hung rank. A step predicted to outlast
-    the timeout would fail every try the same way, spending the restarts on a healthy run: that
-    is an error to stop at before training, with the setting that fixes it."""
-    if not predicted_step_s or predicted_step_s <= 0:
+def step_against_timeout(predicted_step_s: float, detect_timeout_s: float,
+                         where: str = "") -> tuple[Optional[str], Optional[str]]:
+    """(error, warning) for a run whose plan predicts `predicted_step_s` a step (all its
+    micro-steps) while the driver takes `detect_timeout_s` without a finished step for a hung
+    rank. A step predicted to outlast the timeout would fail every try the same way, spending the
+    restarts on a healthy run: that is an error to stop at before training, with the settings that
+    fix it. `where`: how the plan was made, when not at the run's start (" for 2 worker(s) after a
+    restart (before it, 4)"), for the messages."""
+    if not predicted_step_s or not predicted_step_s > 0:
         return None, None
-    enough = f"{max(3 * predicted_step_s, detect_timeout_s):.0f}"
+    enough = math.ceil(3 * predicted_step_s)
     if predicted_step_s >= detect_timeout_s:
-        return (f"the plan predicts {predicted_step_s:,.1f} s a step, and fault.detect_timeout_s is "
+        return (f"the plan{where} predicts {predicted_step_s:,.1f} s a step, and fault.detect_timeout_s is "
                 f"{detect_timeout_s:g} s: every step would be taken for a hung worker. Set fault.detect_timeout_s "
-                f"to at least {enough} (three steps), or make the step shorter (train.micro_batch, model.seq_len, "
-                f"a larger engine.device_memory)"), None
+                f"to at least {enough} (three steps), or make the step shorter (fewer micro-steps, "
+                f"train.grad_accum; a smaller train.micro_batch or model.seq_len; more workers)"), None
     if predicted_step_s >= STEP_WARN_SHARE * detect_timeout_s:
-        return None, (f"the plan predicts {predicted_step_s:,.1f} s a step, over a third of fault.detect_timeout_s "
-                      f"({detect_timeout_s:g} s): a step slower than predicted would be taken for a hung worker "
-                      f"and restart the run; consider fault.detect_timeout_s={enough}")
+        return None, (f"the plan{where} predicts {predicted_step_s:,.1f} s a step, over a third of "
+                      f"fault.detect_timeout_s ({detect_timeout_s:g} s): a step slower than predicted would be "
+                      f"taken for a hung worker and restart the run; consider fault.detect_timeout_s={enough}")
     return None, None
