@@ -90,3 +90,20 @@ def test_the_job_entrypoints_help_says_how_it_takes_the_config():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("jobs/train.py: the entrypoint for `ray job submit`. The config is --config PATH")
     assert "usage: elixir-ray train" in proc.stdout and "--set KEY=VALUE" in proc.stdout
+
+
+def test_the_job_entrypoint_takes_the_config_once_either_way():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("jobs_train", os.path.join(REPO, "jobs", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its __main__ block does not run
+    train_argv = module.train_argv
+    assert train_argv(["--config", "tiny", "--set", "train.steps=1", "--resume", "ckpt", "--quiet"]) == [
+        "train", "tiny", "--set", "train.steps=1", "--resume", "ckpt", "--quiet"]
+    assert train_argv(["--config=tiny"]) == train_argv(["tiny"]) == ["train", "tiny"]
+    with pytest.raises(ValueError, match=r"the config is given 2 times \(tiny, jobs/configs/tiny.yaml\): give it once"):
+        train_argv(["--config", "tiny", "jobs/configs/tiny.yaml"])
+    proc = subprocess.run([sys.executable, "jobs/train.py", "--config", "tiny", "tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("jobs/train.py: error: the config is given 2 times")
