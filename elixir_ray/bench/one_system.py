@@ -48,8 +48,6 @@ def main() -> int:
         traceback.print_exc()
         result = {"system": args.system, "shape": args.shape, "skipped": f"failed: {type(exc).__name__}: {exc}"[:500]}
     result["alloc_conf"] = alloc_conf
-    if args.system == "fsdp2_offload" and torch.device(args.device).type == "cuda":  # a failed run says it too
-        result["fsdp2_pinned"] = not args.fsdp2_pageable
     write_json(args.out, result)
     return 0
 

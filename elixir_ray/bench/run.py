@@ -67,8 +67,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
             else:
                 results.append({"system": system, "shape": shape, "cap_bytes": cap_bytes,
                                 "skipped": f"process exited {code}: {tail}"})
-                if system == "fsdp2_offload" and device != "cpu":  # a GPU run (only --smoke runs on the CPU)
-                    results[-1]["fsdp2_pinned"] = not fsdp2_pageable
+            if system == "fsdp2_offload" and device != "cpu":  # on a GPU (only --smoke runs on the CPU), failed or not
+                results[-1]["fsdp2_pinned"] = not fsdp2_pageable
             if several and cap_bytes:
                 results[-1]["label"] = f"{system} at {format_bytes(cap_bytes)}"
             # each result is kept as it comes: a run stopped later (a time limit) loses only what was running
