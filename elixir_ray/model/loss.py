@@ -36,10 +36,10 @@ class _SlicedCrossEntropy(torch.autograd.Function):
     dtype, or None) casts a matmul's operands.
 
     The loss is the graph's last node, so its gradients are known in forward but for the factor
-    backward brings (1 for `loss.backward()`): `want_grads` (grad mode was on and `h` or `weight`
-    needs a gradient) computes them there, slice by slice, while each slice's logits exist, and
-    backward scales them. Keeps those gradients (the weight's in its own dtype), and `h` and
-    `weight` for a double backward."""
+    backward brings (1 for `loss.backward()`): `want_grads` (grad mode was on; `needs_input_grad`
+    says for which of `h` and `weight`) computes them there, slice by slice, while each slice's
+    logits exist, and backward scales them. Keeps those gradients (the weight's in its own
+    dtype), and `h` and `weight` for a double backward."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, amp, want_grads):
@@ -127,8 +127,9 @@ def autocast_operand(t: torch.Tensor, amp) -> torch.Tensor:
 def sliced_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, amp=None) -> torch.Tensor:
     """Mean cross-entropy of the logits `h @ weight.T` (h: (..., d), weight: (vocab, d), targets:
     h's leading shape, IGNORE_INDEX for rows that count for nothing), a slice of rows at a time."""
-    want_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _SlicedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), amp, want_grads)
+    # grad mode as the caller had it (forward runs without it); which input needs a gradient, forward reads itself
+    return _SlicedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), amp,
+                                     torch.is_grad_enabled())
 
 
 def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
