@@ -85,7 +85,8 @@ class EngineConfig:
     search_checkpointing: bool = False  # let the planner choose activation checkpointing per block
     replicate: str = "auto"  # several workers: "auto" (searched), "all" chunks whole on every worker, "none"
     time_kernels: bool = True  # workers time the model's kernels for the plan (else compute from FLOPs)
-    # fraction of the device budget the plan keeps back for the allocator; None: the planner's (0.2)
+    # fraction of the device budget the plan keeps back for the allocator; None: 0.1 on CUDA with the
+    # allocator's expandable segments (the default), else 0.2 (engine/allocator.py)
     memory_margin: Optional[float] = None
 
 
@@ -418,7 +419,7 @@ def validate(cfg: RunConfig) -> None:
     margin = cfg.engine.memory_margin
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
         raise ConfigError(f"engine.memory_margin must be a fraction in [0, 1) of the device budget kept back for "
-                          f"the allocator's fragmentation, got {margin!r} (default: the planner's, 0.2)")
+                          f"the allocator's fragmentation, got {margin!r} (default: 0.1 on CUDA, 0.2 on the CPU)")
     if cfg.engine.replicate not in ("auto", "all", "none"):
         raise ConfigError(f"engine.replicate must be auto, all or none, got {cfg.engine.replicate!r}")
     ck = cfg.checkpoint

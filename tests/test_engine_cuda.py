@@ -531,7 +531,8 @@ def test_the_benchmarks_window_places_the_device_marks_from_its_closing_event():
     step = engine_step(model, opt)
     timer = model.store.timer
     busy()  # queued, not waited for: the device is busy when the window's first mark is recorded
-    seconds, loss, _, _, after = _timed_window(step, x, torch.device("cuda"), 3, timer)
+    times, loss, _, _, after = _timed_window(step, [x] * 3, torch.device("cuda"), timer)
+    seconds = sum(times)
     device = [e for e in timer.device_timeline() if e[0] == "device step start"]
     host = [e for e in timer.timeline if e[0] == "step start"]
     timer.timeline = None
@@ -540,3 +541,24 @@ def test_the_benchmarks_window_places_the_device_marks_from_its_closing_event():
     # mark, as before the anchor, it would read as the host's time exactly)
     assert device[0][1] - host[0][1] >= 0.5 * busy_seconds
     assert all(d[1] >= h[1] - 1e-3 for d, h in zip(device, host))
+
+
+def test_wrap_trains_on_expandable_segments_and_its_plan_keeps_a_tenth_back(monkeypatch):
+    """The engine turns the caching allocator's expandable segments on for its device (unless
+    PYTORCH_CUDA_ALLOC_CONF turns them off), so the plan it searches keeps 10% of the budget back,
+    and the step's peak reserved memory stays within the budget."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    torch.manual_seed(0)
+    model = Toy()
+    sample = (batches(1, 8)[0],)
+    budget = 64 * 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    wrapped, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_inputs=sample,
+                        device_memory=budget, device="cuda", accumulation_steps=1)
+    assert wrapped.plan.memory_margin == 0.1
+    engine_run(wrapped, opt, batches(3, 8), 3, 1, device="cuda")
+    after_wrap = [seg for seg in torch.cuda.memory_snapshot() if seg.get("is_expandable")]
+    assert after_wrap, "no expandable segment after wrap on CUDA"
+    assert torch.cuda.max_memory_reserved() <= budget

@@ -130,18 +130,32 @@ def test_plan_is_the_search_over_the_traced_settings():
 def test_a_smaller_memory_margin_fits_more_of_the_budget_and_is_recorded():
     with torch.device("meta"):
         model = Stack([48, 256, 256])
-    minimum = _min_budget(model, _sample(4), hardware=GPU)  # at the default margin, 0.2
+    minimum = _min_budget(model, _sample(4), hardware=GPU, memory_margin=0.2)
     budget = int(minimum * 0.95)
     with pytest.raises(elixir_ray.PlanError):
-        elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU)
+        elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, memory_margin=0.2)
     plan = elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, memory_margin=0.1)
     assert plan.memory_margin == 0.1 and plan.predicted_peak_bytes <= budget * 0.9
     assert any("kept back" in n and "10%" in n for n in plan.notes)
     assert elixir_ray.Plan.from_json(plan.to_json()).memory_margin == 0.1
     roomy = 3 * minimum  # a smaller margin leaves more of the same budget: never a slower step
     assert (elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU, memory_margin=0.05)
-            .predicted_step_seconds <= elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU)
-            .predicted_step_seconds * (1 + 1e-12))
+            .predicted_step_seconds <= elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU,
+                                                       memory_margin=0.2).predicted_step_seconds * (1 + 1e-12))
+
+
+def test_the_default_margin_follows_the_device_and_its_allocator(monkeypatch):
+    """A CUDA device trains on the allocator's expandable segments unless PYTORCH_CUDA_ALLOC_CONF
+    turns them off, and its plans keep 10% of the budget back; without them, or on the CPU, 20%."""
+    with torch.device("meta"):
+        model = Stack([48, 256, 256])
+    roomy = 3 * _min_budget(model, _sample(4), hardware=GPU, memory_margin=0.2)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU).memory_margin == 0.1
+    assert elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=CPU).memory_margin == 0.2
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:False")
+    assert elixir_ray.plan(model, _sample(4), device_memory=roomy, hardware=GPU).memory_margin == 0.2
 
 
 @pytest.mark.parametrize("margin", [-0.1, 1.0, "0.1", False])
@@ -180,20 +194,20 @@ def test_a_configs_memory_margin_is_the_plans_and_its_alternatives():
     assert {p.memory_margin for p in planned.alternatives.values() if p is not None} == {0.1}
     default = plan_config(config_from_dict({"model": {"size": "tiny"}, "train": {"micro_batch": 2}}), GPU,
                           device_memory="64MiB")
-    assert default.plan.memory_margin == 0.2
+    assert default.plan.memory_margin == 0.1  # on CUDA, with the allocator's expandable segments (engine/allocator.py)
 
 
 def test_a_configs_micro_batch_hint_is_one_a_plan_was_found_for():
     """For a config, the estimate is checked by planning at it (and a few below): the hint names a
     micro-batch that fits, with the keys to set."""
     cfg = config_from_dict({"model": {"size": "tiny", "activation_checkpointing": "full"},
-                            "train": {"micro_batch": 4}})
+                            "train": {"micro_batch": 4}, "engine": {"memory_margin": 0.2}})
     with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d) \(a plan at \d fits: "
                                                    r"--set train.micro_batch=\d, and raise train.grad_accum") as err:
         plan_config(cfg, GPU, device_memory="4MiB")
     smaller = int(re.search(r"use micro-batch (\d)", str(err.value)).group(1))
     small = config_from_dict({"model": {"size": "tiny", "activation_checkpointing": "full"},
-                              "train": {"micro_batch": smaller}})
+                              "train": {"micro_batch": smaller}, "engine": {"memory_margin": 0.2}})
     assert plan_config(small, GPU, device_memory="4MiB").plan.predicted_peak_bytes <= 4 * 2**20
     # where even one row does not fit, no micro-batch is named
     with pytest.raises(elixir_ray.PlanError, match=r"even micro-batch 1 does not fit \(a plan at 1 was tried\)"):
@@ -230,7 +244,7 @@ def test_micro_batch_probes_try_the_most_recomputation_first_and_stop_at_the_fir
     micro-batch that fits costs one trace, and one is refused only after every setting. A refusal
     is the full search's: no setting has a plan there."""
     def cfg(micro_batch):
-        return config_from_dict({"model": {"size": "tiny"}, "engine": {"search_checkpointing": True},
+        return config_from_dict({"model": {"size": "tiny"}, "engine": {"search_checkpointing": True, "memory_margin": 0.2},
                                  "train": {"micro_batch": micro_batch}})
 
     budget = "6400KiB"  # micro-batch 16 does not fit; the estimate, 4, does not either; 3 does
@@ -418,7 +432,8 @@ def test_a_deeper_prefetch_costs_no_load_one_chunk_ahead_does_not(ckpt):
 def test_old_plan_versions_and_unknown_fields_are_refused():
     with torch.device("meta"):
         model = Stack([16])
-    data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU).to_json())
+    data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU,
+                                      memory_margin=0.2).to_json())
     with pytest.raises(ValueError, match="version 1 is not supported"):
         elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
     with pytest.raises(ValueError, match="unknown fields"):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from elixir_ray.cluster.failure import StepError, error_line
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.config import RunConfig, config_from_dict
+from elixir_ray.engine.allocator import use_expandable_segments
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.profile import WorkerProfile, profile_worker
 from elixir_ray.trainer import DTYPES, RankTrainer
@@ -77,6 +78,7 @@ class RankWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids)
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+            use_expandable_segments(self.device)  # before the profiling round allocates (engine/allocator.py)
 
     def _use_device(self) -> None:
         if self.device.type == "cuda":

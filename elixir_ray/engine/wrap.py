@@ -24,6 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten
 
 from elixir_ray import storage
+from elixir_ray.engine.allocator import use_expandable_segments
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.device import random_state_kept, resolve_device
@@ -436,7 +437,9 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
     is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py; default
     the plan's `prefetch_depth`).
     `memory_margin`: the fraction of `device_memory` the plan search keeps back for the allocator
-    (default 0.2; only where wrap searches the plan).
+    (default 0.1 on CUDA, where wrap turns on the allocator's expandable segments unless
+    PYTORCH_CUDA_ALLOC_CONF turns them off, else 0.2: engine/allocator.py; only where wrap searches
+    the plan).
     """
     check_optimizer(optimizer)
     check_not_wrapped(module)
@@ -455,6 +458,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Uni
         from elixir_ray.planner.search import check_margin  # the planner imports the engine: here, when needed
         check_margin(memory_margin)
     device = resolve_device(device)
+    use_expandable_segments(device)  # before the engine allocates: its plans' margin assumes them
     # the engine's device is current while it is set up (the pinned arena's registration, streams,
     # planning): a CUDA call on another current device would create a context there
     with device_scope(device):

@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from elixir_ray.engine.allocator import MARGIN_EXPANDABLE, default_memory_margin
 from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
 from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
@@ -37,23 +38,21 @@ from elixir_ray.units import format_bytes
 # 1.5B and 4.2B, 47 to 48 budgets each). Each gap is one vectorised pass per pool size and ranking;
 # with the smallest-peak pick below done without a loop, a 10B GPT's search takes no longer.
 DOS_GAPS = (0, *range(1, 17))
-# fraction of the budget kept free for the allocator's fragmentation and short-lived buffers. 8%
-# until the memory model became exact (2026-11-26): before, its peaks were 15-32% above the H100's
-# measured ones, and that hid headroom the caching allocator uses (it reserved 1.2-1.5x the bytes
-# allocated, up to the cap, and retried once at 67% of a 16 GiB cap). 20% keeps plans at or below
-# the fills measured there (67-80% of the cap); lower it once plans near the budget are measured.
-# The default of `memory_margin`, which plan_search (and `elixir_ray.plan`, `wrap`, the config's
-# engine.memory_margin) take, so that a lower one can be measured (bench --memory-margin).
+# The share of the budget kept free for the allocator's fragmentation and short-lived buffers when
+# none is asked for: engine/allocator.py's default_memory_margin, by device and allocator setting
+# (10% on CUDA with expandable segments, the engine's default; 20% otherwise). SAFETY is the larger.
 SAFETY = DEFAULT_MEMORY_MARGIN
 
 
-def check_margin(margin: Optional[float]) -> float:
-    """The margin to plan with: `margin`, or SAFETY for None; refused outside [0, 1)."""
+def check_margin(margin: Optional[float], device: str = "cpu") -> float:
+    """The margin to plan with on `device`: `margin`, or the allocator's default for None
+    (`default_memory_margin`); refused outside [0, 1)."""
     if margin is None:
-        return SAFETY
+        return default_memory_margin(device)
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
         raise ValueError(f"memory_margin must be a fraction of the budget in [0, 1), got {margin!r} "
-                         f"(default {SAFETY}: kept back for the allocator's fragmentation and short-lived buffers)")
+                         f"(default {MARGIN_EXPANDABLE} on CUDA with expandable segments, else {SAFETY}: kept back "
+                         f"for the allocator's fragmentation and short-lived buffers)")
     return float(margin)
 
 
@@ -720,7 +719,7 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                 memory_margin: Optional[float] = None) -> Plan:
     """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes
     less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers;
-    None: SAFETY).
+    None: the allocator's default for `hw.device`, `default_memory_margin`).
 
     `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
     all-gather on each fetch, for world-size times their state), "all" replicates every chunk
@@ -739,7 +738,7 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
     routed = world_size > 1 and replicate == "auto" and any(p.trace.weights_read for p in profiles)
     if routed:  # which parameters a step uses depends on the weights, so it may differ between ranks
         replicate = "all"
-    margin = check_margin(memory_margin)
+    margin = check_margin(memory_margin, hw.device)
     limit = budget * (1 - margin)
     best, smallest = _Best(), {}
     grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
