@@ -28,6 +28,8 @@
 #               before 10% could become the default)
 #   gpt-4b-caps, gpt-1.5b-caps  plain PyTorch once and elixir_ray at 40, 24 and 16 GiB, in one run (the
 #               three stages of each shape above, two references fewer)
+#   gpt-4b-40-24  plain PyTorch once and elixir_ray at 40 and 24 GiB: the two gpt-4b targets in one run
+#   fsdp2-24    plain PyTorch and FSDP2 offload alone, gpt-4b capped at 24 GiB
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
 #   deepspeed-24  plain PyTorch and DeepSpeed ZeRO-3 offload alone, the same shape and cap (DeepSpeed
 #               builds its CPU Adam first, about a minute: one device call's worth)
@@ -66,7 +68,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin gpt-4b-24-fsdp2-pageable plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-40-24 fsdp2-24 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin gpt-4b-24-fsdp2-pageable plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -86,6 +88,8 @@ stage_command() {
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         gpt-1.5b-margin) "$PY" jobs/bench.py --shape gpt-1.5b --cap 24GiB 16GiB --systems reference elixir_ray \
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
+        gpt-4b-40-24) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB --systems reference elixir_ray --out "$dir" ;;
+        fsdp2-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference fsdp2_offload --out "$dir" ;;
         gpt-4b-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-16) "$PY" jobs/bench.py --shape gpt-4b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-caps) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB 16GiB --systems reference elixir_ray --out "$dir" ;;

@@ -16,13 +16,14 @@ def main() -> int:
     parser.add_argument("--system", choices=SYSTEMS, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--cap-bytes", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="elixir_ray only: the share of the cap its plan search keeps back")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="every system's gradient clipping")
     parser.add_argument("--fsdp2-pageable", action="store_true",
                         help="fsdp2_offload only: offload to pageable host memory instead of pinned")
     args = parser.parse_args()
@@ -41,7 +42,8 @@ def main() -> int:
         result = run_system(args.system, SHAPES[args.shape], torch.device(args.device), args.cap_bytes,
                             steps=args.steps, warmup=args.warmup, plan=plan, keep=keep,
                             memory_margin=args.memory_margin,
-                            fsdp2_pin_memory=not args.fsdp2_pageable).to_dict()
+                            fsdp2_pin_memory=not args.fsdp2_pageable,
+                            max_grad_norm=args.max_grad_norm).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure

@@ -52,19 +52,30 @@ def _tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
+def _spread(r: dict) -> str:
+    """The timed steps' fastest and slowest ("" for a result that has no per-step times)."""
+    times = r.get("step_times") or []
+    return f"{min(times):.3f} to {max(times):.3f} ({len(times)})" if times else ""
+
+
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| system | cap | tokens/s | TFLOPS | ratio to reference | peak device | peak host | step (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | cap | tokens/s | TFLOPS | ratio to reference | peak device | peak host | step (s), median | "
+             "steps, min to max |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("skipped"):
-            lines.append(f"| {r['system']}{_pageable(r)} | | skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['system']}{_pageable(r)} | | skipped: {r['skipped']} | | | | | | |")
             continue
         cap = format_bytes(r["cap_bytes"]) if r.get("cap_bytes") else "none"
         lines.append(
             f"| {r['system']}{_pageable(r)} | {cap} | {r['tokens_per_s']:,.0f} | {_tflops(r['tflops'])} | "
             f"{_ratio(r)} | {device_peak(r)} | "
-            f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} |"
+            f"{format_bytes(r['peak_host_bytes'])} | {r['step_seconds']:.3f} | {_spread(r)} |"
         )
+    clipped = {r.get("max_grad_norm") for r in results if not r.get("skipped")}
+    if clipped and clipped != {None}:
+        lines += ["", "Every system clipped its gradients' global norm to "
+                      + " / ".join(str(c) for c in sorted(clipped, key=str)) + " before each update."]
     losses = [f"{label(r)} {r['first_loss']:.3f} to {r['final_loss']:.3f}" for r in results
               if not r.get("skipped") and r.get("first_loss") is not None]
     if losses:  # the same GPT from the same batch: a system apart from the others is not training the same

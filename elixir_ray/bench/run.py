@@ -16,19 +16,32 @@ from typing import Optional
 from elixir_ray import storage
 from elixir_ray.bench.report import add_ratios, device_peak, label, markdown_table, write_report
 from elixir_ray.bench.systems import SHAPES, SYSTEMS
-from elixir_ray.planner.search import SAFETY, check_margin
+from elixir_ray.config import OptimConfig
+from elixir_ray.engine.allocator import MARGIN_CACHING, MARGIN_EXPANDABLE, SETTING
+from elixir_ray.planner.search import check_margin
 from elixir_ray.units import format_bytes
 
+# what every system trains with unless the command says otherwise: the run config's defaults (its
+# gradient clipping, the allocator's expandable segments elixir_ray turns on), and enough timed
+# steps for a median and a spread
+STEPS = 20
+MAX_GRAD_NORM = OptimConfig.max_grad_norm
+ALLOC_CONF = f"{SETTING}:True"
 
-def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6,
+
+def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = STEPS,
               warmup: int = 3, device: Optional[str] = None, progress=print,
-              memory_margin: Optional[float] = None, alloc_conf: Optional[str] = None,
-              fsdp2_pageable: bool = False) -> tuple[list[dict], dict]:
+              memory_margin: Optional[float] = None, alloc_conf: Optional[str] = ALLOC_CONF,
+              fsdp2_pageable: bool = False,
+              max_grad_norm: Optional[float] = MAX_GRAD_NORM) -> tuple[list[dict], dict]:
     """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
     every other system once per cap, in the caps' order. With several caps each capped result is
     kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report.
     `memory_margin`: elixir_ray's plan search keeps this share of the cap back (default: the
-    planner's); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process alike;
+    planner's for the device); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process
+    alike (default: expandable segments, as elixir_ray trains; None: this environment's);
+    `max_grad_norm`: every system clips its gradients' global norm to it (default: the run
+    config's, 1.0; None: no clipping);
     `fsdp2_pageable`: FSDP2 offloads to pageable host memory (blocking gradient copies) instead of
     its default, pinned (`systems._build`)."""
     caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
@@ -59,6 +72,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = 6
                 cmd += ["--memory-margin", str(memory_margin)]
             if fsdp2_pageable and system == "fsdp2_offload":
                 cmd += ["--fsdp2-pageable"]
+            if max_grad_norm is not None:
+                cmd += ["--max-grad-norm", str(max_grad_norm)]
             env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf is not None else {}
             code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"), env=env)
             if os.path.exists(out):
@@ -134,11 +149,12 @@ def main_args(args) -> int:
         raise ConfigError(f"no CUDA device here, and the {shape} shape is a GPU benchmark (building it would take "
                           f"tens of GiB of host RAM): run it on a GPU machine, or --smoke for the tiny CPU shape")
     systems = args.systems or list(SYSTEMS)
-    steps = args.steps if args.steps is not None else (2 if args.smoke else 6)
+    steps = args.steps if args.steps is not None else (2 if args.smoke else STEPS)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
                                device="cpu" if args.smoke else None, memory_margin=args.memory_margin,
-                               alloc_conf=args.alloc_conf, fsdp2_pageable=args.fsdp2_pageable)
+                               alloc_conf=args.alloc_conf or None, fsdp2_pageable=args.fsdp2_pageable,
+                               max_grad_norm=None if args.max_grad_norm == 0 else args.max_grad_norm)
     print(markdown_table(results))
     print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
@@ -172,16 +188,20 @@ def add_arguments(p) -> None:
                         "capped system once per cap beside one reference, which runs first (default: none)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     p.add_argument("--steps", type=at_least(1), default=None,
-                   help="timed steps, run back to back, the mean reported; default 6, 2 with --smoke")
+                   help=f"timed steps, run back to back, a new batch each, the median reported with the spread; "
+                        f"default {STEPS}, 2 with --smoke")
     p.add_argument("--warmup", type=at_least(0), default=None,
                    help="untimed steps first, run back to back as the timed ones are; default 3, 1 with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, for tests (--shape is ignored)")
     p.add_argument("--memory-margin", type=fraction, default=None,
                    help=f"elixir_ray's plan search keeps this fraction of the cap back for the allocator "
-                        f"(default: the planner's, {SAFETY})")
-    p.add_argument("--alloc-conf", default=None,
-                   help="PYTORCH_CUDA_ALLOC_CONF for every system's process alike, e.g. "
-                        "expandable_segments:True (default: this environment's); each result records it")
+                        f"(default: {MARGIN_EXPANDABLE} with expandable segments, else {MARGIN_CACHING})")
+    p.add_argument("--alloc-conf", default=ALLOC_CONF,
+                   help=f"PYTORCH_CUDA_ALLOC_CONF for every system's process alike (default: {ALLOC_CONF}, as "
+                        f"elixir_ray trains; '' for this environment's); each result records it")
+    p.add_argument("--max-grad-norm", type=float, default=MAX_GRAD_NORM,
+                   help=f"every system clips its gradients' global norm to this before each update (default: "
+                        f"the run config's optim.max_grad_norm, {MAX_GRAD_NORM}; 0: no clipping)")
     p.add_argument("--fsdp2-pageable", action="store_true",
                    help="FSDP2 offload to pageable host memory, its gradients copied down in blocking copies, "
                         "instead of pinned memory and asynchronous copies (FSDP2's default)")

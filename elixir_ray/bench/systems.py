@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,14 @@ class SystemResult:
     peak_device_bytes: int
     peak_host_bytes: int
     final_loss: float
+    # the timed steps' own times (seconds, in order; on CUDA from an event queued at each step's
+    # start to the next one's, the last to the window's end): step_seconds is their median, and
+    # mean_step_seconds the window's length over the steps
+    step_times: list = field(default_factory=list)
+    mean_step_seconds: Optional[float] = None
+    # the gradient clipping every system trains with (the run config's optim.max_grad_norm, 1.0 by
+    # default; None: none): with it elixir_ray's CPU updates start at step(), not in the backward
+    max_grad_norm: Optional[float] = None
     # the loss of the first warm-up step: every system trains the same GPT from the same batch, so
     # a first loss apart from the reference's means a different model or initialisation, and a final
     # one apart from it after a matching first means a different training
@@ -177,7 +186,8 @@ def _check_tied(model, system: str) -> None:
 
 
 def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int], plan=None,
-           memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True):
+           memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True,
+           max_grad_norm: Optional[float] = None):
     """(step function taking a batch and returning the loss, parameter count, StepTimer or None).
 
     The timer, for elixir_ray, is its engine's (`model.store.timer`), disabled until
@@ -186,7 +196,8 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
     how `tests/test_bench_peers.py` tells a race in FSDP2's asynchronous gradient offload from
     any other cause of the training that went wrong on the H100 (torch fixed races of that kind
     in 2026 for HSDP and for gradient hooks, pytorch#180665 and #180666; the GPU machine has
-    torch 2.11). The benchmark runs FSDP2's default, pinned.
+    torch 2.11). The benchmark runs FSDP2's default, pinned. `max_grad_norm`: every system clips its gradients'
+    global norm to it before each update (None: no clipping), each the way its own API does.
     """
     dtype = getattr(torch, shape.dtype)
     autocast = dtype != torch.float32
@@ -199,6 +210,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             with torch.autocast(device.type, dtype=dtype, enabled=autocast):
                 loss = model(batch)
             loss.backward()
+            _clip(model, max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -225,6 +237,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         def step(batch):
             loss = model(batch)
             loss.backward()
+            _clip(model, max_grad_norm)  # over the sharded gradients (DTensors), where FSDP2 keeps them
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -241,6 +254,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
             "train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": dtype == torch.bfloat16},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "gradient_clipping": max_grad_norm or 0.0,  # DeepSpeed's 0: none
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                   "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                   "overlap_comm": True, "contiguous_gradients": True},
@@ -276,14 +290,27 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
         wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes, plan=plan,
                              dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers),
-                             accumulation_steps=1,  # one backward per step: CPU updates start during it
-                             memory_margin=memory_margin)
+                             accumulation_steps=1,  # one backward per step: without clipping, CPU updates start in it
+                             max_grad_norm=max_grad_norm, memory_margin=memory_margin)
 
         step = engine_step(wrapped, wopt)
         step.model = model
         return step, params, wrapped.store.timer
 
     raise ValueError(f"unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+
+
+def _clip(model, max_grad_norm: Optional[float]) -> None:
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+
+
+def bench_batches(shape: BenchShape, count: int, device: torch.device) -> list[torch.Tensor]:
+    """`count` batches of random tokens, a new one for each step, the same for every system (drawn
+    from a generator of their own, seeded 0, so a system's own use of the global one changes nothing)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), generator=generator).to(device)
+            for _ in range(count)]
 
 
 def engine_step(model, optimizer):
@@ -309,13 +336,15 @@ def reference_parameters(shape: BenchShape) -> int:
 
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
                steps: int = 6, warmup: int = 3, plan=None, keep=None,
-               memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True) -> SystemResult:
+               memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True,
+               max_grad_norm: Optional[float] = None) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
     given, is called with the result as it stands after the timed steps and again after the
     breakdown's steps, before the profiled one: a process that dies in the extra steps (a
     profiler's crash) still leaves what the timed steps measured. `memory_margin` (elixir_ray
     only, without `plan`): the share of the cap its plan search keeps back. `fsdp2_pin_memory`
-    (FSDP2 only): False offloads to pageable memory (`_build`)."""
+    (FSDP2 only): False offloads to pageable memory (`_build`). `max_grad_norm`: every system's
+    gradient clipping (None: none)."""
     torch.manual_seed(0)
     device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
@@ -324,7 +353,8 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    step, params, timer = _build(system, shape, device, cap_bytes, plan, memory_margin, fsdp2_pin_memory)
+    step, params, timer = _build(system, shape, device, cap_bytes, plan, memory_margin, fsdp2_pin_memory,
+                                 max_grad_norm)
     peak_build = 0
     if device.type == "cuda":
         peak_build = torch.cuda.max_memory_allocated(device)
@@ -333,15 +363,17 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     expected = reference_parameters(shape)
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
-    batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
+    batches = bench_batches(shape, warmup + steps, device)
+    batch = batches[-1]  # the extra steps after the timed ones (breakdown, profiles) repeat the last
     loss = first_loss = None
-    for _ in range(warmup):  # back to back, as the timed steps run: the last leaves its work running into them
-        loss = step(batch)
+    for i in range(warmup):  # back to back, as the timed steps run: the last leaves its work running into them
+        loss = step(batches[i])
         if first_loss is None:
             first_loss = float(loss.detach())  # a sync, after the first only
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
-    seconds, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batch, device, steps, timer)
+    step_times, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batches[warmup:], device, timer)
+    seconds = statistics.median(step_times)
     pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
             for k, v in step.pool_counts().items()} if counts_before else {}
     allocator = {k: (v - allocator_before[k]) / steps for k, v in allocator_counts(device).items()}
@@ -353,6 +385,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     result = SystemResult(
         system=system, shape=shape.name, device=str(device), cap_bytes=cap_bytes, params=params,
         step_seconds=seconds, tokens_per_s=tokens / seconds,
+        step_times=step_times, mean_step_seconds=sum(step_times) / steps, max_grad_norm=max_grad_norm,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
         first_loss=first_loss, sliced_loss=step.model.slices_loss(),
@@ -468,71 +501,68 @@ def timeline_events(timer) -> list:
     return [[c, round(a - origin, 6), round(b - origin, 6), chunk, n] for c, a, b, chunk, n in sorted(events, key=lambda e: e[1])]
 
 
-def _timed_window(step, batch, device: torch.device, steps: int,
-                  timer=None) -> tuple[float, torch.Tensor, float, float, float]:
-    """Mean seconds per step over `steps` steps run back to back, as a training loop runs them
-    (with the last loss, the CPU seconds per step of this thread and of the process, and how long
-    elixir_ray's last CPU updates ran after the clock stopped).
+def _timed_window(step, batches: list, device: torch.device,
+                  timer=None) -> tuple[list, torch.Tensor, float, float, float]:
+    """Seconds of each of `len(batches)` steps run back to back, one batch each, as a training loop
+    runs them (with the last loss, the CPU seconds per step of this thread and of the process, and
+    how long elixir_ray's last CPU updates ran after the clock stopped).
 
     The warm-up's steps run back to back too (only the first is synced, for its loss), and the
     window starts with no sync: the first timed step finds what a step of a long run finds, its
     predecessor's work still running (elixir_ray's CPU updates on their thread, its Deep Optimizer
-    States copies, any system's queued kernels). On CUDA the clock is two events on the current
-    stream, one queued before the first timed step and one after the last, so what it times is the
-    device's: from the end of the warm-up's queued work to the end of the last step's, the device's
-    waits for the host included. On the CPU it is the wall clock. Either way it stops before
-    elixir_ray's last CPU updates are waited for (`step.settle`): the next step's forward would wait
-    for them, as the first timed step waited for the warm-up's.
+    States copies, any system's queued kernels). On CUDA each step's time is the device's: an event
+    queued on the current stream at each step's start and one after the last, so a step runs from
+    the end of its predecessor's queued work to the end of its own, the device's waits for the host
+    included. On the CPU it is the wall clock between step starts. Either way the window stops
+    before elixir_ray's last CPU updates are waited for (`step.settle`): the next step's forward
+    would wait for them, as the first timed step waited for the warm-up's. With `timer`
+    (elixir_ray's), the steps' events go on its timeline, the last updates' included, and on CUDA
+    the device's marks are placed from the closing event (`StepTimer.anchor`): a mark at the first
+    step's start runs on the device only once the warm-up's work has, later than the host recorded it.
 
-    Until 2026-11-27 the last warm-up step was synced and the window waited for the last timed
-    step's updates: one tail of updates too many at the end, and a first step that found fewer of
-    them pending than any later one (a review of the fifth and sixth sessions' timelines: the first
-    interval between timed steps' starts 26 to 257 ms shorter than the mean of the others in 8 of
-    10 runs). Until 2026-11-26 every step was synced and timed alone (the median taken), which
-    made elixir_ray's DOS copies count whole. With `timer` (elixir_ray's), the steps' events go on
-    its timeline, the last updates' included, and on CUDA the device's marks are placed from the
-    closing event (`StepTimer.anchor`): a mark at the first step's start runs on the device only
-    once the warm-up's work has, later than the host recorded it.
-
-    The events' time is checked against the host's, which holds it (the host's clock starts before
+    The events' total is checked against the host's, which holds it (the host's clock starts before
     the opening event is queued and stops after the closing one has run): where it does not, the
-    host's time is taken, with a warning, so that a broken clock gives a longer figure, never a
-    shorter one, and the run's measurement is kept."""
+    host's times are taken, with a warning, so that a broken clock gives longer figures, never
+    shorter ones, and the run's measurement is kept."""
     if timer is not None:
         timer.timeline = []  # the measured steps' events, timed without device syncs
     cuda = device.type == "cuda"
-    if cuda:
-        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts, events = [], []
     # the host's clocks start before the opening event is queued and stop after the closing one has
     # run, so the device's time lies inside the host's by construction
     start, thread_start, process_start = time.perf_counter(), time.thread_time(), time.process_time()
-    if cuda:
-        begin.record()
     loss = None
-    for _ in range(steps):
+    for batch in batches:
         if timer is not None:
             timer.mark("step start")
+        starts.append(time.perf_counter())
+        if cuda:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
         loss = step(batch)
     if cuda:
-        finish.record()
-        finish.synchronize()
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        events[-1].synchronize()
     end, thread_end, process_end = time.perf_counter(), time.thread_time(), time.process_time()
-    seconds = end - start
+    times = [b - a for a, b in zip(starts, starts[1:] + [end])]
     if cuda:
-        if timer is not None:  # the device marks are placed from here: the stream had run `finish` by `end`
-            timer.anchor(end, finish)
-        events = begin.elapsed_time(finish) / 1e3
+        if timer is not None:  # the device marks are placed from here: the stream had run the last event by `end`
+            timer.anchor(end, events[-1])
+        device_times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
         # a tolerance for the two clocks' drift (parts per million) and their resolutions
-        if 0 < events <= seconds * 1.001 + 1e-3:
-            seconds = events
-        else:  # a broken clock gives the host's wall time (at least the device's), never a shorter figure
-            warnings.warn(f"the device's clock for the timed steps ({events:.4f} s) is outside the host's "
-                          f"({seconds:.4f} s): the benchmark's event timing is broken; the host's time is taken")
+        if 0 < sum(device_times) <= (end - start) * 1.001 + 1e-3 and min(device_times) > 0:
+            times = device_times
+        else:  # a broken clock gives the host's wall times (at least the device's), never shorter figures
+            warnings.warn(f"the device's clock for the timed steps ({sum(device_times):.4f} s) is outside the "
+                          f"host's ({end - start:.4f} s): the benchmark's event timing is broken; the host's "
+                          f"time is taken")
     _sync(device)  # the other streams' work too (copies, Deep Optimizer States), before the updates are waited for
     settle = getattr(step, "settle", None)
     if settle is not None:
         settle()
-    return (seconds / steps, loss, (thread_end - thread_start) / steps, (process_end - process_start) / steps,
+    steps = len(batches)
+    return (times, loss, (thread_end - thread_start) / steps, (process_end - process_start) / steps,
             time.perf_counter() - end)
 
 
