@@ -30,6 +30,12 @@
 #               three stages of each shape above, two references fewer)
 #   gpt-4b-40-24  plain PyTorch once and elixir_ray at 40 and 24 GiB: the two gpt-4b targets in one run
 #   fsdp2-24    plain PyTorch and FSDP2 offload alone, gpt-4b capped at 24 GiB
+#   numerics    300 steps of gpt-124m on real text (the standard-library corpus, a new batch each
+#               step): plain PyTorch under autocast, elixir_ray at its defaults capped at 4 GiB (host
+#               chunks and CPU updates), and FSDP2 offload with bf16 parameters; every step's loss,
+#               the final losses against the reference's, and bench-loss.png
+#   gpt-15b     elixir_ray alone on the 15.4B GPT, at the device's free memory (its state does not fit
+#               on the device or on the host alone), 4 timed steps
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
 #   deepspeed-24  plain PyTorch and DeepSpeed ZeRO-3 offload alone, the same shape and cap (DeepSpeed
 #               builds its CPU Adam first, about a minute: one device call's worth)
@@ -68,7 +74,7 @@ fi
 cd "$(dirname "$self")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-40-24 fsdp2-24 gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin gpt-4b-24-fsdp2-pageable plans-24 gpt-10b"
+stages="cuda-tests ray-gpu host-adam compute gpt-1.5b gpt-1.5b-40 gpt-1.5b-16 gpt-4b-40 gpt-4b-40-24 fsdp2-24 numerics gpt-15b gpt-4b-margin gpt-1.5b-margin gpt-4b-24 gpt-4b-16 gpt-4b-caps gpt-1.5b-caps peers-24 deepspeed-24 gpt-4b-24-all gpt-4b-24-all-margin gpt-4b-24-fsdp2-pageable plans-24 gpt-10b"
 
 stage_command() {
     local stage="$1" dir="$2"
@@ -90,6 +96,9 @@ stage_command() {
                       --memory-margin 0.1 --alloc-conf expandable_segments:True --out "$dir" ;;
         gpt-4b-40-24) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB --systems reference elixir_ray --out "$dir" ;;
         fsdp2-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference fsdp2_offload --out "$dir" ;;
+        numerics) "$PY" jobs/bench.py --shape gpt-124m --data builtin --warmup 0 --steps 300 --cap 4GiB \
+                      --systems reference elixir_ray fsdp2_offload --out "$dir" ;;
+        gpt-15b) "$PY" jobs/bench.py --shape gpt-15b --systems elixir_ray --steps 4 --out "$dir" ;;
         gpt-4b-24) "$PY" jobs/bench.py --shape gpt-4b --cap 24GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-16) "$PY" jobs/bench.py --shape gpt-4b --cap 16GiB --systems reference elixir_ray --out "$dir" ;;
         gpt-4b-caps) "$PY" jobs/bench.py --shape gpt-4b --cap 40GiB 24GiB 16GiB --systems reference elixir_ray --out "$dir" ;;

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -44,6 +45,33 @@ def test_bench_passes_the_memory_margin_to_elixir_ray_and_the_allocator_settings
     assert rows["fsdp2_offload"]["fsdp2_pinned"] is None and not rows["fsdp2_offload"].get("skipped")
     with pytest.raises(SystemExit):
         main(["bench", "--smoke", "--memory-margin", "1.5", "--out", str(out)])
+
+
+@pytest.mark.slow
+def test_bench_on_real_text_gives_every_step_its_batch_and_sets_the_final_losses_side_by_side(tmp_path, tiny_dataset):
+    """--data: every system trains on the dataset's windows in the same order, a new one each step,
+    at the run config's defaults (clipping at 1.0); each step's loss is kept, the report sets the
+    final losses beside the reference's (fp32 on the CPU: elixir_ray's is the reference's), and
+    bench-loss.png draws them."""
+    from elixir_ray.bench.systems import SHAPES, bench_batches
+    from elixir_ray.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--smoke", "--systems", "reference", "elixir_ray", "--cap", "64MiB", "--data", tiny_dataset,
+                 "--warmup", "0", "--steps", "10", "--out", str(out)]) == 0
+    rows = {r["system"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    for row in rows.values():
+        assert len(row["losses"]) == len(row["step_times"]) == 10 and row["max_grad_norm"] == 1.0
+        assert row["first_loss"] == row["losses"][0] and row["final_loss"] == row["losses"][-1]
+        assert row["step_seconds"] == statistics.median(row["step_times"])
+    ref, ours = rows["reference"]["losses"], rows["elixir_ray"]["losses"]
+    assert max(abs(a - b) for a, b in zip(ref, ours)) <= 1e-4
+    assert len(set(ref)) == 10  # a new batch each step: no two losses alike
+    assert "elixir_ray: final loss" in (out / "bench.md").read_text() and "(within 1%)" in (out / "bench.md").read_text()
+    assert (out / "bench-loss.png").stat().st_size > 0
+    batches = bench_batches(SHAPES["smoke"], 3, torch.device("cpu"), tiny_dataset)
+    assert all(int(b.max()) < 257 for b in batches) and not torch.equal(batches[0], batches[1])
+    assert torch.equal(batches[2], bench_batches(SHAPES["smoke"], 3, torch.device("cpu"), tiny_dataset)[2])
 
 
 def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):

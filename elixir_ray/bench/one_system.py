@@ -23,6 +23,7 @@ def main() -> int:
     parser.add_argument("--plan", help="elixir_ray only: a Plan JSON file to run instead of searching one")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="elixir_ray only: the share of the cap its plan search keeps back")
+    parser.add_argument("--data", default=None, help="a token dataset for the batches (default: random tokens)")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="every system's gradient clipping")
     parser.add_argument("--fsdp2-pageable", action="store_true",
                         help="fsdp2_offload only: offload to pageable host memory instead of pinned")
@@ -43,7 +44,7 @@ def main() -> int:
                             steps=args.steps, warmup=args.warmup, plan=plan, keep=keep,
                             memory_margin=args.memory_margin,
                             fsdp2_pin_memory=not args.fsdp2_pageable,
-                            max_grad_norm=args.max_grad_norm).to_dict()
+                            max_grad_norm=args.max_grad_norm, data=args.data).to_dict()
     except ImportError as exc:
         result = {"system": args.system, "shape": args.shape, "skipped": f"not importable: {exc}"}
     except Exception as exc:  # an OOM or a peer's crash is a result to report, not a harness failure

@@ -81,6 +81,9 @@ def markdown_table(results: list[dict]) -> str:
     if losses:  # the same GPT from the same batch: a system apart from the others is not training the same
         lines += ["", "Loss from the first warm-up step to the last timed one: " + "; ".join(losses) + "."]
     lines += [f"**{line}**" for line in training_apart(results)]
+    finals = final_loss_lines(results)
+    if finals:
+        lines += ["", "Final loss against the reference's, the same batches: " + "; ".join(finals) + "."]
     whole = [label(r) for r in results if not r.get("skipped") and r.get("sliced_loss") is False]
     if whole and any(r.get("sliced_loss") for r in results):  # the same values, more activation memory
         lines += ["", "The loss took the head's logits all at once (not a slice of rows at a time, as the "
@@ -349,6 +352,53 @@ def breakdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# how close a system's final loss must come to the reference's to count as the same training
+# (the mean of the last LOSS_TAIL steps', so one batch's noise does not decide it)
+LOSS_TOLERANCE = 0.01
+LOSS_TAIL = 10
+
+
+def final_loss_lines(results: list[dict]) -> list[str]:
+    """Per system beside the reference, over the same batches: its final loss (the mean of the last
+    LOSS_TAIL steps) against the reference's, and whether it is within LOSS_TOLERANCE of it. Only
+    where both recorded every step's loss over at least LOSS_TAIL steps."""
+    ref = next((r for r in results if r["system"] == "reference" and len(r.get("losses") or []) >= LOSS_TAIL), None)
+    if ref is None:
+        return []
+    base = sum(ref["losses"][-LOSS_TAIL:]) / LOSS_TAIL
+    out = []
+    for r in results:
+        own = r.get("losses") or []
+        if r is ref or r.get("skipped") or len(own) != len(ref["losses"]):
+            continue
+        tail = sum(own[-LOSS_TAIL:]) / LOSS_TAIL
+        apart = abs(tail - base) / base
+        verdict = "within" if apart <= LOSS_TOLERANCE else "NOT within"
+        out.append(f"{label(r)}: final loss {tail:.4f} over the last {LOSS_TAIL} of {len(own)} steps against the "
+                   f"reference's {base:.4f}, {apart:.2%} apart ({verdict} {LOSS_TOLERANCE:.0%})")
+    return out
+
+
+def write_loss_chart(results: list[dict], path: str, title: str) -> None:
+    """Every system's loss at each step, warm-up and timed, on one chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in results:
+        if not r.get("skipped") and r.get("losses"):
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label(r), linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{title}: loss per step" + (f" ({results[0].get('data')})" if results and results[0].get("data") else ""))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_chart(results: list[dict], path: str, title: str) -> None:
     try:
         import matplotlib
@@ -403,6 +453,9 @@ def write_report(results: list[dict], out_dir: str, title: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "bench.json"), "markdown": os.path.join(out_dir, "bench.md"),
              "png": os.path.join(out_dir, "bench.png")}
+    if any(len(r.get("losses") or []) > 1 for r in results):
+        paths["loss_png"] = os.path.join(out_dir, "bench-loss.png")
+        write_loss_chart(results, paths["loss_png"], title)
     with open(paths["json"], "w") as f:
         json.dump({"title": title, "results": results}, f, indent=1)
     with open(paths["markdown"], "w") as f:

@@ -33,7 +33,7 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = S
               warmup: int = 3, device: Optional[str] = None, progress=print,
               memory_margin: Optional[float] = None, alloc_conf: Optional[str] = ALLOC_CONF,
               fsdp2_pageable: bool = False,
-              max_grad_norm: Optional[float] = MAX_GRAD_NORM) -> tuple[list[dict], dict]:
+              max_grad_norm: Optional[float] = MAX_GRAD_NORM, data: Optional[str] = None) -> tuple[list[dict], dict]:
     """`caps`: one cap in bytes (or None), or a list of them. The reference runs once, uncapped;
     every other system once per cap, in the caps' order. With several caps each capped result is
     kept as SYSTEM-CAP.json (e.g. elixir_ray-24GiB.json) and named with its cap in the report.
@@ -41,7 +41,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = S
     planner's for the device); `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF for every system's process
     alike (default: expandable segments, as elixir_ray trains; None: this environment's);
     `max_grad_norm`: every system clips its gradients' global norm to it (default: the run
-    config's, 1.0; None: no clipping);
+    config's, 1.0; None: no clipping); `data`: a token dataset (or "builtin") every system's
+    batches come from, instead of random tokens;
     `fsdp2_pageable`: FSDP2 offloads to pageable host memory (blocking gradient copies) instead of
     its default, pinned (`systems._build`)."""
     caps = list(caps) if isinstance(caps, (list, tuple)) else [caps]
@@ -74,6 +75,8 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = S
                 cmd += ["--fsdp2-pageable"]
             if max_grad_norm is not None:
                 cmd += ["--max-grad-norm", str(max_grad_norm)]
+            if data is not None:
+                cmd += ["--data", data]
             env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf is not None else {}
             code, tail = run_logged(cmd, os.path.join(out_dir, f"{name}.log"), env=env)
             if os.path.exists(out):
@@ -94,6 +97,18 @@ def run_bench(shape: str, caps, systems: list[str], out_dir: str, steps: int = S
     title = f"{shape}: tokens/s and peak memory" + (f", cap {', '.join(capped)}" if capped else "")
     paths = write_report(results, out_dir, title)
     return results, paths
+
+
+def _prepared(data: Optional[str]) -> Optional[str]:
+    """--data as every system's process reads it: "builtin" is prepared once here, first (each
+    process would otherwise race to write the same cache file); a missing path is refused now."""
+    if data is None:
+        return None
+    from elixir_ray.data.dataset import TokenDataset, resolve_data_uri
+
+    uri = resolve_data_uri(data, None)
+    TokenDataset(uri, what="--data")  # a ConfigError naming it, before the reference's minutes
+    return uri
 
 
 def _cap_name(cap_bytes: int) -> str:
@@ -154,9 +169,11 @@ def main_args(args) -> int:
     results, paths = run_bench(shape, caps, systems, args.out, steps=steps, warmup=warmup,
                                device="cpu" if args.smoke else None, memory_margin=args.memory_margin,
                                alloc_conf=args.alloc_conf or None, fsdp2_pageable=args.fsdp2_pageable,
-                               max_grad_norm=None if args.max_grad_norm == 0 else args.max_grad_norm)
+                               max_grad_norm=None if args.max_grad_norm == 0 else args.max_grad_norm,
+                               data=_prepared(args.data))
     print(markdown_table(results))
-    print(f"\nwrote {paths['json']}, {paths['markdown']}, {paths['png']} and each system's output "
+    charts = paths["png"] + (f", {paths['loss_png']}" if "loss_png" in paths else "")
+    print(f"\nwrote {paths['json']}, {paths['markdown']}, {charts} and each system's output "
           f"({os.path.join(args.out, 'SYSTEM.log')})")
     failed = [r["system"] for r in results if str(r.get("skipped", "")).startswith(("failed", "process exited"))]
     if failed or all(r.get("skipped") for r in results):  # a peer that is not installed is only skipped
@@ -202,6 +219,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-grad-norm", type=float, default=MAX_GRAD_NORM,
                    help=f"every system clips its gradients' global norm to this before each update (default: "
                         f"the run config's optim.max_grad_norm, {MAX_GRAD_NORM}; 0: no clipping)")
+    p.add_argument("--data", default=None,
+                   help="a token dataset (elixir-ray prepare-data) or 'builtin' (this Python's standard library "
+                        "as bytes): every system trains on its windows, in the same order, instead of random tokens")
     p.add_argument("--fsdp2-pageable", action="store_true",
                    help="FSDP2 offload to pageable host memory, its gradients copied down in blocking copies, "
                         "instead of pinned memory and asynchronous copies (FSDP2's default)")

@@ -41,9 +41,14 @@ class BenchShape:
 
 
 SHAPES = {
+    # the numerics run's shape: small enough for hundreds of steps in a minute on one GPU
+    "gpt-124m": BenchShape("gpt-124m", 768, 12, 12, 50304, 1024, 8, False, "bfloat16"),
     "gpt-1.5b": BenchShape("gpt-1.5b", 1600, 48, 25, 50304, 1024, 8, False, "bfloat16"),
     "gpt-4b": BenchShape("gpt-4b", 3072, 36, 24, 50304, 1024, 8, True, "bfloat16"),
     "gpt-10b": BenchShape("gpt-10b", 4096, 50, 32, 50304, 1024, 8, True, "bfloat16"),
+    # 15.4B parameters: its fp32 master weights and AdamW moments alone (185 GB) exceed one H200's
+    # 139 GiB, and its host's 128 GiB, so it trains only with both holding part of the state
+    "gpt-15b": BenchShape("gpt-15b", 5120, 48, 40, 50304, 1024, 8, True, "bfloat16"),
     "smoke": BenchShape("smoke", 128, 2, 4, 257, 64, 4, False, "float32"),
 }
 
@@ -69,6 +74,10 @@ class SystemResult:
     # the gradient clipping every system trains with (the run config's optim.max_grad_norm, 1.0 by
     # default; None: none): with it elixir_ray's CPU updates start at step(), not in the backward
     max_grad_norm: Optional[float] = None
+    # every step's loss, warm-up and timed, in order (read after the timed window: no sync inside it)
+    losses: list = field(default_factory=list)
+    # the token dataset the batches came from (None: random tokens)
+    data: Optional[str] = None
     # the loss of the first warm-up step: every system trains the same GPT from the same batch, so
     # a first loss apart from the reference's means a different model or initialisation, and a final
     # one apart from it after a matching first means a different training
@@ -203,7 +212,12 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
     autocast = dtype != torch.float32
 
     if system == "reference":
-        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device=device)
+        # built empty, then initialised module by module as FSDP2 and elixir_ray initialise theirs:
+        # every system draws its weights from the same generator state in the same order (a plain
+        # build would first draw nn.Linear's own initialisation, and start from other weights)
+        model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta").to_empty(device=device)
+        model.head.weight = model.wte.weight  # to_empty makes a tensor per module: tie them again
+        model.apply(lambda m: init_gpt_weights(m, shape.n_layers))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
         def step(batch):
@@ -287,7 +301,10 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
         params = model.num_parameters()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))
+        # drawn from a generator of its own: the global one must be where the reference's build found it,
+        # so that init_fn, run over the modules as the reference's build runs it, draws the same weights
+        sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
         wrapped, wopt = wrap(model, opt, sample_inputs=(sample,), device_memory=cap_bytes, plan=plan,
                              dtype=dtype, device=device, init_fn=lambda m: init_gpt_weights(m, shape.n_layers),
                              accumulation_steps=1,  # one backward per step: without clipping, CPU updates start in it
@@ -305,9 +322,21 @@ def _clip(model, max_grad_norm: Optional[float]) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
 
 
-def bench_batches(shape: BenchShape, count: int, device: torch.device) -> list[torch.Tensor]:
-    """`count` batches of random tokens, a new one for each step, the same for every system (drawn
-    from a generator of their own, seeded 0, so a system's own use of the global one changes nothing)."""
+def bench_batches(shape: BenchShape, count: int, device: torch.device, data: Optional[str] = None) -> list[torch.Tensor]:
+    """`count` batches, a new one for each step, the same for every system: windows of the token
+    dataset `data` ("builtin": the standard-library corpus) in the order a run seeded 0 reads them,
+    or random tokens drawn from a generator of their own, seeded 0 (so a system's own use of the
+    global one changes nothing)."""
+    if data is not None:
+        from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
+        from elixir_ray.errors import ConfigError
+
+        dataset = TokenDataset(resolve_data_uri(data, None), what="--data")
+        if dataset.vocab_size > shape.vocab_size:
+            raise ConfigError(f"--data {data!r} has a vocabulary of {dataset.vocab_size}, more than the {shape.name} "
+                              f"shape's {shape.vocab_size}")
+        sampler = BatchSampler(dataset, shape.seq_len, seed=0)
+        return [sampler.samples(i * shape.micro_batch, shape.micro_batch).to(device) for i in range(count)]
     generator = torch.Generator().manual_seed(0)
     return [torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), generator=generator).to(device)
             for _ in range(count)]
@@ -337,14 +366,15 @@ def reference_parameters(shape: BenchShape) -> int:
 def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: Optional[int],
                steps: int = 6, warmup: int = 3, plan=None, keep=None,
                memory_margin: Optional[float] = None, fsdp2_pin_memory: bool = True,
-               max_grad_norm: Optional[float] = None) -> SystemResult:
+               max_grad_norm: Optional[float] = None, data: Optional[str] = None) -> SystemResult:
     """`plan` (elixir_ray only): run this Plan instead of searching one under the cap. `keep`, if
     given, is called with the result as it stands after the timed steps and again after the
     breakdown's steps, before the profiled one: a process that dies in the extra steps (a
     profiler's crash) still leaves what the timed steps measured. `memory_margin` (elixir_ray
     only, without `plan`): the share of the cap its plan search keeps back. `fsdp2_pin_memory`
     (FSDP2 only): False offloads to pageable memory (`_build`). `max_grad_norm`: every system's
-    gradient clipping (None: none)."""
+    gradient clipping (None: none). `data`: the token dataset the batches come from (None: random
+    tokens; `bench_batches`)."""
     torch.manual_seed(0)
     device = resolve_device(device)  # torch's per-device calls below refuse a bare "cuda"
     if device.type == "cuda":
@@ -363,17 +393,19 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
     expected = reference_parameters(shape)
     if params != expected:  # e.g. embeddings untied by a materialisation: a different model
         raise RuntimeError(f"{system} trains {params:,} parameters, the reference GPT has {expected:,}")
-    batches = bench_batches(shape, warmup + steps, device)
+    batches = bench_batches(shape, warmup + steps, device, data)
     batch = batches[-1]  # the extra steps after the timed ones (breakdown, profiles) repeat the last
-    loss = first_loss = None
+    losses = []  # detached, read after the timed window
     for i in range(warmup):  # back to back, as the timed steps run: the last leaves its work running into them
-        loss = step(batches[i])
-        if first_loss is None:
-            first_loss = float(loss.detach())  # a sync, after the first only
+        losses.append(step(batches[i]).detach())
+        if i == 0:
+            float(losses[0])  # a sync, after the first only
     counts_before = step.pool_counts() if hasattr(step, "pool_counts") else {}
     allocator_before = allocator_counts(device)
-    step_times, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batches[warmup:], device, timer)
+    step_times, loss, thread_cpu, process_cpu, last_updates = _timed_window(step, batches[warmup:], device, timer,
+                                                                            losses)
     seconds = statistics.median(step_times)
+    losses = [float(x) for x in losses]
     pool = {k: v if k == "blocks_over_plan" else (v - counts_before[k]) / steps  # that one is a high-water mark
             for k, v in step.pool_counts().items()} if counts_before else {}
     allocator = {k: (v - allocator_before[k]) / steps for k, v in allocator_counts(device).items()}
@@ -388,7 +420,7 @@ def run_system(system: str, shape: BenchShape, device: torch.device, cap_bytes: 
         step_times=step_times, mean_step_seconds=sum(step_times) / steps, max_grad_norm=max_grad_norm,
         tflops=model_flops_per_step(shape, params) / seconds / 1e12,
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, final_loss=float(loss.detach()),
-        first_loss=first_loss, sliced_loss=step.model.slices_loss(),
+        first_loss=losses[0], losses=losses, data=data, sliced_loss=step.model.slices_loss(),
         fsdp2_pinned=fsdp2_pin_memory if system == "fsdp2_offload" and device.type == "cuda" else None,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)), alloc_retries=int(stats.get("num_alloc_retries", 0)),
         peak_build_device_bytes=peak_build,
@@ -501,8 +533,8 @@ def timeline_events(timer) -> list:
     return [[c, round(a - origin, 6), round(b - origin, 6), chunk, n] for c, a, b, chunk, n in sorted(events, key=lambda e: e[1])]
 
 
-def _timed_window(step, batches: list, device: torch.device,
-                  timer=None) -> tuple[list, torch.Tensor, float, float, float]:
+def _timed_window(step, batches: list, device: torch.device, timer=None,
+                  losses: Optional[list] = None) -> tuple[list, torch.Tensor, float, float, float]:
     """Seconds of each of `len(batches)` steps run back to back, one batch each, as a training loop
     runs them (with the last loss, the CPU seconds per step of this thread and of the process, and
     how long elixir_ray's last CPU updates ran after the clock stopped).
@@ -523,7 +555,8 @@ def _timed_window(step, batches: list, device: torch.device,
     The events' total is checked against the host's, which holds it (the host's clock starts before
     the opening event is queued and stops after the closing one has run): where it does not, the
     host's times are taken, with a warning, so that a broken clock gives longer figures, never
-    shorter ones, and the run's measurement is kept."""
+    shorter ones, and the run's measurement is kept. `losses`, if given, gets each step's loss,
+    detached (not read: reading it would sync)."""
     if timer is not None:
         timer.timeline = []  # the measured steps' events, timed without device syncs
     cuda = device.type == "cuda"
@@ -540,6 +573,8 @@ def _timed_window(step, batches: list, device: torch.device,
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
         loss = step(batch)
+        if losses is not None:
+            losses.append(loss.detach())
     if cuda:
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
