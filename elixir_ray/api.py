@@ -519,8 +519,10 @@ def check_local_cluster_shape(cfg: RunConfig) -> None:
 
 
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
-          progress: bool = True, resume: Optional[str] = None) -> Result:
-    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from."""
+          progress: bool = True, resume: Optional[str] = None, *, worker_group_cls: Optional[type] = None) -> Result:
+    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from.
+    `worker_group_cls`: the `cluster.worker_group.WorkerGroup` subclass that places and watches the
+    ranks (one that injects faults, in tests); WorkerGroup itself when None."""
     cfg = check_data(as_config(config, overrides))
     check_model_step(cfg)
     if resume is not None:
@@ -532,16 +534,17 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     if resume is None:
         warn_of_earlier_checkpoints(cfg)
     try:
-        return _train_claimed(cfg, progress, resume)
+        return _train_claimed(cfg, progress, resume, worker_group_cls)
     finally:
         claim.release()
 
 
-def _train_claimed(cfg: RunConfig, progress: bool, resume: Optional[str]) -> Result:
+def _train_claimed(cfg: RunConfig, progress: bool, resume: Optional[str], worker_group_cls: Optional[type]) -> Result:
     import ray
 
     from elixir_ray.cluster.controller import RestoreSource, TrainController
     from elixir_ray.cluster.placement import resolve_worker_shape
+    from elixir_ray.cluster.worker_group import WorkerGroup
 
     started_here = RAY_STARTED_BY_TRAIN.join(cfg)
     try:
@@ -565,7 +568,8 @@ def _train_claimed(cfg: RunConfig, progress: bool, resume: Optional[str]) -> Res
         start = time.monotonic()
         on_note = bar.note if bar else (lambda text: None)
         controller = TrainController(cfg, shape, on_metrics=on_metrics, on_note=on_note,
-                                     resume=RestoreSource(resume) if resume else None)
+                                     resume=RestoreSource(resume) if resume else None,
+                                     worker_group_cls=worker_group_cls or WorkerGroup)
         if resume is not None:  # the steps before the checkpoint, as the run that wrote it logged them
             controller.outcome.metrics = earlier_metrics(cfg)
         try:

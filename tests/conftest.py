@@ -54,3 +54,12 @@ def tiny_config(dataset: str, tmp_path, **sections) -> dict:
     for key, value in sections.items():
         cfg.setdefault(key, {}).update(value)
     return cfg
+
+
+def group_of(worker_cls) -> type:
+    """A `WorkerGroup` whose ranks are actors of `worker_cls`, a `RankWorker` subclass that injects a
+    fault: what a test hands `train(..., worker_group_cls=...)`."""
+    from elixir_ray.cluster.worker import rank_actor
+    from elixir_ray.cluster.worker_group import WorkerGroup
+
+    return type(f"{worker_cls.__name__}Group", (WorkerGroup,), {"actor_cls": rank_actor(worker_cls)})

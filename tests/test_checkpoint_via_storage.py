@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-import ray
 
 from elixir_ray import train
 from elixir_ray.checkpoint import list_checkpoints, load_checkpoint, read_manifest
@@ -16,7 +15,7 @@ from elixir_ray.cluster import controller
 from elixir_ray.cluster.chaos import WorkerKiller
 from elixir_ray.cluster.worker import RankWorker, worker_actor_name
 
-from conftest import tiny_config
+from conftest import group_of, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +97,8 @@ def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resum
         np.testing.assert_array_equal(exported[k[len("model/"):]], v)
 
 
-def _slow_or_stalled_writer(monkeypatch, marker: str, stall_at: int):
-    """Rank 0 (which writes the replicated chunks too) writes its shard in 16 KiB blocks with a pause
+def _slow_or_stalled_writer(marker: str, stall_at: int) -> type:
+    """A worker group whose rank 0 (which writes the replicated chunks too) writes its shard in 16 KiB blocks with a pause
     after each (a slow filesystem: the write moves), except once at step `stall_at`, where it first
     stops for 15 s (a hung mount)."""
 
@@ -123,18 +122,18 @@ def _slow_or_stalled_writer(monkeypatch, marker: str, stall_at: int):
                     time.sleep(15)
             return super().write_shard(work_uri)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(SlowWriter))
+    return group_of(SlowWriter)
 
 
-def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny_dataset, tmp_path):
     """A write is as slow as its storage: one that keeps moving for longer than fault.detect_timeout_s
     completes; one where no rank writes a byte for that long fails the group, which restarts from the
     previous checkpoint and finishes."""
-    _slow_or_stalled_writer(monkeypatch, str(tmp_path / "stalled"), stall_at=4)
+    slow = _slow_or_stalled_writer(str(tmp_path / "stalled"), stall_at=4)
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4},
                       checkpoint={"every_steps": 2, "via": "storage", "keep": 3},
                       fault={"max_restarts": 1, "detect_timeout_s": 5})
-    result = train(cfg, progress=False)
+    result = train(cfg, progress=False, worker_group_cls=slow)
     (record,) = result.restarts
     assert "no rank wrote anything for 5s" in record.reason and record.restored_step == 2, record
     assert max(result.snapshot_stalls) > 5  # the slow writes took longer than detect_timeout_s

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import ray
 
-import elixir_ray.cluster.controller as controller
 from elixir_ray import ClusterError, train
 from elixir_ray.checkpoint import list_checkpoints, read_manifest
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker import RankWorker, worker_actor_name
 
-from conftest import tiny_config
+from conftest import group_of, tiny_config
 
 
-def _faulty_workers(monkeypatch, marker, rank: int, at_step: int, how: str) -> None:
-    """Rank `rank`'s state_shard fails once, at step `at_step`: `how` is "exit" (the process dies) or "raise"."""
+def _faulty_workers(marker, rank: int, at_step: int, how: str) -> type:
+    """A worker group whose rank `rank`'s state_shard fails once, at step `at_step`: `how` is "exit"
+    (the process dies) or "raise"."""
 
     class FaultyWorker(RankWorker):
         @ray.method(num_returns=2)
@@ -40,7 +40,7 @@ def _faulty_workers(monkeypatch, marker, rank: int, at_step: int, how: str) -> N
                 raise RuntimeError(f"injected: rank {rank} cannot hand over its shard at step {at_step}")
             return super().state_shard()
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(FaultyWorker))
+    return group_of(FaultyWorker)
 
 
 def _steps(result):
@@ -49,15 +49,15 @@ def _steps(result):
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
 def test_a_rank_lost_in_the_last_snapshot_restarts_and_the_last_step_is_persisted(
-        ray_cluster, tiny_dataset, tmp_path, monkeypatch, how):
+        ray_cluster, tiny_dataset, tmp_path, how):
     """Only rank 0's result used to be checked: the run reported success with step 2 as its checkpoint
     ("exit"), or the persister thread died on the bad shard and the run hung ("raise")."""
-    _faulty_workers(monkeypatch, tmp_path / "fired", rank=1, at_step=4, how=how)
+    faulty = _faulty_workers(tmp_path / "fired", rank=1, at_step=4, how=how)
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
                       fault={"max_restarts": 1})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = train(cfg, progress=False)
+        result = train(cfg, progress=False, worker_group_cls=faulty)
     assert (tmp_path / "fired").exists()
     (record,) = result.restarts
     # the step-2 shards outlive the ranks that made them: they are on the node, owned by the driver
@@ -160,7 +160,7 @@ def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, 
     assert steps == ["step-00000002", "step-00000003", "step-00000006"], steps
 
 
-def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_dataset, tmp_path):
     """torch's TCPStore listens on every interface whatever address it is given: one node's ranks meet
     through a file instead. (Ray's own worker port is Ray's, open before the group is formed.) The
     helpers are defined in here so that Ray ships them to the workers by value."""
@@ -196,8 +196,7 @@ def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_datase
             with open(os.path.join(out, f"rank{self.rank}.json"), "w") as f:
                 json.dump(sorted(_listening_addresses() - before), f)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(Watched))
-    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False, worker_group_cls=group_of(Watched))
     opened = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
     wide = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a not in loopback]
     assert not wide, f"listening beyond loopback: {wide}"
@@ -216,7 +215,7 @@ def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():
 
 
 def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_cluster, tiny_dataset, tmp_path,
-                                                                           monkeypatch, caplog):
+                                                                           caplog):
     """Workers in containers of their own (a Ray image_uri) have a /tmp each: rank 1 here does not see
     rank 0's rendezvous file, so the group forms through a TCP store on 127.0.0.1 instead of timing out."""
 
@@ -224,15 +223,14 @@ def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_clu
         def sees_file(self, path):
             return self.rank == 0 and super().sees_file(path)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(OwnTmp))
     with caplog.at_level("WARNING", logger="elixir_ray"):
-        result = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+        result = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False,
+                       worker_group_cls=group_of(OwnTmp))
     assert "meeting through a TCP store on 127.0.0.1" in caplog.text
     assert _steps(result) == [1] and not result.restarts
 
 
-def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray_cluster, tiny_dataset, tmp_path,
-                                                                             monkeypatch):
+def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray_cluster, tiny_dataset, tmp_path):
     """Profiling, setting up and restoring are waited for as long as they take: a rank that stopped
     answering there (SIGSTOP: a process hung in a driver call looks the same) held the driver forever."""
     marker = tmp_path / "stopped"
@@ -244,14 +242,13 @@ def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray
                 os.kill(os.getpid(), signal.SIGSTOP)  # the whole process: its other threads stop too
             return super().profile(micro_batch)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(HangingWorker))
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
                       fault={"max_restarts": 1, "detect_timeout_s": 8})
     started = time.monotonic()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = train(cfg, progress=False)
+            result = train(cfg, progress=False, worker_group_cls=group_of(HangingWorker))
     finally:
         if marker.exists():
             try:
@@ -264,8 +261,7 @@ def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray
     assert time.monotonic() - started < 120
 
 
-def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray_cluster, tiny_dataset, tmp_path,
-                                                                            monkeypatch):
+def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray_cluster, tiny_dataset, tmp_path):
     """A step that fails the same way on every try (a bad config, a model too big at this size) used to
     be restarted fault.max_restarts times, each time re-placing, re-profiling and restoring. Whichever
     rank reports the error first, the second identical failure ends the run with the error named."""
@@ -294,13 +290,12 @@ def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray
             trainer.step = failing_step
             return super().run(num_steps)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray.remote(max_concurrency=4)(FailingWorker))
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
                       fault={"max_restarts": 3})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ClusterError, match=r"(?s)injected: the loss is not finite.*raised after step 2 before "
                                                r"the last restart too.*giving up after 1 restart"):
-            train(cfg, progress=False)
+            train(cfg, progress=False, worker_group_cls=group_of(FailingWorker))
     # two tries, not the four that max_restarts=3 allows
     assert tries.read_text().split() == ["1", "0"]

@@ -17,7 +17,7 @@ from elixir_ray.config import resolve_model_shape
 from elixir_ray.model.factory import init_reference_model, loss_of
 from elixir_ray.trainer import lr_at, param_groups
 
-from conftest import tiny_config
+from conftest import group_of, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -182,9 +182,7 @@ def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(ray_cluste
         gc.enable()
 
 
-def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
-    from elixir_ray.cluster import controller
-
+def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path):
     started = tmp_path / "started"
 
     class Marked(RankWorker):  # leaves a file when any worker is created
@@ -192,14 +190,14 @@ def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_datas
             started.touch()
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(controller, "TrainWorker", ray_cluster.remote(max_concurrency=4)(Marked))
+    marked = group_of(Marked)
     cfg = tiny_config(tiny_dataset, tmp_path, cluster={"num_workers": 64})
     with pytest.raises(ConfigError, match="cluster.num_workers=64"):
-        train(cfg, progress=False)
+        train(cfg, progress=False, worker_group_cls=marked)
     with pytest.raises(ConfigError, match="no GPUs"):
-        train(tiny_config(tiny_dataset, tmp_path, cluster={"use_gpu": True}), progress=False)
+        train(tiny_config(tiny_dataset, tmp_path, cluster={"use_gpu": True}), progress=False, worker_group_cls=marked)
     assert not started.exists()  # no worker was ever created
-    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False, worker_group_cls=marked)
     assert started.exists()  # the marker does mark a worker that starts
 
 

@@ -5,13 +5,18 @@
        +------------------------ RESTARTING <--------------------------+  (a rank died, raised or stalled)
                                                           (any state) -> ERRORED
 
-Each state is one method; `run()` walks them and records every transition. Training runs in
-segments that end at checkpoint steps: a snapshot of the state goes to the object store (owned by
-the driver) and is persisted in the background, or, for a state too large for the object store
-(`checkpoint.via`), every worker writes its shard straight to durable storage while training waits.
-On a worker-group failure the group is killed, not drained, re-formed (fewer workers if
-`fault.elastic` allows), restored from the newest snapshot (object store first, durable storage
-when those objects are gone or were never made), and continues.
+Each state is one method that does its work and returns the next state with the reason for it;
+`run()` loops over them until FINISHED, and `_set_state` is the only place the state changes, so
+every transition is recorded with its time and reason. A `WorkerGroupFailure` in any state goes
+to the restart policy, which picks RESTARTING or ends the run. The ranks themselves are a
+`WorkerGroup` (`worker_group.py`): placed, joined, called, watched and killed as one.
+
+Training runs in segments that end at checkpoint steps: a snapshot of the state goes to the
+object store (owned by the driver) and is persisted in the background, or, for a state too large
+for the object store (`checkpoint.via`), every worker writes its shard straight to durable storage
+while training waits. On a worker-group failure the group is killed, not drained, re-formed
+(fewer workers if `fault.elastic` allows), restored from the newest snapshot (object store first,
+durable storage when those objects are gone or were never made), and continues.
 """
 
 from __future__ import annotations
@@ -22,22 +27,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import ray
-from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, load_first_valid, load_newest_valid
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
-from elixir_ray.cluster.failure import (Decision, FailureKind, RestartPolicy, StepError, WorkerGroupFailure,
-                                        error_line, step_against_timeout)
-from elixir_ray.cluster.placement import (WorkerShape, bundle_rank_order, cpu_thread_hint, create_placement_group,
-                                          workers_that_fit)
+from elixir_ray.cluster.failure import Decision, FailureKind, RestartPolicy, WorkerGroupFailure, step_against_timeout
+from elixir_ray.cluster.placement import PlacementTimeoutError, WorkerShape, cpu_thread_hint, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
-from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
+from elixir_ray.cluster.worker_group import GivenPlacement, WorkerGroup
 from elixir_ray.config import RunConfig
 from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
@@ -46,8 +47,6 @@ from elixir_ray.profile import WorkerProfile
 
 log = logging.getLogger("elixir_ray")
 
-NAME_RELEASE_S = 10.0  # how long a restart waits for a killed worker's actor name to be free again
-NAME_GRACE_S = 2.0  # a first attempt's wait: a resubmitted run's crashed driver may still hold the names
 # The slowest a rank is granted for copying its training state out at a snapshot (12 bytes per
 # parameter: fp32 weights and two AdamW moments), on top of fault.detect_timeout_s: a large model's
 # copy-out is minutes of work, not a stall.
@@ -55,22 +54,35 @@ SNAPSHOT_BYTES_PER_S = 256 * 2**20
 # checkpoint.via=auto snapshots through the object store while the state is at most this share of
 # the driver node's object store: beyond it, the snapshot would spill to disk or fail to fit
 OBJECT_STORE_SHARE = 0.5
-DEATH_GRACE_S = 5.0  # how long a rank's failure waits for news of a peer's death, to name the dead one
-PING_INTERVAL_S = 5.0  # how often a long setup call's wait checks that every worker still answers
 WRITE_POLL_S = 1.0  # how often the driver asks the ranks how far their checkpoint write has got
 WRITES_END_TIMEOUT_S = 10.0  # after a failed write, how long killed ranks' writes get to end before it is removed
 
 
 class RunState(enum.Enum):
-    PLACING = "placing"
-    RENDEZVOUS = "rendezvous"
-    PROFILING = "profiling"
-    PLANNING = "planning"
-    RESTORING = "restoring"
-    TRAINING = "training"
-    RESTARTING = "restarting"
-    FINISHED = "finished"
-    ERRORED = "errored"
+    PLACING = "placing"  # reserving the workers' bundles and starting one actor per rank
+    RENDEZVOUS = "rendezvous"  # showing each rank its devices and forming the process group
+    PROFILING = "profiling"  # every rank measures its hardware (the first try only)
+    PLANNING = "planning"  # the driver searches the plan; every rank builds its engine from it
+    RESTORING = "restoring"  # the ranks load the newest snapshot or checkpoint (or start from scratch)
+    TRAINING = "training"  # segments of steps, each ending in a snapshot or checkpoint
+    RESTARTING = "restarting"  # the group was killed after a failure: waiting for workers to place again
+    FINISHED = "finished"  # trained train.steps, the last checkpoint persisted
+    ERRORED = "errored"  # the run ended with an error
+
+
+class NextState(NamedTuple):
+    """What a state method returns: the state to enter and why."""
+
+    state: RunState
+    reason: str
+
+
+class Transition(NamedTuple):
+    """One recorded change of state: its value, when (time.time()), and why."""
+
+    state: str
+    at: float
+    reason: str
 
 
 @dataclass
@@ -88,7 +100,7 @@ class RestartRecord:
 
 @dataclass
 class RestoreSource:
-    """Where the first attempt starts from (`--resume`)."""
+    """Where the first try starts from (`--resume`)."""
 
     uri: str
 
@@ -106,18 +118,26 @@ class ControllerOutcome:
     snapshot_stalls: list[float] = field(default_factory=list)  # seconds training paused per snapshot
     checkpoint_via: str = ""  # "object_store" or "storage": how the checkpoints left the workers
     start_step: int = 0  # the step this run started from (a --resume checkpoint's; 0 for a new run)
-    transitions: list[tuple[str, float]] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
 
 
 class TrainController:
-    def __init__(self, cfg: RunConfig, shape: WorkerShape, on_metrics: Callable[[dict], None] = lambda m: None,
-                 on_note: Callable[[str], None] = lambda text: None,
-                 resume: Optional[RestoreSource] = None, poll_interval_s: float = 0.2):
+    """Runs one training run on the Ray cluster the driver is connected to.
+
+    `worker_group_cls` is the class that places and watches the ranks (a subclass injects faults);
+    `placement` gives it bundles of a placement group reserved elsewhere (a Ray Tune trial's)
+    instead of reserving its own."""
+
+    def __init__(self, cfg: RunConfig, shape: WorkerShape, *, on_metrics: Callable[[dict], None] = lambda m: None,
+                 on_note: Callable[[str], None] = lambda text: None, resume: Optional[RestoreSource] = None,
+                 poll_interval_s: float = 0.2, worker_group_cls: type[WorkerGroup] = WorkerGroup,
+                 placement: Optional[GivenPlacement] = None):
         self.cfg, self.shape = cfg, shape
         self.on_metrics = on_metrics
         self.on_note = on_note  # what the user should see besides steps (a checkpoint that takes a while)
         self.resume = resume
         self.poll_interval_s = poll_interval_s
+        self.worker_group_cls, self.placement = worker_group_cls, placement
         self._beats = 0  # rank 0's count of work within steps, as of the last poll
         self.policy = RestartPolicy(cfg.fault.max_restarts)
         self.failures: list[WorkerGroupFailure] = []  # every failure that was restarted, oldest first
@@ -125,67 +145,54 @@ class TrainController:
         self.tokenizer = data_tokenizer(cfg.data.path)  # kept in checkpoints: a resume on other tokens is refused
         self.checkpoint_uri = cfg.checkpoint_uri
         self.state: Optional[RunState] = None
-        self.workers: list = []
-        self.pg = None
+        self.group: Optional[WorkerGroup] = None  # the ranks of the try under way
         self.step = 0  # the last step completed by the whole group
         self.snapshots: list[Snapshot] = []  # newest last; older ones are dropped to free the store
         self.outcome = ControllerOutcome()
         self.persister: Optional[CheckpointPersister] = None
-        self._rendezvous_files: list[str] = []  # FileStore files of one-node groups, removed at teardown
-        self._on_driver_node = False  # every worker runs on the driver's node (set at rendezvous)
-        self._workers_per_node: dict[str, int] = {}  # node id -> workers there (set at rendezvous)
         self._thread_hint: Optional[str] = None  # the CPU-thread warning of the profiling round, if any
 
-    def _enter(self, state: RunState) -> None:
-        self.state = state
-        self.outcome.transitions.append((state.value, time.time()))
-        log.info("run %s: %s", self.cfg.name, state.value)
+    # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> ControllerOutcome:
         self.persister = CheckpointPersister(self.checkpoint_uri, self.cfg.checkpoint.keep)
         try:
-            while True:
-                try:
-                    self._attempt()
-                    break
-                except WorkerGroupFailure as failure:
-                    self._recover_or_raise(failure)
-            self.persister.flush()
-            self._enter(RunState.FINISHED)
+            self._set_state(RunState.PLACING, "the run starts")
+            while self.state is not RunState.FINISHED:
+                self._set_state(*self._step())
             return self.outcome
-        except BaseException:
-            self._enter(RunState.ERRORED)
+        except BaseException as exc:
+            self._set_state(RunState.ERRORED, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             raise
         finally:
-            self._teardown()
+            self._kill_group()
             self.persister.close()
             self.snapshots = []  # the run is over: its states leave the object store now, not at the next gc
             self.outcome.checkpoint_uri = self.persister.newest
             self.outcome.checkpoint_step = self.persister.committed[-1][0] if self.persister.committed else None
             self.outcome.persist_errors = list(self.persister.errors)
 
-    def _attempt(self) -> None:
-        self._enter(RunState.PLACING)
-        self._place()
-        self._enter(RunState.RENDEZVOUS)
-        self._rendezvous()
-        if not self.outcome.profiles:
-            self._enter(RunState.PROFILING)
-            # the minute or so before the first step is said, so that it does not read as a hang
-            self.on_note(f"profiling {len(self.workers)} worker(s): copy, AdamW and matmul rates, and the "
-                         f"model's kernels on the device")
-            self._profile()
-        self._enter(RunState.PLANNING)
-        self.on_note(f"searching the plan for {len(self.workers)} worker(s)")
-        self._plan()
-        self._enter(RunState.RESTORING)
-        self._restore()
-        self._enter(RunState.TRAINING)
-        self._train()
+    def _set_state(self, state: RunState, reason: str) -> None:
+        """The only place the state changes: every transition is recorded and logged."""
+        self.state = state
+        self.outcome.transitions.append(Transition(state.value, time.time(), reason))
+        log.info("run %s: %s (%s)", self.cfg.name, state.value, reason)
 
-    def _recover_or_raise(self, failure: WorkerGroupFailure) -> None:
+    def _step(self) -> NextState:
+        """Run the current state. A worker-group failure in any of them goes to the restart policy."""
+        handlers = {RunState.PLACING: self._place, RunState.RENDEZVOUS: self._rendezvous,
+                    RunState.PROFILING: self._profile, RunState.PLANNING: self._plan,
+                    RunState.RESTORING: self._restore, RunState.TRAINING: self._train,
+                    RunState.RESTARTING: self._restart}
+        try:
+            return handlers[self.state]()
+        except WorkerGroupFailure as failure:
+            return self._recover_or_raise(failure)
+
+    def _recover_or_raise(self, failure: WorkerGroupFailure) -> NextState:
+        """Kill the group and ask the policy: RESTARTING, or a `ClusterError` that ends the run."""
         log.warning("worker group failed: %s", failure)
-        self._teardown()
+        self._kill_group()
         reached = self.outcome.metrics[-1]["step"] if self.outcome.metrics else self.step  # the last step trained
         if failure.step is None:
             failure.step = reached
@@ -202,122 +209,57 @@ class TrainController:
         # and with them object refs in their locals (a snapshot's shards, a restore's whole state)
         failure.__traceback__ = failure.__cause__ = failure.__context__ = None
         self.failures.append(failure)
-        self._enter(RunState.RESTARTING)
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
         self.on_note(f"step {reached}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
                      f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
                      f"{self.shape.num_workers} worker(s)")
+        return NextState(RunState.RESTARTING, str(failure))
+
+    # -- states --------------------------------------------------------------------------------
+
+    def _place(self) -> NextState:
+        self.group = self.worker_group_cls(self.cfg, self.shape, placement=self.placement)
+        try:
+            self.group.place(first_try=not self.outcome.restarts)
+        except PlacementTimeoutError as exc:
+            if not self.outcome.restarts:  # nothing failed: the cluster is busy (another run holds them)
+                raise
+            raise WorkerGroupFailure("placing workers", str(exc)) from exc
+        return NextState(RunState.RENDEZVOUS, f"{self.group.world_size} worker(s) placed")
+
+    def _rendezvous(self) -> NextState:
+        self.group.rendezvous()
+        if self.outcome.profiles:  # restarts reuse the first profiles: the same kind of machines
+            return NextState(RunState.PLANNING, "process group formed; the first try's profiles are reused")
+        return NextState(RunState.PROFILING, "process group formed")
+
+    def _restart(self) -> NextState:
+        """Wait for the workers' resources; with fault.elastic, go on with as many as fit."""
         before = self.shape.num_workers
         self.shape = self._wait_for_workers()
         self.outcome.restarts[-1].world_size = self.shape.num_workers
         if self.shape.num_workers != before:
             self._warn_dropout_streams(before)
+        return NextState(RunState.PLACING, f"restart {len(self.outcome.restarts)} on {self.shape.num_workers} "
+                                           f"worker(s)")
 
-    # -- states -------------------------------------------------------------------------------
-
-    def _place(self) -> None:
-        if not self.outcome.restarts:
-            self._refuse_a_running_namesake()
-        try:
-            self.pg = create_placement_group(self.shape, self.cfg.cluster.placement_timeout_s)
-        except ClusterError as exc:
-            if not self.outcome.restarts:  # nothing failed: the cluster is busy (another run holds them)
-                raise
-            raise WorkerGroupFailure("placing workers", str(exc)) from exc
-        order = bundle_rank_order(self.pg, ray.get_runtime_context().get_node_id())
-        config = self.cfg.to_dict()
-        for rank, bundle in enumerate(order):
-            self.workers.append(self._start_worker(config, rank, bundle))
-
-    def _refuse_a_running_namesake(self) -> None:
-        """A run of the same name already on the cluster is refused before this one waits for
-        resources (on a full cluster it would wait for that run to end, then overwrite its outputs)."""
-        name, namespace = worker_actor_name(self.cfg.name, 0), self.cfg.cluster.namespace
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return
-        raise self._namesake_error(name)
-
-    def _namesake_error(self, actor: str) -> ClusterError:
-        return ClusterError(f"a run named {self.cfg.name!r} already has workers on this Ray cluster (actor {actor!r} "
-                            f"in namespace {self.cfg.cluster.namespace!r}): wait for it to end, or give this run "
-                            f"another name (--set name=...)")
-
-    def _start_worker(self, config: dict, rank: int, bundle: int):
-        name, namespace = worker_actor_name(self.cfg.name, rank), self.cfg.cluster.namespace
-        options = TrainWorker.options(
-            name=name, namespace=namespace, num_cpus=self.shape.cpus_per_worker,
-            num_gpus=1 if self.shape.use_gpu else 0, max_restarts=0, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle))
-        # after a restart the killed rank's name may take a moment to be released
-        deadline = time.monotonic() + (NAME_RELEASE_S if self.outcome.restarts else NAME_GRACE_S)
-        while True:
-            try:
-                return options.remote(config, rank, self.shape.num_workers)
-            except ray.exceptions.ActorAlreadyExistsError:
-                if time.monotonic() >= deadline:
-                    raise self._namesake_error(name) from None
-                time.sleep(0.2)
-
-    def _rendezvous(self) -> None:
-        # the first call each new worker answers: it waits for the worker's process to start, which a
-        # liveness ping cannot tell from a hang, so it gets the rendezvous's own limit
-        infos = self._get([w.node_info.remote() for w in self.workers],
-                          "waiting for the workers to start (cluster.init_timeout_s: raise it where a worker's "
-                          "runtime_env or image takes longer to set up)", timeout=self.cfg.cluster.init_timeout_s)
-        driver_node = ray.get_runtime_context().get_node_id()
-        self._on_driver_node = all(info["node_id"] == driver_node for info in infos)
-        # Every rank on a node sees all of that node's GPUs; local rank = order within the node.
-        by_node: dict[str, list[int]] = {}
-        for rank, info in enumerate(infos):
-            by_node.setdefault(info["node_id"], []).append(rank)
-        self._workers_per_node = {node: len(ranks) for node, ranks in by_node.items()}
-        calls = []
-        for ranks in by_node.values():
-            gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
-            for local_rank, rank in enumerate(ranks):
-                calls.append(self.workers[rank].set_devices.remote(gpus, local_rank))
-        self._get_watched(calls, "setting devices")
-        last_error = None
-        for _attempt in range(3):  # a free port can be taken between probe and bind: retry
-            if len(by_node) == 1:  # through a file on the node: no listening socket at all
-                path = self._get_watched([self.workers[0].rendezvous_file.remote(self.cfg.name)], "choosing a file")[0]
-                self._rendezvous_files.append(path)
-                init_method = f"file://{path}"
-                if not all(self._get_watched([w.sees_file.remote(path) for w in self.workers], "checking the file")):
-                    # ranks in containers of their own share no temp directory: a TCP store on loopback
-                    port = self._get_watched([self.workers[0].free_port.remote()], "probing a port")[0]
-                    init_method = f"tcp://127.0.0.1:{port}"
-                    log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
-                                "(it listens on every interface)", os.path.dirname(path), port)
-            else:
-                addr = infos[0]["node_ip"]
-                port = self._get_watched([self.workers[0].free_port.remote()], "probing a port")[0]
-                init_method = f"tcp://{addr}:{port}"
-            try:
-                self._get([w.init_process_group.remote(init_method, self.shape.backend,
-                                                       self.cfg.fault.detect_timeout_s) for w in self.workers],
-                          "initialising the process group", timeout=self.cfg.cluster.init_timeout_s)
-                return
-            except WorkerGroupFailure as exc:
-                last_error = exc
-                log.warning("process group through %s failed, retrying: %s", init_method, exc)
-        raise WorkerGroupFailure("initialising the process group", f"three tries failed: {last_error}")
-
-    def _profile(self) -> None:
+    def _profile(self) -> NextState:
+        # the minute or so before the first step is said, so that it does not read as a hang
+        self.on_note(f"profiling {self.group.world_size} worker(s): copy, AdamW and matmul rates, and the "
+                     f"model's kernels on the device")
         micro, _ = split_global_batch(self.global_batch, self.shape.num_workers, self.cfg.train.micro_batch)
-        self.outcome.profiles = self._get_watched([w.profile.remote(micro) for w in self.workers],
-                                                  "profiling the workers")
+        self.outcome.profiles = self.group.get_watched(self.group.call("profile", micro), "profiling the workers")
         nodes = [info for info in ray.nodes() if info.get("Alive")]
-        hint = cpu_thread_hint(self.shape, self._workers_per_node,
+        hint = cpu_thread_hint(self.shape, self.group.workers_per_node,
                                {info["NodeID"]: float(info.get("Resources", {}).get("CPU", 0)) for info in nodes},
                                {info["NodeID"]: float(info.get("Resources", {}).get("GPU", 0)) for info in nodes})
         if hint:
             log.warning(hint)
         self._thread_hint = hint
+        return NextState(RunState.PLANNING, f"{len(self.outcome.profiles)} profile(s)")
 
-    def _plan(self) -> None:
+    def _plan(self) -> NextState:
+        self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
         # Restarts reuse the first profiles: the same kind of machines, measured once.
         profiles = self.outcome.profiles[: self.shape.num_workers]
         while len(profiles) < self.shape.num_workers:
@@ -340,7 +282,9 @@ class TrainController:
         self.outcome.plan = plan
         self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
-        self._get_watched([w.setup.remote(plan_ref) for w in self.workers], "setting up the workers")
+        self.group.get_watched(self.group.call("setup", plan_ref), "setting up the workers")
+        return NextState(RunState.RESTORING, f"planned for {plan.world_size} worker(s), checkpoints via "
+                                             f"{self.outcome.checkpoint_via}")
 
     def _checkpoint_via(self) -> str:
         """`checkpoint.via`, with `auto` resolved from the state's size and the object store's; a
@@ -394,8 +338,7 @@ class TrainController:
         except OSError:  # not even the driver can write there: the checkpoint's write will say why
             return True
         try:
-            return all(self._get_watched([w.sees_file.remote(probe) for w in self.workers],
-                                         "checking the checkpoint path"))
+            return all(self.group.get_watched(self.group.call("sees_file", probe), "checking the checkpoint path"))
         finally:
             os.remove(probe)
 
@@ -416,8 +359,8 @@ class TrainController:
                 mine = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             return False
-        return all(d == mine for d in self._get_watched([w.file_digest.remote(manifest) for w in self.workers],
-                                                        "checking the checkpoint path"))
+        return all(d == mine for d in self.group.get_watched(self.group.call("file_digest", manifest),
+                                                             "checking the checkpoint path"))
 
     def _note_resume(self, path: str, manifest: dict) -> None:
         """Say where a resumed run starts, and warn when its global batch is not the checkpoint's: the
@@ -492,7 +435,7 @@ class TrainController:
                 f"(s3://...)")
         return {name: tensors[name] for name in tensors}
 
-    def _restore(self) -> None:
+    def _restore(self) -> NextState:
         """Newest object-store snapshot, else the newest valid durable checkpoint, else `--resume`, else scratch."""
         source, tensors, step, consumed, shard_refs = "scratch", None, 0, 0, None
         own_run = False  # resumed (--resume) from a checkpoint this run wrote
@@ -525,12 +468,10 @@ class TrainController:
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
         if shard_refs is not None:
-            self._get_watched([w.load_shards.remote(shard_refs, step, consumed) for w in self.workers],
-                              "restoring state")
+            self.group.get_watched(self.group.call("load_shards", shard_refs, step, consumed), "restoring state")
         elif tensors is not None:
             tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
-            self._get_watched([w.load_state.remote(tensors_ref, step, consumed) for w in self.workers],
-                              "restoring state")
+            self.group.get_watched(self.group.call("load_state", tensors_ref, step, consumed), "restoring state")
         self.step = step
         kept = [m for m in self.outcome.metrics if m["step"] <= step]
         last = kept[-1]["step"] if kept else 0
@@ -546,61 +487,39 @@ class TrainController:
             record = self.outcome.restarts[-1]
             record.restored_from, record.restored_step = source, step
             where = {"object_store": "the object store", "durable": "durable storage"}.get(source, "scratch")
-            self.on_note(f"restored step {step} from {where} on {len(self.workers)} worker(s); training goes on")
+            self.on_note(f"restored step {step} from {where} on {self.group.world_size} worker(s); training goes on")
         log.info("starting at step %d (from %s)", step, source)
+        return NextState(RunState.TRAINING, f"step {step} from {source}")
 
-    def _train(self) -> None:
+    def _train(self) -> NextState:
+        """Segments of steps up to train.steps, each ending in a snapshot; then the last one persisted."""
         total, every = self.cfg.train.steps, self.cfg.checkpoint.every_steps
         while self.step < total:
             segment = min(total, (self.step // every + 1) * every if every else total) - self.step
             self._run_segment(segment)
             self._snapshot()
+        self.persister.flush()
+        return NextState(RunState.FINISHED, f"trained {total} step(s)")
 
     def _run_segment(self, num_steps: int) -> None:
-        runs = [w.run.remote(num_steps) for w in self.workers]
+        runs = self.group.call("run", num_steps)
         pending = list(runs)
         last_progress = time.monotonic()
         while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
+            pending = self.group.wait(pending, self.poll_interval_s)
             if self._drain_metrics():
                 last_progress = time.monotonic()
-            for rank, ref in enumerate(runs):  # surface a failed rank at once rather than after the others hang
-                if ref not in pending:
-                    try:
-                        self._get([ref], "training")
-                    except WorkerGroupFailure as failure:
-                        if isinstance(failure.__cause__, ray.exceptions.RayActorError):  # this rank itself died
-                            raise WorkerGroupFailure("training", f"worker {rank} died: "
-                                                     f"{str(failure.__cause__).splitlines()[0]}",
-                                                     FailureKind.DIED) from failure.__cause__
-                        raise self._dead_peer(runs, rank) or failure
+            self.group.check_finished(runs, pending, "training")
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
                 raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
                                                      f"{self.cfg.fault.detect_timeout_s:g}s", FailureKind.SILENT)
-        self.step = self._get(runs, "training")[0]
+        self.step = self.group.get(runs, "training")[0]
         self._drain_metrics()
-
-    def _dead_peer(self, runs: list, failed: int) -> Optional[WorkerGroupFailure]:
-        """When a worker is killed, its peers' collectives fail at once ("connection reset by peer")
-        and Ray reports the death a moment later: wait that moment, so the failure names the worker
-        that died rather than a survivor."""
-        others = [ref for rank, ref in enumerate(runs) if rank != failed]
-        ready, _ = ray.wait(others, num_returns=len(others), timeout=DEATH_GRACE_S)
-        for rank, ref in enumerate(runs):
-            if ref in ready:
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as exc:
-                    return WorkerGroupFailure("training", f"worker {rank} died: {str(exc).splitlines()[0]}",
-                                              FailureKind.DIED)
-                except Exception:  # another survivor's error
-                    continue
-        return None
 
     def _drain_metrics(self) -> bool:
         # bounded: a stalled rank 0 must count as a failure, not hang the driver
-        new, beats = self._get([self.workers[0].poll.remote()], "polling worker 0 for metrics",
-                               timeout=self.cfg.fault.detect_timeout_s)[0]
+        new, beats = self.group.get([self.group.call_rank(0, "poll")], "polling worker 0 for metrics",
+                                    timeout=self.cfg.fault.detect_timeout_s)[0]
         progressed = bool(new) or beats != self._beats  # an evaluation's forwards count as progress
         self._beats = beats
         for m in new:
@@ -620,8 +539,8 @@ class TrainController:
             self._write_checkpoint()
             return
         start = time.monotonic()
-        pairs = [w.state_shard.remote() for w in self.workers]
-        headers = self._get([h for h, _ in pairs], "taking a snapshot", timeout=self._snapshot_timeout())
+        pairs = self.group.call("state_shard")
+        headers = self.group.get([h for h, _ in pairs], "taking a snapshot", timeout=self._snapshot_timeout())
         shards = [s for _, s in pairs]
         ray.wait(shards, num_returns=len(shards), fetch_local=False)  # ready with their headers; not pulled here
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
@@ -629,13 +548,13 @@ class TrainController:
             raise WorkerGroupFailure("taking a snapshot", f"the ranks are at different steps: {headers}")
         plan = self.outcome.plan
         snap = Snapshot(step=headers[0]["step"], samples_consumed=headers[0]["samples_consumed"], worker_refs=shards,
-                        on_driver_node=self._on_driver_node,
+                        on_driver_node=self.group.on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
                                "world_size": self.shape.num_workers, "global_batch": self.global_batch,
                                **self.tokenizer})
         # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
         # driver's node both would be lost together, so one is enough (a whole state less in memory)
-        self.snapshots = [snap] if self._on_driver_node else self.snapshots[-1:] + [snap]
+        self.snapshots = [snap] if self.group.on_driver_node else self.snapshots[-1:] + [snap]
         self.persister.submit(snap)
         self.outcome.final_step = snap.step
 
@@ -656,13 +575,13 @@ class TrainController:
             self.persister.report(f"could not persist the checkpoint of step {self.step} to {self.checkpoint_uri}: "
                                   f"{exc}")
             return
-        writes = [w.write_shard.remote(work) for w in self.workers]
+        writes = self.group.call("write_shard", work)
         try:
             results = self._wait_for_writes(writes)
         except BaseException:
             # the other ranks may still be writing into `work`: they are killed, and their writes seen
             # to end, before it is removed (else a part file lands in a directory being deleted)
-            self._teardown()
+            self._kill_group()
             ray.wait(writes, num_returns=len(writes), timeout=WRITES_END_TIMEOUT_S, fetch_local=False)
             abort_checkpoint(work)
             raise
@@ -704,27 +623,30 @@ class TrainController:
         last, last_change = -1, time.monotonic()
         pending = list(refs)
         while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=WRITE_POLL_S)
+            pending = self.group.wait(pending, WRITE_POLL_S)
             for ref in refs:  # a failed rank at once, not after the others finish
                 if ref not in pending:
-                    self._get([ref], "writing a checkpoint")
+                    self.group.get([ref], "writing a checkpoint")
             if not pending:
                 break
-            written = sum(self._get([w.write_progress.remote() for w in self.workers], "polling the checkpoint write",
-                                    timeout=detect))
+            written = sum(self.group.get(self.group.call("write_progress"), "polling the checkpoint write",
+                                         timeout=detect))
             if written != last:
                 last, last_change = written, time.monotonic()
             elif time.monotonic() - last_change > detect:
                 raise WorkerGroupFailure("writing a checkpoint", f"no rank wrote anything for {detect:g}s",
                                          FailureKind.SILENT)
-        return self._get(refs, "writing a checkpoint")
+        return self.group.get(refs, "writing a checkpoint")
 
     def _snapshot_timeout(self) -> float:
         """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S."""
         return self.cfg.fault.detect_timeout_s + self._state_bytes() / SNAPSHOT_BYTES_PER_S
 
     def _wait_for_workers(self) -> WorkerShape:
-        """Wait for the full set of workers; with fault.elastic, settle for as many as fit."""
+        """Wait for the full set of workers; with fault.elastic, settle for as many as fit. Bundles of
+        a given placement group stay reserved across the restart: they fit as they are."""
+        if self.placement is not None:
+            return self.shape
         deadline = time.monotonic() + self.cfg.fault.wait_for_resources_s
         fit = 0
         while True:
@@ -747,66 +669,7 @@ class TrainController:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _get_watched(self, refs: list, what: str) -> list:
-        """Wait for calls that take as long as they take (profiling, setting up, restoring), pinging
-        every worker meanwhile: a worker that no longer answers for fault.detect_timeout_s (stopped,
-        hung in a driver call) fails the group, where a bare wait would wait forever. The workers
-        are threaded, so a busy one still answers."""
-        limit = self.cfg.fault.detect_timeout_s
-        while True:
-            done, pending = ray.wait(refs, num_returns=len(refs), timeout=min(PING_INTERVAL_S, limit))
-            if not pending:
-                return self._get(refs, what)
-            self._get(done, what)  # a worker that failed or died says so at once
-            pings = [w.alive.remote() for w in self.workers]
-            answered, silent = ray.wait(pings, num_returns=len(pings), timeout=limit)
-            if silent:
-                ranks = ", ".join(str(rank) for rank, ping in enumerate(pings) if ping in silent)
-                raise WorkerGroupFailure(what, f"worker(s) {ranks} did not answer for {limit:g}s "
-                                               f"(fault.detect_timeout_s): hung or stopped", FailureKind.SILENT)
-            self._get(answered, what)
-
-    def _get(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupFailure(what, f"timed out after {timeout:g}s", FailureKind.SILENT) from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}", FailureKind.DIED) from exc
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
-                raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
-            first = (str(cause).splitlines() or [""])[0]
-            error = cause.error if isinstance(cause, StepError) else error_line(cause)
-            failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
-            if isinstance(cause, StepError):
-                failure.step = cause.step
-            raise failure from exc
-
-    def _teardown(self) -> None:
-        """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone."""
-        if self._rendezvous_files and self.workers:  # best effort: any live worker of the node can remove them
-            remaining = [w.remove_files.remote(self._rendezvous_files) for w in self.workers]
-            deadline = time.monotonic() + 5
-            while remaining and time.monotonic() < deadline:  # the first that succeeds is enough
-                done, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                try:
-                    ray.get(done)
-                except Exception:  # that worker is gone: wait for another
-                    continue
-                if done:
-                    self._rendezvous_files = []
-                    break
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already dead
-                pass
-        self.workers = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
+    def _kill_group(self) -> None:
+        if self.group is not None:
+            self.group.kill()
+            self.group = None

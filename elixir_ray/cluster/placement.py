@@ -86,13 +86,17 @@ def _free(bundle: dict) -> str:
     return ", ".join(f"{available.get(res, 0):g} {res}" for res in bundle)
 
 
+class PlacementTimeoutError(ClusterError):
+    """The cluster did not reserve the workers' bundles in time: other runs or tasks hold them."""
+
+
 def create_placement_group(shape: WorkerShape, timeout_s: float):
     pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         table = placement_group_table(pg)
         remove_placement_group(pg)
-        raise ClusterError(
+        raise PlacementTimeoutError(
             f"could not reserve {shape.num_workers} x {shape.bundle} within cluster.placement_timeout_s="
             f"{timeout_s:g}s (placement group state: {table.get('state')}; free now: "
             f"{_free(shape.bundle)}): other runs or tasks hold them; free them, or raise "

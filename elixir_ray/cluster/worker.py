@@ -270,6 +270,11 @@ class RankWorker:
             dist.destroy_process_group()
 
 
-# The actor class the controller places; `RankWorker` stays a plain class, so that fault injection
-# (tests, benchmarks) can subclass it and make its own actor class.
-TrainWorker = ray.remote(max_concurrency=4)(RankWorker)
+def rank_actor(worker_cls: type[RankWorker]):
+    """The Ray actor class of `worker_cls`, threaded so that `poll`, `alive` and `stop` are answered
+    while a long call runs. `RankWorker` stays a plain class, so that fault injection (tests,
+    benchmarks) can subclass it and give a `WorkerGroup` subclass the actor class of its own."""
+    return ray.remote(max_concurrency=4)(worker_cls)
+
+
+TrainWorker = rank_actor(RankWorker)  # the actor class a `WorkerGroup` places by default
