@@ -285,19 +285,20 @@ def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_pa
     assert "| smoke |" in proc.stdout
 
 
-def test_benchmark_matrix_refuses_unknown_stages_and_a_gpu_session_packs_what_it_ran(tmp_path):
+def test_benchmark_matrix_refuses_unknown_stages_and_packs_what_it_ran(tmp_path):
     out = tmp_path / "matrix"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests", "gpt-4b-32"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown stage: gpt-4b-32" in proc.stdout
     assert not out.exists()
-    # one device call's worth, as a lent GPU machine runs it: the machine recorded, each stage packed
+    # as an offline GPU machine runs it (../shared/device/gpu-call.sh): the machine recorded, each
+    # stage under a time limit and packed into one archive as it finishes
     packed = tmp_path / "device-out"
     (out / "cuda-tests").mkdir(parents=True)  # a run before on the same (warm) machine left a result
     (out / "cuda-tests" / "stale.json").write_text("{}")
-    proc = subprocess.run(["bash", "jobs/gpu_session.sh", "cuda-tests"], capture_output=True, text=True, timeout=600,
-                          env={**env, "OUT": str(packed), "BENCH_DIR": str(out)})
+    proc = subprocess.run(["bash", "jobs/bench_matrix.sh", str(out), "cuda-tests"], capture_output=True, text=True,
+                          timeout=600, env={**env, "PACK_INTO": str(packed), "STAGE_TIMEOUT_S": "240"})
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "== cuda-tests exited 0" in proc.stdout and (out / "cuda-tests" / "log.txt").exists()
     assert f"torch {torch.__version__}" in (packed / "machine.txt").read_text()
