@@ -193,8 +193,8 @@ def test_the_timed_window_stops_before_the_last_steps_updates_are_waited_for():
 
 
 def test_the_step_interval_leaves_out_the_first_step():
-    """The first timed step of a run before the twenty-seventh session followed a synced warm-up step
-    and found fewer CPU updates pending, so the estimate of a long run's step starts at the second."""
+    """The first timed step of a run timed after a synced warm-up step found fewer CPU updates
+    pending than any later one, so the estimate of a long run's step starts at the second."""
     from elixir_ray.bench.report import step_interval
 
     marks = [["device step start", t, t, -1, 0] for t in (0.0, 1.0, 3.0, 6.0)]
@@ -535,9 +535,9 @@ def test_checkpoint_host_bench_times_every_mode_and_refuses_bad_sizes():
 
 @needs_h100_runs
 def test_engine_host_bench_runs_a_measured_plan_on_a_small_gpt_and_refuses_other_files(tmp_path):
-    """jobs/bench_engine_host.py: the fifth H100 session's gpt-1.5b plan, its chunks scaled to a
-    GPT of the same depth 50 wide, through the engine beside plain PyTorch on the CPU; a file that
-    is not a bench result is one error naming it, exit 2."""
+    """jobs/bench_engine_host.py: an H100 run's gpt-1.5b plan (24 GiB, 2026-11-27), its chunks scaled
+    to a GPT of the same depth 50 wide, through the engine beside plain PyTorch on the CPU; a file
+    that is not a bench result is one error naming it, exit 2."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "jobs", "bench_engine_host.py")
     out = subprocess.run([sys.executable, script, "--steps", "1", "--warmup", "0"], capture_output=True, text=True,
@@ -553,8 +553,8 @@ def test_engine_host_bench_runs_a_measured_plan_on_a_small_gpt_and_refuses_other
 
 
 def test_a_peers_single_rank_group_sets_what_a_launcher_would():
-    """DeepSpeed asserts LOCAL_RANK in the environment even where the process group exists (the
-    sixth H100 session's DeepSpeed run stopped there): the benchmark's one-rank group sets the
+    """DeepSpeed asserts LOCAL_RANK in the environment even where the process group exists (a
+    DeepSpeed run on the H100 stopped there, 2026-11-27): the benchmark's one-rank group sets the
     launcher's variables, each only where unset."""
     code = ("import os; from elixir_ray.bench.systems import _single_rank_group; _single_rank_group('gloo'); "
             "import torch.distributed as dist; print(dist.get_world_size(), "
@@ -574,10 +574,10 @@ def _result(system: str, first: float, final: float, **extra) -> dict:
 
 
 def test_the_report_says_which_peer_does_not_train_as_plain_pytorch_does():
-    """The third GPU session's FSDP2 ended at 13.9 where plain PyTorch fell to 9.5, and the
-    report read as if its speed compared; a system whose loss falls by less than half the
-    reference's now gets a line saying so. Different first losses (each its own initial weights)
-    alone are not that."""
+    """FSDP2 offload on the H100 (2026-11-27) ended at 13.9 where plain PyTorch fell to 9.5: a
+    report that reads as if its speed compared misleads, so a system whose loss falls by less than
+    half the reference's gets a line saying so. Different first losses (each its own initial
+    weights) alone are not that."""
     from elixir_ray.bench.report import markdown_table, training_apart
 
     results = [_result("reference", 11.455, 9.512), _result("elixir_ray", 11.426, 9.647),

@@ -65,8 +65,8 @@ class SystemResult:
     # one apart from it after a matching first means a different training
     first_loss: Optional[float] = None
     # whether the GPT's loss took the head's logits a slice of rows at a time (`GPT.slices_loss`:
-    # every system since 2026-11-28 but DeepSpeed, whose hooks on the head take them whole); None
-    # where the run does not say (every run before, which took them whole)
+    # every system but DeepSpeed, whose hooks on the head take them whole); None where the result
+    # does not say (results written before the field existed, which took them whole)
     sliced_loss: Optional[bool] = None
     # FSDP2 offload on a GPU only: whether its host memory was pinned (its default, asynchronous
     # gradient copies) or pageable (`--fsdp2-pageable`, blocking copies); None otherwise (on the
@@ -484,12 +484,11 @@ def _timed_window(step, batch, device: torch.device, steps: int,
     elixir_ray's last CPU updates are waited for (`step.settle`): the next step's forward would wait
     for them, as the first timed step waited for the warm-up's.
 
-    Until 2026-11-27 the last warm-up step was synced and the window waited for the last timed
-    step's updates: one tail of updates too many at the end, and a first step that found fewer of
-    them pending than any later one (a review of the fifth and sixth sessions' timelines: the first
-    interval between timed steps' starts 26 to 257 ms shorter than the mean of the others in 8 of
-    10 runs). Until 2026-11-26 every step was synced and timed alone (the median taken), which
-    made elixir_ray's DOS copies count whole. With `timer` (elixir_ray's), the steps' events go on
+    A synced last warm-up step, and a window that waited for the last timed step's updates, would
+    time one tail of updates too many and a first step with fewer of them pending than any later
+    one: in 8 of 10 H100 runs timed that way (2026-11-27) the first interval between timed steps'
+    starts was 26 to 257 ms shorter than the mean of the others. Syncing and timing every step
+    alone would count elixir_ray's DOS copies whole. With `timer` (elixir_ray's), the steps' events go on
     its timeline, the last updates' included, and on CUDA the device's marks are placed from the
     closing event (`StepTimer.anchor`): a mark at the first step's start runs on the device only
     once the warm-up's work has, later than the host recorded it.

@@ -37,11 +37,11 @@ from elixir_ray.units import format_bytes
 # 1.5B and 4.2B, 47 to 48 budgets each). Each gap is one vectorised pass per pool size and ranking;
 # with the smallest-peak pick below done without a loop, a 10B GPT's search takes no longer.
 DOS_GAPS = (0, *range(1, 17))
-# fraction of the budget kept free for the allocator's fragmentation and short-lived buffers. 8%
-# until the memory model became exact (2026-11-26): before, its peaks were 15-32% above the H100's
-# measured ones, and that hid headroom the caching allocator uses (it reserved 1.2-1.5x the bytes
-# allocated, up to the cap, and retried once at 67% of a 16 GiB cap). 20% keeps plans at or below
-# the fills measured there (67-80% of the cap); lower it once plans near the budget are measured.
+# fraction of the budget kept free for the allocator's fragmentation and short-lived buffers. On
+# the H100 (2026-11-26) the caching allocator reserved 1.2-1.5x the bytes allocated, up to the cap,
+# and retried once at 67% of a 16 GiB cap; 20% keeps plans at or below the fills measured there
+# (67-80% of the cap). 10% is measured only for gpt-4b at 40 and 24 GiB (one retry at 24 GiB, H100,
+# 2026-11-27).
 # The default of `memory_margin`, which plan_search (and `elixir_ray.plan`, `wrap`, the config's
 # engine.memory_margin) take, so that a lower one can be measured (bench --memory-margin).
 SAFETY = DEFAULT_MEMORY_MARGIN
