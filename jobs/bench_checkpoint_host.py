@@ -4,7 +4,7 @@ A GPT with many blocks and tiny layers (48 blocks 16 wide by default, sequences 
 runs its step in plain PyTorch on the CPU with every block "none" (kept), "selective" or "full"
 (recomputed whole), the modes interleaved step by step so that the machine's noise falls on each
 alike. Its kernels take almost nothing, so each step's thread time is the host's work: the Python
-and the dispatch that bound gpt-1.5b's capped steps on the H100 (docs/BENCHMARKS.md). Prints the
+and the dispatch that bound gpt-1.5b's capped steps on the H100 (2026-11-27). Prints the
 fastest and the median forward and backward of each mode, in milliseconds, and how many times a
 kept block's host time each takes.
 """

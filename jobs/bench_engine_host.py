@@ -2,7 +2,8 @@
 jobs/bench_engine_host.py [RESULT.json]`.
 
 RESULT.json is an `elixir_ray.json` (or `elixir_ray-CAP.json`) of `elixir-ray bench` for a GPT
-shape (default: the fifth H100 session's gpt-1.5b at 24 GiB). The same GPT, its blocks as many but
+shape (default: tests/data/h100/2026-11-27-c/call3/gpt-1.5b-caps/elixir_ray-24GiB.json, gpt-1.5b at
+24 GiB on one H100, 2026-11-27). The same GPT, its blocks as many but
 `--width` wide (tiny, so that a step on the CPU is host work: the Python and the dispatch that
 bound gpt-1.5b's capped steps on the H100), runs through the engine with that plan's layout
 (its parameter order, chunks scaled to the smaller model, placements, pool blocks, Deep Optimizer
@@ -30,7 +31,7 @@ from elixir_ray.engine.plan import Plan  # noqa: E402
 from elixir_ray.engine.trace import unique_parameters  # noqa: E402
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights  # noqa: E402
 
-DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "gpu_runs",
+DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "h100",
                        "2026-11-27-c", "call3", "gpt-1.5b-caps", "elixir_ray-24GiB.json")
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/BENCHMARKS.md, stage by stage (each stage fits in about ten minutes on
-# one H100 with 16 cores and 125 GiB of host RAM; run several in one go where time allows).
+# The GPU figures of docs/benchmarks.md, stage by stage: the one way to run a benchmark stage. Each
+# stage fits in about ten minutes on one H100 with 16 cores and 125 GiB of host RAM; run several in
+# one go where time allows. On an offline GPU machine `../shared/device/gpu-call.sh STAGE...` unpacks
+# Ray (and DeepSpeed) there and calls this script with STAGE_TIMEOUT_S and PACK_INTO set.
 #
 #   bash jobs/bench_matrix.sh OUT_DIR STAGE [STAGE ...]
 #
@@ -24,8 +26,8 @@
 #   gpt-4b-margin  plain PyTorch once and elixir_ray at 40 and 24 GiB, its plans keeping 10% of the
 #               cap back instead of 20%, every process on the allocator's expandable segments (the
 #               reserved bytes and retries say whether the smaller margin holds)
-#   gpt-1.5b-margin  the same for gpt-1.5b at 24 and 16 GiB (the 24 GiB target, and the smallest cap,
-#               before 10% could become the default)
+#   gpt-1.5b-margin  the same for gpt-1.5b at 24 and 16 GiB (the 24 GiB target, and whether 10% holds
+#               at the smallest cap)
 #   gpt-4b-caps, gpt-1.5b-caps  plain PyTorch once and elixir_ray at 40, 24 and 16 GiB, in one run (the
 #               three stages of each shape above, two references fewer)
 #   gpt-4b-40-24  plain PyTorch once and elixir_ray at 40 and 24 GiB: the two gpt-4b targets in one run
@@ -38,7 +40,7 @@
 #               on the device or on the host alone), 4 timed steps
 #   peers-24    plain PyTorch, FSDP2 offload and DeepSpeed ZeRO-3 offload, gpt-4b capped at 24 GiB
 #   deepspeed-24  plain PyTorch and DeepSpeed ZeRO-3 offload alone, the same shape and cap (DeepSpeed
-#               builds its CPU Adam first, about a minute: one device call's worth)
+#               builds its CPU Adam first, about a minute)
 #   gpt-4b-24-all  gpt-4b-24 and peers-24 in one run: plain PyTorch, elixir_ray, FSDP2 offload and
 #               DeepSpeed ZeRO-3 offload (one reference for all four, a minute less than the two stages)
 #   gpt-4b-24-all-margin  the same with elixir_ray's plan keeping 10% of the cap back and every
@@ -51,16 +53,17 @@
 #   plans-24    the searched plan against the hand-made ones, gpt-4b capped at 24 GiB
 #   gpt-10b     elixir_ray alone on the 10.3B GPT capped at 70 GiB (the reference does not fit)
 #
-# Each stage writes OUT_DIR/STAGE/ (JSON, markdown, PNG where the tool makes one) and a log; each
-# system's (or plan's) result is written as soon as it finishes, so a stage stopped midway keeps them.
-# Python is `python3` unless PYTHON is set; the repository root must be importable.
+# The machine (GPU, driver, Python and torch, cores, memory) goes to OUT_DIR/machine.txt before the
+# first stage. Each stage writes OUT_DIR/STAGE/ (JSON, markdown, PNG where the tool makes one) and a
+# log; each system's (or plan's) result is written as soon as it finishes, so a stage stopped midway
+# keeps them. Python is `python3` unless PYTHON is set; the repository root must be importable.
 #
 # Environment:
 #   STAGE_TIMEOUT_S  stop each stage (its whole process group) after this many seconds (default 0: no
 #                    limit); it applies per stage, so a remote command's own limit must cover the stages
 #                    it runs, each plus up to 20 s to stop
-#   PACK_INTO        after each stage, also pack OUT_DIR/STAGE into PACK_INTO/STAGE.tgz: one file per
-#                    stage, for a transfer that brings back only a few files
+#   PACK_INTO        after each stage, also pack OUT_DIR/STAGE into PACK_INTO/STAGE.tgz (and copy
+#                    machine.txt there): one file per stage, for a transfer that brings back only a few files
 # Relative OUT_DIR and PACK_INTO are taken from the directory the script is called from.
 set -uo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -160,6 +163,17 @@ run_stage() {
     fi
     return "$rc"
 }
+
+record_machine() {  # what the figures depend on, beside them
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1
+    nproc; free -g | sed -n 2p
+    lscpu 2>/dev/null | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|CPU max MHz|NUMA node\(s\))" || true
+}
+mkdir -p "$out" && record_machine > "$out/machine.txt"
+[ -n "${PACK_INTO:-}" ] && mkdir -p "$PACK_INTO" && cp "$out/machine.txt" "$PACK_INTO/machine.txt"
 
 status=0
 for stage in "$@"; do

@@ -19,13 +19,13 @@ traced FLOPs' share of the compute, where the re-costed plan keeps its own measu
 the two differ a little even for the same plan.
 
 Each run's model is traced with the loss it computed (`sliced_loss` in its result: the logits a
-slice of rows at a time, or, in a run that does not say, all at once as before 2026-11-28); a
-search afresh traces this version's GPT.
+slice of rows at a time, or, in a result that does not say, all at once); a search afresh traces
+this version's GPT.
 
 Beside each measured step, a run with the device's marks (CUDA) also has the mean interval
 between the device's marks at its timed steps' starts, from the second step's: an estimate of a
-long run's step, free of the timed window's ends (until the twenty-seventh session the window's
-first step followed a synced warm-up step, and the window waited for its last step's CPU
+long run's step, free of the timed window's ends (in runs timed after a synced warm-up step, the
+window's first step found fewer CPU updates pending, and the window waited for its last step's
 updates)."""
 
 import argparse
@@ -118,7 +118,7 @@ def main() -> int:
     steps, paths, searched = [], [], []
     for result in results:
         shape, plan = SHAPES[result["shape"]], Plan.from_dict(result["plan"])
-        # the loss as the run computed it: runs that do not say took the logits whole (before 2026-11-28)
+        # the loss as the run computed it: a result that does not say took the logits whole
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta",
                           sliced_loss=bool(result.get("sliced_loss")))
         sample = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1))

@@ -1,4 +1,4 @@
-"""Shared fixtures: one small real Ray cluster per test session, a tiny dataset and a held-out one."""
+"""Shared fixtures: one small real Ray cluster for the whole test run, a tiny dataset and a held-out one."""
 
 import os
 

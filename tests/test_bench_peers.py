@@ -1,14 +1,14 @@
 """The benchmark's peers train what plain PyTorch trains, from the same weights and batch.
 
-A peer's tokens per second only compare with ours if it does the same training. In the third GPU
-session (docs/BENCHMARKS.md) FSDP2 with CPU offload, as `elixir-ray bench` builds it, ended gpt-4b's
-8 steps at a loss of 13.9 where plain PyTorch ended at 9.5; its initial loss was not recorded, so a
-different start could not be told from a different training. Here FSDP2 starts from the
+A peer's tokens per second only compare with ours if it does the same training. On the H100
+(2026-11-27, docs/benchmarks.md) FSDP2 with CPU offload, as `elixir-ray bench` builds it, ended
+gpt-4b's 8 steps at a loss of 13.9 where plain PyTorch ended at 9.5; that result has no initial
+loss, so a different start cannot be told from a different training. Here FSDP2 starts from the
 reference's own weights (after its own initialisation is checked against the reference's: the
 same spread per parameter), so each step's loss must follow the reference's: on the CPU (FSDP2
 unsharded on gloo, fp32) to float precision, and on a GPU (CPU offload, bf16 parameters, as the
 benchmark runs it) within bf16's noise, which is far smaller than what one step changes. The GPU
-case is skipped without CUDA (CI); the GPU session's `cuda-tests` stage runs it.
+case is skipped without CUDA (CI); the `cuda-tests` stage of jobs/bench_matrix.sh runs it.
 """
 
 import pytest

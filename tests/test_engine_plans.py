@@ -71,7 +71,7 @@ def _drawn_setup(draw, ckpt: str, chunk_size: int, accum: int, seed: int) -> tup
 # is at the level of float rounding (terms that nearly cancel), Adam normalises that noise to a step
 # of up to lr, and any other order of the same sums (another kernel, another thread count) moves that
 # one weight by as much: seed 544 with chunk size 4096, four host chunks and a pool of one block
-# moves 1 of emb.weight's 1600 elements by 7.6e-5 (with the code before 2026-11-24 as well), while
+# moves 1 of emb.weight's 1600 elements by 7.6e-5 (an order of sums, not a change of the engine), while
 # every loss stays within 4e-6.
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(ckpt=st.sampled_from(CHECKPOINTING), chunk_size=st.sampled_from(CHUNK_SIZES), accum=st.sampled_from([1, 2]),

@@ -24,7 +24,7 @@ def _free_port() -> int:
 def _kill_cluster(session_id: int, markers: list[str]) -> None:
     """Stop only this cluster's processes (`ray stop` would stop every cluster on the machine).
 
-    `ray start` ran in its own session, so its daemons share that session id; the markers catch
+    `ray start` ran in its own process session, so its daemons share that session id; the markers catch
     any process that left it.
     """
     for sig in (signal.SIGTERM, signal.SIGKILL):

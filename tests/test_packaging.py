@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -75,3 +76,35 @@ def test_the_wheel_names_its_license_and_its_command(wheel):
     scripts = configparser.ConfigParser()
     scripts.read_string(wheel.read(entry_points).decode())
     assert scripts["console_scripts"]["elixir-ray"] == "elixir_ray.cli:main"
+
+
+# what MANIFEST.in reads, beside the package: the sdist is built from a copy of these alone
+SDIST_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "Makefile", "cluster.yaml",
+                 "elixir_ray", "tests", "jobs", "docs")
+
+
+def test_the_sdist_carries_tests_jobs_and_docs_but_not_the_measured_data(tmp_path):
+    """The raw results behind docs/benchmarks.md (docs/results/) and the measured runs the tests
+    read (tests/data/) stay in the repository: the sdist holds the docs and tests without them."""
+    if not _setuptools_builds_this_project():
+        pytest.skip("needs setuptools>=77 in this environment to build the sdist without the network")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SDIST_SOURCES:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(path, src / name)
+    out = tmp_path / "sdist"
+    built = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                            "print(build_meta.build_sdist(sys.argv[1]))", str(out)],
+                           cwd=src, capture_output=True, text=True)
+    assert built.returncode == 0, f"build_sdist failed:\n{built.stdout}\n{built.stderr}"
+    [name] = os.listdir(out)
+    with tarfile.open(out / name) as archive:
+        members = {m.split("/", 1)[1] for m in archive.getnames() if "/" in m}
+    assert {"docs/architecture.md", "tests/test_packaging.py", "jobs/bench_matrix.sh", "elixir_ray/__init__.py"} <= members
+    assert not [m for m in members if m.startswith(("docs/results/", "tests/data/"))]
+    if os.path.isdir(os.path.join(ROOT, ".git")):  # in the repository the data is there to leave out
+        assert os.listdir(src / "docs" / "results") and os.listdir(src / "tests" / "data")

@@ -443,7 +443,7 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
     # version 2 wrote activation checkpointing as True/False per block, which still means the same
     old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
     assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]
-    # before version 5 the margin is read off the plan's note (8% until 2026-11-26), else 20%
+    # before version 5 the margin is read off the plan's note (8% or 20%), else 20%
     older = {k: v for k, v in data.items() if k != "memory_margin"}
     eight = [n.replace("20% kept back", "8% kept back") for n in data["notes"]]
     assert any("8% kept back" in n for n in eight)

@@ -145,7 +145,7 @@ ray.shutdown()
 def test_without_ray_address_a_new_local_cluster_starts_beside_an_existing_one(ray_cluster):
     """With RAY_ADDRESS unset a bare ray.init() joins the cluster `ray start` recorded on this machine and
     refuses num_cpus there. A `ray start` cluster is recorded in <RAY_TMPDIR>/ray/ray_current_cluster:
-    a private RAY_TMPDIR naming the test session's cluster stands for one, touching no one else's."""
+    a private RAY_TMPDIR naming the tests' own cluster stands for one, touching no one else's."""
     existing = ray_cluster.get_runtime_context().gcs_address
     tmpdir = tempfile.mkdtemp(prefix="er-", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
     try:

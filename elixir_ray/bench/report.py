@@ -110,11 +110,12 @@ MIN_REFERENCE_FALL = 0.2
 
 def training_apart(results: list[dict]) -> list[str]:
     """A line per system whose loss fell by less than half of what the reference's did over the
-    same steps from the same batch (or rose): it is not doing the reference's training, so its
-    speed is not one to compare with. Their initial weights differ (each system initialises its
-    own), which moves the first loss a little, not how far the steps take it. In the third GPU
-    session FSDP2 offload's loss ended at 13.9 where plain PyTorch's fell to 9.5 (docs/BENCHMARKS.md),
-    and the report did not say so."""
+    same steps from the same batches (or rose): it is not doing the reference's training, so its
+    speed is not one to compare with. Every system but DeepSpeed (which builds under its zero.Init)
+    draws the same initial weights; a first loss apart moves the start, not how far the steps take
+    it. On the H100
+    (2026-11-27) FSDP2 offload's loss ended at 13.9 where plain PyTorch's fell to 9.5
+    (docs/benchmarks.md, "Peers at 24 GiB")."""
     ref = next((r for r in results if r["system"] == "reference" and not r.get("skipped")
                 and r.get("first_loss") is not None), None)
     fell = ref["first_loss"] - ref["final_loss"] if ref is not None else 0.0
@@ -236,8 +237,8 @@ def device_lag(timeline: list) -> dict:
 def step_interval(timeline: list) -> Optional[float]:
     """Mean seconds between the device's marks at the timed steps' starts (CUDA), from the second
     step's: an estimate of a long run's step, free of the window's ends (the last step's CPU updates
-    after it; before the twenty-seventh session a first step that followed a synced warm-up, with
-    fewer updates pending than any later one). None with fewer than three marks."""
+    after it; in results timed after a synced warm-up, a first step with fewer updates pending than
+    any later one). None with fewer than three marks."""
     starts = _mark_times(timeline, "device step start")
     return float(np.mean(np.diff(starts[1:]))) if len(starts) >= 3 else None
 

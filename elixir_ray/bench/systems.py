@@ -83,8 +83,8 @@ class SystemResult:
     # one apart from it after a matching first means a different training
     first_loss: Optional[float] = None
     # whether the GPT's loss took the head's logits a slice of rows at a time (`GPT.slices_loss`:
-    # every system since 2026-11-28 but DeepSpeed, whose hooks on the head take them whole); None
-    # where the run does not say (every run before, which took them whole)
+    # every system but DeepSpeed, whose hooks on the head take them whole); None where the result
+    # does not say (results written before the field existed, which took them whole)
     sliced_loss: Optional[bool] = None
     # FSDP2 offload on a GPU only: whether its host memory was pinned (its default, asynchronous
     # gradient copies) or pageable (`--fsdp2-pageable`, blocking copies); None otherwise (on the

@@ -96,9 +96,9 @@ class RestartPolicy:
         return Decision.RESTART
 
 
-# a predicted step within this share of fault.detect_timeout_s gets a warning: steps have run up to
-# 1.65 times their prediction on the H100 (an older cost model, 2026-11-27; 1.03 to 1.09 for this
-# one), more on a busy CPU, and a step that outlasts the timeout is taken for a hung rank
+# a predicted step within this share of fault.detect_timeout_s gets a warning: steps on the H100 have
+# run up to 1.65 times the prediction made at the run (2026-11-27; 1.03 to 1.09 re-costed by the
+# cost model in use), more on a busy CPU, and a step that outlasts the timeout is taken for a hung rank
 STEP_WARN_SHARE = 1 / 3
 
 

@@ -5,7 +5,7 @@
  * fused Adam over the tile, and the master cast into the upload copy. Counted in host memory bytes
  * per parameter that is about 40 (2 + 4 + 4 read back, 16 read and 12 written by the update, 4 + 2
  * for the cast); here each element is read once and written once: 2 + 12 read, 12 + 2 written,
- * 28 bytes. The job is bound by host memory bandwidth (docs/BENCHMARKS.md), so bytes are time.
+ * 28 bytes. The job is bound by host memory bandwidth, so bytes are time.
  *
  * The arithmetic is that of torch's fused CPU Adam, operation for operation, so the two give the
  * same bits (tests/test_host_kernel.py checks it against the torch installed): the engine's

@@ -43,8 +43,8 @@ CLAIM = 1 << 18  # elements an update's thread claims at a time (host_adam.c: ab
 
 class HostAdamKernel:
     """The loaded library: `update` runs the job over one Adam call's segments of a chunk's shard,
-    its threads claiming `claim` elements at a time (0: an even share each, as before 2026-11-27's
-    twenty-fifth session; for benchmarks side by side)."""
+    its threads claiming `claim` elements at a time (0: an even share each, for benchmarks that set
+    the two side by side)."""
 
     def __init__(self, path: str, claim: int = CLAIM):
         if isinstance(claim, bool) or not isinstance(claim, numbers.Integral) or claim < 0:

@@ -15,8 +15,8 @@ from typing import Optional
 
 # 3: activation checkpointing per block by mode name (version 2's True/False still read); 4: the
 # hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3);
-# 5: the memory margin the plan was searched with (read from 2 to 4 off their "kept back" note:
-# 8% before 2026-11-26's exact memory model, 20% after); 6: how many chunks ahead the pool loads
+# 5: the memory margin the plan was searched with (read from 2 to 4 off their "kept back" note,
+# 8% or 20%); 6: how many chunks ahead the pool loads
 # (1, as the engine did, when read from 2 to 5)
 PLAN_VERSION = 6
 READABLE_VERSIONS = (2, 3, 4, 5, 6)
@@ -26,7 +26,7 @@ DEFAULT_MEMORY_MARGIN = 0.20
 
 def _margin_of(notes: list) -> float:
     """The margin an older plan (before version 5) was searched with, from its note "device memory
-    usable: ... (N% kept back ...)"; 20% (the margin since 2026-11-26) where no note says."""
+    usable: ... (N% kept back ...)"; 20% (the default margin) where no note says."""
     for note in notes:
         found = re.search(r"\((\d+(?:\.\d+)?)% kept back", str(note))
         if found:

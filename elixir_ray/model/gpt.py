@@ -50,8 +50,8 @@ class GPTConfig:
     dropout: float = 0.0
     activation_checkpointing: bool | str = False  # every block's mode: False/"none", "selective", True/"full"
     # the loss takes the head's logits a slice of rows at a time (model/loss.py); False: all at
-    # once through F.cross_entropy, as every GPU run before 2026-11-28 did (jobs/bench_repredict.py
-    # traces those runs so)
+    # once through F.cross_entropy, as the bench results that do not record `sliced_loss` ran
+    # (jobs/bench_repredict.py traces those so)
     sliced_loss: bool = True
 
 

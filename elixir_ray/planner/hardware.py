@@ -167,8 +167,8 @@ def _adam_rate(device: torch.device, numel: int) -> float:
     """The engine's update (`run_adam`) of one device chunk's shard of `numel` fp32 parameters, as a
     step runs it: `DEVICE_ADAM_CALLS` of them queued back to back between two syncs. Timed one at a
     time, each with a sync of its own, the 16M parameters `quick_hardware` takes (about 0.2 ms of
-    device time on an H100) measured 28 to 71 G params/s in the bench's processes, 32 to 56 G in one
-    session's three (2026-11-27), where the same update of 64M measured 86.9 G and torch's fused
+    device time on an H100) measured 28 to 71 G params/s in the bench's processes, 32 to 56 G in
+    three of them on one H100 (2026-11-27), where the same update of 64M measured 86.9 G and torch's fused
     AdamW 89 G (the anchors): the launch and the sync, not the device. Device chunks' updates and the
     engine's own kernels are costed at this rate, on the compute stream."""
     master, avg, avg_sq, grad = (torch.zeros(numel, device=device) for _ in range(4))
@@ -278,8 +278,8 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
                       copy_bytes: int = 256 * 2**20) -> tuple[float, float, float]:
     """The background thread's whole job for one host chunk of `numel` parameters, as the engine
     runs it (`HostChunkState`, `host_update`). The update alone over small fresh tensors ran at
-    4.0 to 4.3 G params/s on the H100 machine while the engine's jobs ran at 2.0 to 2.5 G
-    (docs/BENCHMARKS.md, 2026-11-26): the plan must be costed at the rate of what really runs.
+    4.0 to 4.3 G params/s on one H100 machine while the engine's jobs ran at 2.0 to 2.5 G
+    (2026-11-26): the plan must be costed at the rate of what really runs.
     Returns (alone, beside copies, copies' GB/s each way beside it): the second with `PinnedCopies`
     running (0.0 unless asked), its two device buffers `copy_bytes` together, as the profile's own
     copies take; the third what those copies kept meanwhile, which the step's copies are costed at."""
