@@ -39,7 +39,7 @@ def _cmd_prepare_data(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    from elixir_ray.sample import sample
+    from elixir_ray.generate import sample
 
     out = sample(args.checkpoint, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
                  top_k=args.top_k or None, seed=args.seed, tokenizer=args.tokenizer, eos_token=args.eos_token,
