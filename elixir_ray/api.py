@@ -28,7 +28,7 @@ from elixir_ray.data.dataset import (BatchSampler, TokenDataset, checkpoint_toke
 from elixir_ray.errors import ClusterError, ConfigError, nothing_left_to_train
 from elixir_ray.metrics import metrics_table, read_metrics, write_metrics
 from elixir_ray.model.factory import check_model_step
-from elixir_ray.run_claim import claim_outputs
+from elixir_ray.run.claim import claim_outputs
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.progress import ProgressBar
 from elixir_ray.units import format_bytes
