@@ -14,7 +14,7 @@ from elixir_ray.errors import ClusterError, ConfigError
 
 
 def _cmd_train(args) -> int:
-    from elixir_ray.api import train
+    from elixir_ray.run.train import train
 
     result = train(args.config, overrides=args.set, progress=not args.quiet, resume=args.resume)
     print(result.summary())

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from elixir_ray import ConfigError, train
-from elixir_ray.api import as_config
 from elixir_ray.run.claim import CLAIM_FILE, STALE_S, _pid_namespace, claim_outputs
+from elixir_ray.run.resolved import as_config
 
 from conftest import tiny_config
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from elixir_ray.api import as_config
+from elixir_ray.run.resolved import as_config
 from elixir_ray.checkpoint import save_checkpoint
 from elixir_ray.cli import main
 from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
