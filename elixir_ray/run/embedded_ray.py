@@ -30,8 +30,8 @@ def _check_reachable(address: str, hint: str) -> None:
 class RayStartedByTrain:
     """The Ray connection `train()` started in this process, shared by every run in it: runs started
     from threads (a sweep's) join it, and only the last to end shuts it down. Without the count the
-    first run to end shut Ray down under the others (their workers vanished mid-run), and two
-    starting at once raced in ray.init. Process-wide by nature, as Ray's own connection is."""
+    first run to end would shut Ray down under the others (their workers vanish mid-run), and two
+    starting at once would race in ray.init. Process-wide by nature, as Ray's own connection is."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -53,8 +53,8 @@ class RayStartedByTrain:
     def _start_in_a_keeper_thread(self, cfg: RunConfig) -> bool:
         """A local cluster's processes are killed when the thread that started them ends (Ray sets
         the parent-death signal, which follows the starting thread, not the process): started from
-        a sweep's thread, it died with the first run to finish. So a thread of its own starts it and
-        lives until the last run leaves."""
+        a sweep's thread, it would die with the first run to finish. So a thread of its own starts
+        it and lives until the last run leaves."""
         ready, done, outcome = threading.Event(), threading.Event(), {}
 
         def keep() -> None:
