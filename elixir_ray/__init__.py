@@ -9,13 +9,14 @@ Three layers, usable separately:
 Ray is imported only when a run starts.
 """
 
-from elixir_ray.api import Result, train
 from elixir_ray.config import RunConfig, config_from_dict, load_config
 from elixir_ray.engine import PlanError, SampleInputs, wrap
 from elixir_ray.engine.plan import Plan
 from elixir_ray.errors import ClusterError, ConfigError
 from elixir_ray.planner.api import plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+from elixir_ray.run.outputs import Result
+from elixir_ray.run.train import train
 from elixir_ray.run_plan import RunPlan
 
 __all__ = ["ClusterError", "ConfigError", "HardwareProfile", "Plan", "PlanError", "Result", "RunConfig", "RunPlan",

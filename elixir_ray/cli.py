@@ -14,7 +14,7 @@ from elixir_ray.errors import ClusterError, ConfigError
 
 
 def _cmd_train(args) -> int:
-    from elixir_ray.api import train
+    from elixir_ray.run.train import train
 
     result = train(args.config, overrides=args.set, progress=not args.quiet, resume=args.resume)
     print(result.summary())
@@ -39,7 +39,7 @@ def _cmd_prepare_data(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    from elixir_ray.sample import sample
+    from elixir_ray.generate import sample
 
     out = sample(args.checkpoint, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
                  top_k=args.top_k or None, seed=args.seed, tokenizer=args.tokenizer, eos_token=args.eos_token,

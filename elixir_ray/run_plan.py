@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from elixir_ray.config import RunConfig
-from elixir_ray.profile import WorkerProfile
 from elixir_ray.units import parse_bytes
+
+if TYPE_CHECKING:  # the profiles come from the workers (cluster/); this module is read by the planner too
+    from elixir_ray.cluster.worker_profile import WorkerProfile
 
 PLAN_VERSION = 1
 

@@ -222,7 +222,7 @@ def test_the_command_prints_its_own_warnings_as_one_line_and_a_librarys_as_pytho
 
     from elixir_ray import cli
 
-    ours = os.path.join(os.path.dirname(cli.__file__), "api.py")
+    ours = os.path.join(os.path.dirname(cli.__file__), "run", "preflight.py")
     assert cli._format_warning("a run ...", UserWarning, ours, 3) == "elixir-ray: warning: a run ...\n"
     theirs = os.path.join(os.path.dirname(torch.__file__), "storage.py")
     assert cli._format_warning("deprecated", UserWarning, theirs, 7) == warnings.formatwarning(

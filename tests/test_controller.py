@@ -4,7 +4,8 @@ that fails the first rendezvous: every transition is recorded, with its reason, 
 import pytest
 
 from elixir_ray import ClusterError
-from elixir_ray.api import as_config, check_data
+from elixir_ray.run.preflight import check_data
+from elixir_ray.run.resolved import as_config, resolve_run
 from elixir_ray.cluster.controller import TrainController
 from elixir_ray.cluster.failure import WorkerGroupFailure
 from elixir_ray.cluster.placement import WorkerShape
@@ -29,7 +30,9 @@ def _first_rendezvous_fails() -> type:
 
 
 def _controller(tiny_dataset, tmp_path, **sections) -> TrainController:
-    cfg = check_data(as_config({**tiny_config(tiny_dataset, tmp_path, **sections), "name": "states"}))
+    run = resolve_run(as_config({**tiny_config(tiny_dataset, tmp_path, **sections), "name": "states"}))
+    check_data(run)
+    cfg = run.config
     return TrainController(cfg, WorkerShape(num_workers=2, use_gpu=False, cpus_per_worker=1),
                            worker_group_cls=_first_rendezvous_fails())
 

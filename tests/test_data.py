@@ -102,16 +102,17 @@ def test_epochs_wrap_around(tiny_dataset):
 def test_a_dataset_smaller_than_one_global_batch_is_warned_of_with_its_sizes(tmp_path):
     import warnings
 
-    from elixir_ray.api import as_config, warn_if_data_under_one_batch
+    from elixir_ray.run.preflight import warn_if_data_under_one_batch
+    from elixir_ray.run.resolved import as_config, resolve_run
 
     text = tmp_path / "a.txt"
     text.write_bytes(bytes(range(32, 127)) * 5)  # 475 bytes + an end-of-document token: 7 windows of 65
     prepare_dataset([str(text)], str(tmp_path / "d.arrow"))
-    cfg = as_config({"model": {"size": "tiny", "seq_len": 64}, "data": {"path": str(tmp_path / "d.arrow")},
-                     "train": {"micro_batch": 4}})
+    run = resolve_run(as_config({"model": {"size": "tiny", "seq_len": 64}, "data": {"path": str(tmp_path / "d.arrow")},
+                                 "train": {"micro_batch": 4}}))
     with pytest.warns(UserWarning, match=r"holds 7 window\(s\) of 65 tokens, fewer than one global batch of 8 "
                                          r"\(train.micro_batch=4 x train.grad_accum=1 x 2 worker\(s\)\)"):
-        warn_if_data_under_one_batch(cfg, num_workers=2)
+        warn_if_data_under_one_batch(run, num_workers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_if_data_under_one_batch(cfg, num_workers=1)  # 7 windows hold a batch of 4
+        warn_if_data_under_one_batch(run, num_workers=1)  # 7 windows hold a batch of 4

@@ -87,7 +87,7 @@ def test_a_cluster_busy_at_the_start_is_not_a_worker_failure(ray_cluster, tiny_d
 def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, tiny_dataset, tmp_path):
     """A run that gives up writes the metrics of the steps it trained and names its newest
     checkpoint; resumed in the same run directory, its metrics start at step 1 again."""
-    from elixir_ray.metrics import read_metrics
+    from elixir_ray.run.outputs import read_metrics
 
     killer = WorkerKiller(worker_actor_name("t", 1), 7)
     killer.start()
@@ -138,7 +138,7 @@ def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
     """`ray job stop` sends SIGTERM: the run ends as on Ctrl-C, with the metrics so far written."""
     import signal
 
-    from elixir_ray.metrics import read_metrics
+    from elixir_ray.run.outputs import read_metrics
 
     checkpoints = tmp_path / "runs" / "t" / "checkpoints"
     code, out = _cli_run_stopped(tiny_dataset, tmp_path, 3,
@@ -168,22 +168,23 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from_its_own_else_the_one_
                                                                                               tmp_path):
     """Read from the persister (a second Ctrl-C can cut short the teardown after which the outcome
     is filled in); a resumed run stopped before a checkpoint of its own names the one it resumed from."""
-    from elixir_ray.api import _where_to_resume, as_config
+    from elixir_ray.run.outputs import where_to_resume
+    from elixir_ray.run.resolved import as_config
     from elixir_ray.cluster.controller import RestoreSource, TrainController
     from elixir_ray.cluster.placement import WorkerShape
     from elixir_ray.cluster.snapshots import CheckpointPersister
 
     cfg = as_config(tiny_config(tiny_dataset, tmp_path))
     controller = TrainController(cfg, WorkerShape(num_workers=1, use_gpu=False, cpus_per_worker=1))
-    assert _where_to_resume(controller, "m.parquet") == ""  # nothing trained: nothing to say
+    assert where_to_resume(controller, "m.parquet") == ""  # nothing trained: nothing to say
     controller.outcome.metrics = [{"step": 1}]
-    assert _where_to_resume(controller, "m.parquet").startswith("\nno checkpoint was written yet")
+    assert where_to_resume(controller, "m.parquet").startswith("\nno checkpoint was written yet")
     controller.resume = RestoreSource("runs/old/checkpoints/step-00000040")
-    assert _where_to_resume(controller, "m.parquet").startswith(
+    assert where_to_resume(controller, "m.parquet").startswith(
         "\nno checkpoint written since the start: continue with --resume runs/old/checkpoints/step-00000040\n")
     controller.persister = CheckpointPersister(cfg.checkpoint_uri, 3)
     controller.persister.committed = [(44, "runs/t/checkpoints/step-00000044")]
-    assert _where_to_resume(controller, "m.parquet").startswith(
+    assert where_to_resume(controller, "m.parquet").startswith(
         "\nthe newest checkpoint is step 44: continue with --resume runs/t/checkpoints/step-00000044\n")
     controller.persister.close()
 
@@ -244,7 +245,7 @@ def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_data
     (the same path, past the up-front check, as a disk that fills later) is reported and training
     goes on, whether the persister or the workers write, and the summary says the final state was
     not saved. The progress output says when the workers write (training waits then)."""
-    import elixir_ray.api as api
+    import elixir_ray.run.train as run_train
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
@@ -252,7 +253,7 @@ def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_data
                       checkpoint={"every_steps": 2, "uri": str(blocker / "ck"), "via": via})
     with pytest.raises(ConfigError, match=r"is a file, not a directory: point checkpoint.uri at a directory"):
         train(cfg, progress=False)
-    monkeypatch.setattr(api, "check_checkpoint_space", lambda cfg: None)
+    monkeypatch.setattr(run_train, "check_checkpoint_space", lambda run: None)
     result = train(cfg, progress=True)
     assert result.metrics.column("step").to_pylist() == [1, 2, 3, 4] and not result.restarts
     assert result.checkpoint_uri is None and not result.final_checkpoint_written
@@ -267,7 +268,7 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
     import torch
     from safetensors.torch import load_file
 
-    from elixir_ray.api import as_config
+    from elixir_ray.run.resolved import as_config
     from elixir_ray.cli import main
     from elixir_ray.model.factory import build_model
 
@@ -335,14 +336,14 @@ def test_the_metrics_on_disk_reach_every_checkpoint_step(ray_cluster, tiny_datas
     """A driver killed outright writes nothing more: its metrics file must already hold every step up
     to the checkpoint a resume takes (they were written every 10 s only, and the resume's metrics had
     a gap). Here the timed writes never come and the end's write fails, as after a SIGKILL."""
-    import elixir_ray.api as api
-    from elixir_ray.metrics import read_metrics
+    import elixir_ray.run.train as run_train
+    from elixir_ray.run.outputs import read_metrics
 
     def killed(*args, **kwargs):
         raise SystemExit("the driver is gone")
 
-    monkeypatch.setattr(api, "METRICS_SAVE_EVERY_S", 1e9)
-    monkeypatch.setattr(api, "_write_outputs", killed)
+    monkeypatch.setattr(run_train, "METRICS_SAVE_EVERY_S", 1e9)
+    monkeypatch.setattr(run_train, "write_outputs", killed)
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 7}, checkpoint={"every_steps": 3},
                       cluster={"num_workers": 1})
     with pytest.raises(SystemExit):
@@ -364,7 +365,7 @@ def test_a_resume_from_a_checkpoint_uri_outside_the_run_directory_keeps_the_earl
     assert resumed.metrics.column("step").to_pylist() == [1, 2, 3, 4, 5, 6]
     # another run's checkpoint (a fork under a new name, sharing checkpoint.uri) is not this run's
     # history, whatever this run's directory holds: its metrics start at the resumed step
-    from elixir_ray.metrics import metrics_table, write_metrics
+    from elixir_ray.run.outputs import metrics_table, write_metrics
 
     write_metrics(metrics_table([{"step": s, "loss": 9.0} for s in range(1, 6)]),
                   str(tmp_path / "runs" / "fork" / "metrics.parquet"))
@@ -406,7 +407,7 @@ def test_a_restarted_failure_is_kept_without_the_frames_it_came_through(ray_clus
     restore's whole state), pinned in the object store for the rest of the run."""
     import ray
 
-    from elixir_ray.api import as_config
+    from elixir_ray.run.resolved import as_config
     from elixir_ray.cluster.controller import TrainController
     from elixir_ray.cluster.failure import FailureKind, WorkerGroupFailure
     from elixir_ray.cluster.placement import WorkerShape

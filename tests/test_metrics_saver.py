@@ -3,8 +3,7 @@ controller replaces its list (a restore that drops the steps after the checkpoin
 
 import pyarrow.parquet as pq
 
-from elixir_ray.api import MetricsSaver
-from elixir_ray.metrics import metrics_table
+from elixir_ray.run.outputs import MetricsSaver, metrics_table
 
 
 def _row(step):

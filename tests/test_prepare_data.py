@@ -180,7 +180,8 @@ def _empty_dir(tmp_path):
 
 
 def test_a_held_out_set_from_another_tokenizer_is_refused(tmp_path):
-    from elixir_ray.api import as_config, check_data
+    from elixir_ray.run.preflight import check_data
+    from elixir_ray.run.resolved import as_config, resolve_run
 
     _, path = _bpe(tmp_path)
     (tmp_path / "a.txt").write_text("".join(DOCS) * 20)
@@ -190,11 +191,11 @@ def test_a_held_out_set_from_another_tokenizer_is_refused(tmp_path):
            "eval": {"path": str(tmp_path / "bytes.arrow"), "windows": 1}}
     with pytest.raises(ConfigError, match=r"eval.path .* was tokenised with bytes and data.path with "
                                           r".*/tokenizer.json \(tokenizers:sha256:[0-9a-f]{16}\): .* Prepare both with the same --tokenizer"):
-        check_data(as_config(cfg))
+        check_data(resolve_run(as_config(cfg)))
     cfg["eval"]["path"] = str(tmp_path / "hf.arrow")
     cfg["model"]["vocab_size"] = 299
     with pytest.raises(ConfigError, match=r"model.vocab_size=299 is smaller than the dataset's vocabulary \(300\)"):
-        check_data(as_config(cfg))
+        check_data(resolve_run(as_config(cfg)))
 
 
 def test_a_run_trains_on_ids_past_65535_from_a_tokenizer_file(ray_cluster, tmp_path):

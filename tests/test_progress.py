@@ -26,7 +26,7 @@ def test_the_summary_says_when_a_restart_failed_again_before_its_restore():
 
     import pyarrow as pa
 
-    from elixir_ray.api import Result
+    from elixir_ray.run.outputs import Result
     from elixir_ray.cluster.controller import RestartRecord
 
     restarts = [RestartRecord(reason="worker 1 died (training)", failed_at=0.0, failed_step=2, world_size=2),

@@ -11,11 +11,17 @@ import warnings
 import pytest
 
 from elixir_ray import ClusterError, ConfigError, train
-from elixir_ray.api import as_config, check_resume
 from elixir_ray.checkpoint import list_checkpoints, save_checkpoint
 from elixir_ray.model.factory import init_reference_model
+from elixir_ray.run import preflight
+from elixir_ray.run.resolved import as_config, resolve_run
 
 from conftest import tiny_config
+
+def check_resume(cfg, uri):
+    """The driver's check of a `--resume` checkpoint, on the run as train() resolves it."""
+    preflight.check_resume(resolve_run(cfg), uri)
+
 
 def _cfg(tmp_path, data, n_layers=2, steps=8, **sections):
     """`data`: a dataset's path (check_resume compares the tokenizer it was made with)."""
@@ -132,7 +138,7 @@ def test_a_checkpoint_of_a_bigger_model_is_refused_naming_its_extra_tensor(tmp_p
 
 ENSURE_RAY = """
 import json, ray
-from elixir_ray.api import _ensure_ray
+from elixir_ray.run.embedded_ray import _ensure_ray
 from elixir_ray.config import config_from_dict
 cfg = config_from_dict({"data": {"path": "x.arrow"}, "cluster": {"local_num_cpus": 1}})
 started = _ensure_ray(cfg)
@@ -186,14 +192,14 @@ def test_a_checkpoint_larger_than_the_free_disk_is_refused_before_ray(tmp_path):
     written) is warned about, with the keep that fits; a tiny one passes silently."""
     import math
 
-    from elixir_ray.api import check_checkpoint_space
+    from elixir_ray.run.preflight import check_checkpoint_space
     from elixir_ray.config import config_from_dict
     from elixir_ray.model.factory import build_model
 
     def cfg(d_model: int, **sections):
         return config_from_dict({"output_dir": str(tmp_path / "runs"), "checkpoint": {"every_steps": 5, "keep": 2},
                                  "model": {"size": "tiny", "d_model": d_model, "n_heads": 64, "n_layers": 1,
-                                           "vocab_size": 64}, **sections})
+                                           "vocab_size": 64}, "data": {"path": "unused.arrow"}, **sections})
 
     free = shutil.disk_usage(tmp_path).free
     huge = cfg(64 * 2**10)  # 51B parameters: 0.6 TB
@@ -201,25 +207,26 @@ def test_a_checkpoint_larger_than_the_free_disk_is_refused_before_ray(tmp_path):
         pytest.skip(f"this machine's disk has {free / 2**30:.0f} GiB free: more than the test's model needs")
     with pytest.raises(ConfigError, match=r"one checkpoint of this model takes .* GiB free: point checkpoint.uri "
                                           r"at larger storage"):
-        check_checkpoint_space(huge)
+        check_checkpoint_space(resolve_run(huge))
     # a checkpoint of about 0.4 of the free space: room for two
     d_model = 64 * round(math.sqrt(0.4 * free / 12 / 12) / 64)
     twice = cfg(d_model)
     need = 12 * sum(p.numel() for p in build_model(twice, device="meta").parameters())
     assert free // need == 2, (free, need)
     with pytest.warns(UserWarning, match=r"room for 2 checkpoint\(s\).*up to 3 at once.*set checkpoint.keep=1"):
-        check_checkpoint_space(twice)
+        check_checkpoint_space(resolve_run(twice))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_checkpoint_space(cfg(d_model, checkpoint={"every_steps": 5, "keep": 1}))  # two at once: fits
-        check_checkpoint_space(config_from_dict({"output_dir": str(tmp_path / "runs"), "model": {"size": "tiny"}}))
+        check_checkpoint_space(resolve_run(cfg(d_model, checkpoint={"every_steps": 5, "keep": 1})))  # two at once: fits
+        check_checkpoint_space(resolve_run(config_from_dict({"output_dir": str(tmp_path / "runs"), "model": {"size": "tiny"},
+                                                             "data": {"path": "unused.arrow"}})))
 
 
 def test_outputs_inside_rays_copy_of_a_jobs_working_directory_are_warned_about(tmp_path, monkeypatch):
     """Under `ray job submit --working-dir .` the entrypoint runs in Ray's unpacked copy of the
     upload, so the default relative `output_dir` puts the metrics, plan and checkpoints where the
     cluster deletes them, and the job still succeeds: warned about, naming what is in the copy."""
-    from elixir_ray.api import check_output_dir
+    from elixir_ray.run.preflight import check_output_dir
     from elixir_ray.config import config_from_dict
 
     copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123abcd"
@@ -343,7 +350,7 @@ def _text(path, text):
 def test_a_new_run_whose_checkpoint_directory_holds_an_earlier_runs_checkpoints_says_so(tmp_path, tiny_dataset):
     """A run started afresh under an earlier run's name writes beside its checkpoints, where a
     directory given to --resume, export or sample takes the highest step, whichever run wrote it."""
-    from elixir_ray.api import warn_of_earlier_checkpoints
+    from elixir_ray.run.preflight import warn_of_earlier_checkpoints
 
     cfg = _cfg(tmp_path, tiny_dataset)
     with warnings.catch_warnings():

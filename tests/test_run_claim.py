@@ -11,8 +11,8 @@ import time
 import pytest
 
 from elixir_ray import ConfigError, train
-from elixir_ray.api import as_config
-from elixir_ray.run_claim import CLAIM_FILE, STALE_S, _pid_namespace, claim_outputs
+from elixir_ray.run.claim import CLAIM_FILE, STALE_S, _pid_namespace, claim_outputs
+from elixir_ray.run.resolved import as_config
 
 from conftest import tiny_config
 
@@ -109,7 +109,7 @@ def test_a_checkpoint_directory_that_is_the_run_directory_is_claimed_once(tiny_d
 
 
 def test_a_heartbeat_during_the_release_does_not_write_the_claim_back(tiny_dataset, tmp_path, monkeypatch):
-    from elixir_ray import run_claim
+    from elixir_ray.run import claim as run_claim
 
     claim = claim_outputs(_cfg(tiny_dataset, tmp_path))
     write = run_claim.storage.write_bytes_atomic

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from elixir_ray.api import as_config
+from elixir_ray.run.resolved import as_config
 from elixir_ray.checkpoint import save_checkpoint
 from elixir_ray.cli import main
 from elixir_ray.data.tokenizer import ByteTokenizer, load_tokenizer
 from elixir_ray.errors import ConfigError
 from elixir_ray.model.factory import init_reference_model
-from elixir_ray.sample import load_checkpoint_model, sample
+from elixir_ray.generate import load_checkpoint_model, sample
 
 from conftest import tiny_config
 

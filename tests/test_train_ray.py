@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from elixir_ray import ConfigError, train
-from elixir_ray.api import as_config, check_data
 from elixir_ray.checkpoint import load_checkpoint
 from elixir_ray.cluster.worker import RankWorker
 from elixir_ray.data.dataset import BatchSampler, TokenDataset
 from elixir_ray.config import resolve_model_shape
 from elixir_ray.model.factory import init_reference_model, loss_of
+from elixir_ray.run.preflight import check_data
+from elixir_ray.run.resolved import as_config, resolve_run
 from elixir_ray.trainer import lr_at, param_groups
 
 from conftest import group_of, tiny_config
@@ -22,9 +23,16 @@ from conftest import group_of, tiny_config
 pytestmark = pytest.mark.slow
 
 
+def checked_config(cfg_dict: dict):
+    """The config as train() resolves and checks it (an absolute data path)."""
+    run = resolve_run(as_config(cfg_dict))
+    check_data(run)
+    return run.config
+
+
 def reference_losses(cfg_dict: dict, world_size: int) -> tuple[list[float], dict]:
     """Plain torch, one process, the whole global batch at once: what the workers must reproduce."""
-    cfg = check_data(as_config(cfg_dict))
+    cfg = checked_config(cfg_dict)
     model = init_reference_model(cfg)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
@@ -49,7 +57,7 @@ def reference_eval_loss(cfg_dict: dict, state: dict) -> float:
     (the first eval.windows in the fixed evaluation order), all in one batch."""
     from elixir_ray.trainer import EVAL_SEED
 
-    cfg = check_data(as_config(cfg_dict))
+    cfg = checked_config(cfg_dict)
     model = init_reference_model(cfg)
     model.load_state_dict(state)
     model.eval()

@@ -7,7 +7,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elixir_ray import ClusterError
-from elixir_ray.api import as_config
+from elixir_ray.run.resolved import as_config
 from elixir_ray.cluster.placement import WorkerShape
 from elixir_ray.cluster.worker_group import GivenPlacement, WorkerGroup
 

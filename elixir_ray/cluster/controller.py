@@ -39,11 +39,11 @@ from elixir_ray.cluster.failure import Decision, FailureKind, RestartPolicy, Wor
 from elixir_ray.cluster.placement import PlacementTimeoutError, WorkerShape, cpu_thread_hint, workers_that_fit
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker_group import GivenPlacement, WorkerGroup
+from elixir_ray.cluster.worker_profile import WorkerProfile
 from elixir_ray.config import RunConfig
 from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
-from elixir_ray.profile import WorkerProfile
 
 log = logging.getLogger("elixir_ray")
 

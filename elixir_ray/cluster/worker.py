@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from elixir_ray.cluster.failure import StepError, error_line
 from elixir_ray.cluster.network import interface_with_address, is_loopback
+from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.engine.allocator import use_expandable_segments
 from elixir_ray.run_plan import RunPlan
-from elixir_ray.profile import WorkerProfile, profile_worker
 from elixir_ray.trainer import DTYPES, RankTrainer
 
 

@@ -55,14 +55,17 @@ def init_reference_model(cfg: RunConfig) -> nn.Module:
     return model
 
 
-def check_model_step(cfg: RunConfig, device_type: Optional[str] = None) -> None:
+def check_model_step(cfg: RunConfig, device_type: Optional[str] = None, *,
+                     meta_model: Optional[nn.Module] = None) -> None:
     """One training step of a `model.hf` model, traced on the meta device at micro-batch 1, on the
     driver before any worker starts. transformers builds models whose fields disagree (a
     num_key_value_heads that does not divide num_attention_heads) that fail only in their forward;
     without this the workers would start, profile, and fail with a traceback. The trace runs at the
     compute dtype of a run on `device_type` ("cuda" or "cpu"); where that is not known yet, the
     model passes when a step traces at either dtype the run could use. About a second for a 7B
-    model; the built-in GPT's fields are all checked when the config is read."""
+    model; the built-in GPT's fields are all checked when the config is read. `meta_model`: the
+    config's model built on the meta device by the caller (for its other checks), traced first;
+    a further dtype traces a model built here."""
     if cfg.model.hf is None:
         return
     from elixir_ray.engine.trace import trace_step
@@ -75,7 +78,8 @@ def check_model_step(cfg: RunConfig, device_type: Optional[str] = None) -> None:
     seq_len = resolve_model_shape(cfg.model)["seq_len"]
     first = None
     for dtype in dtypes:
-        model = build_model(cfg, device="meta")
+        model = meta_model if meta_model is not None else build_model(cfg, device="meta")
+        meta_model = None
         try:
             trace_step(model, sample_inputs(cfg, 1), trace_loss(cfg), dtype=getattr(torch, dtype))
             return
@@ -129,5 +133,9 @@ def loss_of(cfg: RunConfig) -> LossOf:
 
 def expected_checkpoint_shapes(cfg: RunConfig) -> dict[str, tuple]:
     """The model tensors a checkpoint must hold for this config, from a meta-device build (no memory)."""
-    model = build_model(cfg, device="meta")
+    return checkpoint_shapes_of(build_model(cfg, device="meta"))
+
+
+def checkpoint_shapes_of(model: nn.Module) -> dict[str, tuple]:
+    """The model tensors a checkpoint of `model` holds, by their names there."""
     return {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items()}

@@ -1,8 +1,8 @@
 """RunClaim: one run at a time writes a run directory, and a checkpoint directory.
 
 Two runs given the same outputs (one name and output_dir under two Ray namespaces, or one
-`checkpoint.uri` shared by two names) overwrote each other's metrics and checkpoints without a
-word, and each Result named the other's checkpoint. So a run claims each directory it writes with
+`checkpoint.uri` shared by two names) would overwrite each other's metrics and checkpoints without
+a word, and each Result would name the other's checkpoint. So a run claims each directory it writes with
 a small file naming it, and a run that finds a live claim is refused before it starts. A claim is
 live while its heartbeat (rewritten every HEARTBEAT_S while the run goes on) is under STALE_S old
 and, when it was made in this process namespace of this host, its process still exists: a driver
