@@ -33,8 +33,9 @@ import pyarrow.fs as pafs
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.shards import (PART_BYTES, SHARDS_FORMAT, open_shards, open_tensors, split_parts,
-                                          tensor_entries, verify_files)
+from elixir_ray.checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, check_manifest, confined_path
+from elixir_ray.checkpoint.shards import (PART_BYTES, SHARDS_FORMAT, check_listed, open_shards, open_tensors,
+                                          split_parts, tensor_entries, verify_files)
 
 FORMAT = "elixir_ray.checkpoint/1"  # whole tensors
 FORMATS = (FORMAT, SHARDS_FORMAT)
@@ -333,11 +334,16 @@ def read_manifest(path: str) -> dict:
 
 
 def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
+    """The manifest of the checkpoint at `root`, every field checked (`manifest.check_manifest`)
+    before any file it names is opened; any fault is a CheckpointError in one line."""
     try:
-        with fs.open_input_stream(f"{root}/manifest.json") as f:
-            manifest = json.loads(f.read())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {exc}") from None
+        with fs.open_input_stream(confined_path(fs, root, MANIFEST)) as f:
+            payload = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(payload) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"it is larger than {MAX_MANIFEST_BYTES} bytes, more than any manifest written")
+        manifest = json.loads(payload)
+    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {_one_line(exc)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"checkpoint {shown!r} has format {found!r}, expected one of {', '.join(FORMATS)}")
@@ -349,7 +355,16 @@ def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
             isinstance(shards, dict) and isinstance(shards.get("world"), int) and shards["world"] >= 1
             and isinstance(shards.get("layout"), dict)):
         raise CheckpointError(f"checkpoint {shown!r} has a manifest without its shards' world size or layout")
+    try:
+        check_manifest(manifest, shards=manifest["format"] == SHARDS_FORMAT)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {shown!r}: {exc}") from None
     return manifest
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's text on one line (pyarrow's OSErrors carry a detail line)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def load_checkpoint(path: str) -> tuple[dict, Mapping[str, np.ndarray]]:
@@ -369,10 +384,12 @@ def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, 
     where = shown if "://" in shown else root  # absolute: the workers that read it have their own cwd
     try:
         if manifest["format"] == SHARDS_FORMAT:
-            return manifest, open_shards(where, manifest, fs, root)
+            joined = open_shards(where, manifest, fs, root)
+            check_listed(joined, manifest)
+            return manifest, joined
         return manifest, open_tensors(where, manifest, fs, root)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a forged or damaged file does, the reader falls back past it
+        raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {_one_line(exc)}") from None
 
 
 def load_newest_valid(uri: str, errors: Optional[list] = None) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
