@@ -184,6 +184,41 @@ def test_every_field_of_a_whole_tensor_manifest_is_checked(tmp_path, edit, said)
     assert "\n" not in str(caught.value)
 
 
+def test_a_newest_directory_without_a_manifest_falls_back_saying_why(tmp_path):
+    ck, newest, _ = _run(tmp_path)
+    os.remove(os.path.join(newest, "manifest.json"))
+    with pytest.warns(UserWarning, match=r"skipping checkpoint: checkpoint '.*step-00000002' has no manifest.json "
+                                         r"\(a save cut short, or one still in progress\); trying the previous one"):
+        path, _, tensors = load_newest_valid(ck)
+    assert path.endswith("step-00000001") and (tensors["model/b"] == 1.0).all()
+    os.remove(os.path.join(ck, "step-00000001", "manifest.json"))
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint at .*: checkpoint '.*step-00000001' has no "
+                                              r"manifest.json"):
+        require_newest_valid(ck)
+
+
+def test_a_checkpoint_pruned_while_it_is_read_sends_the_reader_to_the_newest(tmp_path, monkeypatch):
+    """The reader verifies step 2 while a run saves step 3 with checkpoint.keep=1, which removes
+    steps 1 and 2: it lists again and takes step 3, saying so (not 'its files are malformed')."""
+    from elixir_ray.checkpoint import store
+
+    ck, _, _ = _run(tmp_path)
+    real = store.verify_files
+    saved = []
+
+    def verify_while_a_run_saves(fs, root, files):
+        if not saved:
+            saved.append(save_checkpoint(ck, 3, _weights(3.0), {}, keep=1))
+        return real(fs, root, files)
+
+    monkeypatch.setattr(store, "verify_files", verify_while_a_run_saves)
+    with pytest.warns(UserWarning, match=r"checkpoint '.*step-00000002' was removed while it was read \(pruned by a "
+                                         r"run's checkpoint.keep after a newer save\?\): taking the newest again"):
+        path, manifest, tensors = load_newest_valid(ck)
+    assert path == saved[0] and manifest["step"] == 3 and (tensors["model/w"] == 3.0).all()
+    assert list_checkpoints(ck) == saved
+
+
 def _shards_checkpoint(tmp_path):
     """A worker-written checkpoint of two ranks (tests/test_checkpoint_store.py's shards)."""
     from test_checkpoint_store import _ranks_write, _two_rank_shards
