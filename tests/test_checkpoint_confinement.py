@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import struct
-import warnings
 
 import numpy as np
 import pytest
@@ -256,3 +255,24 @@ def test_every_field_of_a_worker_written_manifest_is_checked_in_python_integers(
     with pytest.raises(CheckpointError, match=rf"checkpoint '{path}': .*{said}") as caught:
         load_checkpoint(path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_manifest_naming_a_huge_model_is_refused_before_sample_builds_it(tmp_path, monkeypatch):
+    """The manifest's run config names gpt-10b, its tensors are a tiny model's: `sample` compares the
+    shapes first and never builds the 10B model."""
+    from elixir_ray import sample as sample_module
+    from elixir_ray.api import as_config
+    from elixir_ray.model.factory import init_reference_model
+
+    from conftest import tiny_config
+
+    cfg = as_config({**tiny_config("unused.arrow", tmp_path), "model": {"n_layers": 2, "seq_len": 16}})
+    tensors = {f"model/{k}": v.detach().numpy() for k, v in init_reference_model(cfg).state_dict().items()}
+    config = {**cfg.to_dict(), "model": {"size": "gpt-10b"}}
+    save_checkpoint(str(tmp_path / "ck"), 1, tensors, {"config": config, "tokenizer": "bytes"})
+    built = []
+    monkeypatch.setattr(sample_module, "empty_model", lambda *a, **k: built.append(a) or pytest.fail("built"))
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*step-00000001' does not hold the model its config "
+                                              r"\(model.size gpt-10b\) builds: "):
+        sample_module.sample(str(tmp_path / "ck"), max_tokens=1, device="cpu")
+    assert not built
