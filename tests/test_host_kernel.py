@@ -132,8 +132,8 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_build_is_cached_and_leaves_no_temporary_file(tmp_path):
-    """The first build compiles into the cache under a temporary name and renames it; the next
-    returns the same file without compiling (its modification time unchanged)."""
+    """The first build compiles into the cache under a temporary name and renames it, its checksum
+    beside it; the next returns the same file without compiling (its modification time unchanged)."""
     cc = _compiler()
     if cc is None:
         pytest.skip("no C compiler here")
@@ -143,7 +143,38 @@ def test_the_build_is_cached_and_leaves_no_temporary_file(tmp_path):
     second = _python(code, ELIXIR_RAY_KERNEL_CACHE=str(tmp_path))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout and first.stdout.startswith(str(tmp_path))
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [os.path.basename(first.stdout.split()[0])]
+    library = os.path.basename(first.stdout.split()[0])
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [library, f"{library}.sha256"]
+
+
+def test_a_cached_library_that_does_not_match_its_checksum_is_built_again(tmp_path, monkeypatch):
+    """A damaged or replaced library in the cache is never loaded: the build says so in one warning
+    and compiles it again; one without its checksum (a cache written otherwise) likewise."""
+    import hashlib
+    import warnings
+
+    from elixir_ray.engine.host_kernel import HostAdamKernel, build_host_kernel
+
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("ELIXIR_RAY_KERNEL_CACHE", str(tmp_path))
+    path = build_host_kernel(cc)
+    good = open(path, "rb").read()
+    assert open(f"{path}.sha256").read() == f"{hashlib.sha256(good).hexdigest()}  {os.path.basename(path)}\n"
+    with open(path, "r+b") as f:  # tampered: one byte of the code changed
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match=r"^elixir_ray: the cached host AdamW kernel .*\.so does not match "
+                                            r"its checksum: building it again$"):
+        assert build_host_kernel(cc) == path
+    assert open(path, "rb").read() == good
+    os.remove(f"{path}.sha256")
+    with pytest.warns(RuntimeWarning, match=r"\.so has no checksum beside it: building it again"):
+        build_host_kernel(cc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rebuilt with its checksum: loaded without a word
+        HostAdamKernel(build_host_kernel(cc))
 
 
 @pytest.mark.parametrize("env,said", [

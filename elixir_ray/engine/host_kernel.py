@@ -9,7 +9,11 @@ How: the source ships in the package. The first process that needs it compiles i
 compiler (`cc`, or $CC) at -O3 for this CPU (-march=native), into a cache folder keyed by the
 source, the compiler and the CPU's flags ($ELIXIR_RAY_KERNEL_CACHE, else ~/.cache/elixir_ray),
 written under a temporary name and renamed, so concurrent workers never load a half-written file.
-Later processes load the cached library. ctypes drops the GIL for the call, and the C side runs
+Beside it goes its sha256 (`<library>.sha256`, as `sha256sum` writes it); later processes load
+the cached library only when it still matches, and build it again (one warning says why) when it
+does not: a damaged or replaced file is never loaded into a worker. A checksum is not a signature:
+whoever can write the cache folder can write both (docs/security.md), so the folder is made
+private to its user. ctypes drops the GIL for the call, and the C side runs
 its range on POSIX threads, so no OpenMP team spins beside torch's.
 
 Where no compiler works, or with ELIXIR_RAY_HOST_KERNEL=torch, the engine keeps torch's path (one
@@ -127,8 +131,36 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_path(library: str) -> str:
+    return library + ".sha256"
+
+
+def cached_library_problem(path: str) -> Optional[str]:
+    """Why the cached library at `path` must not be loaded (no checksum beside it, or one it does
+    not match), or None."""
+    try:
+        with open(checksum_path(path)) as f:
+            expected = f.read().split(maxsplit=1)[:1]
+    except OSError:
+        return "has no checksum beside it"
+    try:
+        found = _sha256_file(path)
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    return None if expected == [found] else "does not match its checksum"
+
+
 def build_host_kernel(cc: str) -> str:
-    """Compile host_adam.c for this CPU unless the cache has it; the library's path."""
+    """Compile host_adam.c for this CPU unless the cache has it, with a checksum that matches; the
+    library's path."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -137,18 +169,28 @@ def build_host_kernel(cc: str) -> str:
     folder = _cache_dir()
     path = os.path.join(folder, f"host_adam-{key}.so")
     if os.path.exists(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
+        problem = cached_library_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"elixir_ray: the cached host AdamW kernel {path} {problem}: building it again", RuntimeWarning)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".host_adam-", suffix=".so", dir=folder)
+    os.close(fd)
+    fd, tmp_sum = tempfile.mkstemp(prefix=".host_adam-", suffix=".sha256", dir=folder)
     os.close(fd)
     try:
         out = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"{cc} failed ({out.returncode}): {out.stderr.strip()[-1000:]}")
+        with open(tmp_sum, "w") as f:
+            f.write(f"{_sha256_file(tmp)}  {os.path.basename(path)}\n")
+        # the checksum first, so that a library renamed into place always has one beside it
+        os.replace(tmp_sum, checksum_path(path))
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp_sum):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return path
 
 
