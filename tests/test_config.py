@@ -294,7 +294,13 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_it_and_its_lines(t
     assert load_config(str(path)).train.steps == 5
 
 
-def test_the_command_refuses_a_bad_value_before_ray_starts():
+@pytest.mark.parametrize("override, line", [
+    ("optim.lr=nan", "optim.lr must be a finite positive number, got nan"),
+    # the filesystem pyarrow cannot make, from train()'s own checks, before the dataset is opened
+    ("checkpoint.uri=s3://bucket/ckpt?no_such_option=1", "checkpoint.uri 's3://bucket/ckpt?no_such_option=1': "
+     "pyarrow cannot open its filesystem: Unexpected query parameter in S3 URI: 'no_such_option'"),
+], ids=["lr", "storage"])
+def test_the_command_refuses_a_bad_value_before_ray_starts(override, line):
     """`elixir-ray train tiny --set optim.lr=nan`: exit 2 with one line, before Ray or a dataset."""
     import os
     import subprocess
@@ -304,9 +310,9 @@ def test_the_command_refuses_a_bad_value_before_ray_starts():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "elixir_ray", "train", "tiny", "--set", "optim.lr=nan"], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "elixir_ray", "train", "tiny", "--set", override], cwd=root,
                           env={**env, "PYTHONPATH": root}, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr == "elixir-ray: error: optim.lr must be a finite positive number, got nan\n", proc.stderr
+    assert proc.stderr == f"elixir-ray: error: {line}\n", proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr and took < 60, took

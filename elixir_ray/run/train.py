@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Optional, Union
 
-from elixir_ray.config import RunConfig
+from elixir_ray.config import RunConfig, check_storage
 from elixir_ray.errors import ClusterError
 from elixir_ray.progress import ProgressBar
 from elixir_ray.run.claim import claim_outputs
@@ -31,6 +31,7 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     `worker_group_cls`: the `cluster.worker_group.WorkerGroup` subclass that places and watches the
     ranks (one that injects faults, in tests); WorkerGroup itself when None."""
     run = resolve_run(as_config(config, overrides))
+    check_storage(run.config)  # each URI's filesystem, before anything opens one
     check_data(run)
     check_model_step(run)
     if resume is not None:
