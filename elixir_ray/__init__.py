@@ -10,9 +10,9 @@ Ray is imported only when a run starts.
 """
 
 from elixir_ray.api import Result, train
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.config import RunConfig, config_from_dict, load_config
 from elixir_ray.engine import PlanError, SampleInputs, wrap
-from elixir_ray.engine.plan import Plan
 from elixir_ray.errors import ClusterError, ConfigError
 from elixir_ray.planner.api import plan
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware

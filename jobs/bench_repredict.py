@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from elixir_ray.bench.report import device_lag, step_interval, update_job_rates  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
-from elixir_ray.engine.plan import Plan, recomputation  # noqa: E402
+from elixir_ray.chunk_plan.plan import Plan, recomputation  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
 from elixir_ray.planner.api import search_module  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile  # noqa: E402

@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import elixir_ray
+from elixir_ray.chunk_plan.layout import pack
+from elixir_ray.chunk_plan.plan import PLAN_VERSION
 from elixir_ray.config import config_from_dict
-from elixir_ray.engine.layout import pack
 from elixir_ray.model.factory import build_model
-from elixir_ray.planner.for_config import plan_config
 from elixir_ray.planner.api import default_host_budget
+from elixir_ray.planner.for_config import plan_config
 from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
 from elixir_ray.planner.search import plan_search
 from elixir_ray.units import parse_bytes
@@ -427,7 +428,7 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
         elixir_ray.Plan.from_json(GPU.to_json())  # a hardware profile handed over by mistake
     # version 2 wrote activation checkpointing as True/False per block, which still means the same
     old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
-    assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]
+    assert old.version == PLAN_VERSION and old.activation_checkpointing == [True, False]
     # before version 5 the margin is read off the plan's note (8% until 2026-11-26), else 20%
     older = {k: v for k, v in data.items() if k != "memory_margin"}
     eight = [n.replace("20% kept back", "8% kept back") for n in data["notes"]]
@@ -538,7 +539,7 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
     import os
 
     from elixir_ray.engine import manual_plan
-    from elixir_ray.engine.layout import open_gradient_chunks
+    from elixir_ray.chunk_plan.layout import open_gradient_chunks
     from elixir_ray.engine.trace import trace_step, unique_parameters
     from elixir_ray.model.gpt import build_gpt
 

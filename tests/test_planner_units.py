@@ -499,7 +499,7 @@ def test_a_module_with_only_an_on_off_switch_gets_whole_block_fractions():
 @pytest.mark.parametrize("gap, said", [(2, "every 2nd"), (3, "every 3rd"), (4, "every 4th"), (11, "every 11th"),
                                        (12, "every 12th"), (13, "every 13th"), (16, "every 16th")])
 def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(gap, said):
-    from elixir_ray.engine.plan import Plan
+    from elixir_ray.chunk_plan.plan import Plan
 
     plan = Plan(chunk_size=8, n_blocks=2, param_order=["w"], placements=["host"] * 4, sharded=[False] * 4,
                 dos_gap=gap, chunk_numels=[8] * 4)
@@ -511,7 +511,7 @@ def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(g
 def test_gradient_buffer_moments_follow_each_chunk_from_first_gradient_to_hand_off():
     """Chunk 0 holds parameters 0 and 2, chunk 1 parameter 1; backward gives 2, 1, 0. Moments 2k
     are after k gradients, 2k+1 as gradient k arrives (its chunk's buffer open, not handed on)."""
-    from elixir_ray.engine.layout import gradient_buffer_moments, open_gradient_chunks
+    from elixir_ray.chunk_plan.layout import gradient_buffer_moments, open_gradient_chunks
 
     moments, handed_at = gradient_buffer_moments([2, 1, 0], [0, 1, 0])
     assert moments == [(0, 0), (1, 0), (1, 0), (2, 0), (1, 1), (1, 1), (0, 2)]

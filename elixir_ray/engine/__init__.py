@@ -4,8 +4,8 @@
 optimizer used like the originals. See docs/engine.md for how chunks, the pool and the optimizer work.
 """
 
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import Plan
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import SampleInputs
 from elixir_ray.engine.state import EngineShard, JoinedState, assemble, engine_shard, engine_state, layout_of, load_engine_state

@@ -41,7 +41,8 @@ from typing import Optional, Union
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, Chunk, ChunkStore, ParamSlot
+from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from elixir_ray.engine.pool import ChunkPool

@@ -24,16 +24,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten
 
 from elixir_ray import storage
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.layout import chunk_events, pack
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.device import random_state_kept, resolve_device
-from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.hooks import EngineHooks
-from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.materialise import materialise, post_order
 from elixir_ray.engine.optimizer import (ChunkedAdam, DynamicLossScale, check_optimizer, refuse_other_optimizers,
                                          updates_start_in_backward)
-from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
 from elixir_ray.engine.sample import as_sample_inputs, loss_in
 from elixir_ray.engine.trace import check_not_wrapped, trace_step, unique_parameters

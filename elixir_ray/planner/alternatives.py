@@ -14,9 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from elixir_ray.engine.plan import Plan
-from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.planner.cost import host_grads_low_applies
+from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.search import SAFETY, Choice, Layout, choice_to_plan, evaluate, pool_candidates
 from elixir_ray.units import format_bytes
 

@@ -8,10 +8,10 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.device import random_state_kept, resolve_device
-from elixir_ray.engine.errors import PlanError
 from elixir_ray.engine.op_record import call_key
-from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model

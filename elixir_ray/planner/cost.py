@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from elixir_ray.engine.chunks import staged_low
+from elixir_ray.chunk_plan.buffers import staged_low
 from elixir_ray.planner.hardware import HardwareProfile
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
@@ -91,7 +91,7 @@ class ChunkCosts:
     fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
     stage: np.ndarray  # per micro-step, a device chunk: its gradients copied (widened) into its fp32 staging buffer
     # per micro-step, a host chunk: its gradients copied into its staging buffer, in the compute dtype
-    # where they go down in it with one rank (engine.chunks.staged_low), else widened and then cast back
+    # where they go down in it with one rank (chunk_plan.buffers.staged_low), else widened and then cast back
     stage_host: np.ndarray
 
 

@@ -9,9 +9,9 @@ from typing import Callable, Optional
 
 import torch
 
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.plan import Plan, recomputation
 from elixir_ray.config import RunConfig
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import Plan, recomputation
 from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
 from elixir_ray.planner.hardware import HardwareProfile

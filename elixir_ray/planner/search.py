@@ -19,10 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
-from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
-from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
+from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
+from elixir_ray.chunk_plan.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
