@@ -7,6 +7,7 @@ stream, and the background thread's CPU updates really wait for those copies.
 """
 
 import copy
+import dataclasses
 import os
 import sys
 
@@ -42,7 +43,7 @@ def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_si
     sample = (batches(1, rows)[0],)
     plan_kwargs = {k: kwargs.pop(k) for k in ("dos_gap", "upload_copies") if k in kwargs}
     plan = manual_plan(model, sample, chunk_size=chunk_size, n_blocks=n_blocks, **plan_kwargs)
-    plan.placements = [cycle[i % len(cycle)] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[cycle[i % len(cycle)] for i in range(plan.n_chunks)])
     opt = torch.optim.AdamW(param_groups(model), lr=lr)
     return wrap(model, opt, sample_inputs=sample, plan=plan, device="cuda", dtype=dtype, **kwargs)
 
@@ -150,7 +151,7 @@ def test_bf16_with_upload_copies_tracks_the_fp32_curve():
     m = copy.deepcopy(base)
     plan = manual_plan(m, (data[0],), chunk_size=70_000, n_blocks=3, dos_gap=2, upload_copies=True,
                        host_grads_low=True)  # host gradients cross in bf16, also into the DOS updates
-    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[("host", "device")[i % 2] for i in range(plan.n_chunks)])
     model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-3), sample_inputs=(data[0],), plan=plan,
                       device="cuda", dtype=torch.bfloat16, accumulation_steps=1)
     losses = engine_run(model, opt, data, len(data), 1, device="cuda")

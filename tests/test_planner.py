@@ -420,26 +420,30 @@ def test_old_plan_versions_and_unknown_fields_are_refused():
     with torch.device("meta"):
         model = Stack([16])
     data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU).to_json())
-    with pytest.raises(ValueError, match="version 1 is not supported"):
-        elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
+    assert data["version"] == PLAN_VERSION == 6 and data["prefetch_depth"] >= 1
+    for version in (1, 2, 3, 4, 5, 7):  # only this version's format is read: an older plan is made again
+        with pytest.raises(ValueError, match=f"plan version {version} is not supported .*reads version 6.*make the "
+                                             f"plan again"):
+            elixir_ray.Plan.from_json(json.dumps({**data, "version": version}))
     with pytest.raises(ValueError, match="unknown fields"):
         elixir_ray.Plan.from_json(json.dumps({**data, "surprise": 1}))
     with pytest.raises(ValueError, match=r"not a plan \(no version or placements; found \['collective_gbps'"):
         elixir_ray.Plan.from_json(GPU.to_json())  # a hardware profile handed over by mistake
-    # version 2 wrote activation checkpointing as True/False per block, which still means the same
-    old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
-    assert old.version == PLAN_VERSION and old.activation_checkpointing == [True, False]
-    # before version 5 the margin is read off the plan's note (8% until 2026-11-26), else 20%
-    older = {k: v for k, v in data.items() if k != "memory_margin"}
-    eight = [n.replace("20% kept back", "8% kept back") for n in data["notes"]]
-    assert any("8% kept back" in n for n in eight)
-    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": eight}).memory_margin == pytest.approx(0.08)
-    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": []}).memory_margin == 0.2
-    assert "1 of 2 blocks recomputed whole" in old.explain()
-    # before version 6 the pool loaded one chunk ahead, as such a plan still does
-    assert data["prefetch_depth"] >= 1 and data["version"] == 6
-    v5 = {k: v for k, v in data.items() if k != "prefetch_depth"}
-    assert elixir_ray.Plan.from_dict({**v5, "version": 5}).prefetch_depth == 1
+    # a module's set_checkpointing takes True and False per block too, for "full" and "none"
+    masked = elixir_ray.Plan.from_json(json.dumps({**data, "activation_checkpointing": [True, False]}))
+    assert masked.activation_checkpointing == [True, False]
+    assert "1 of 2 blocks recomputed whole" in masked.explain()
+
+
+def test_a_plan_is_frozen_and_a_variant_is_a_replacement():
+    with torch.device("meta"):
+        model = Stack([16])
+    plan = elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU)
+    gap = plan.dos_gap
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.dos_gap = gap + 1
+    other = dataclasses.replace(plan, dos_gap=gap + 1)
+    assert other.dos_gap == gap + 1 and plan.dos_gap == gap and other.placements == plan.placements
 
 
 def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional
 
@@ -759,8 +759,9 @@ def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, 
                            note="searched: fastest predicted step within the budget",
                            updates_in_backward=updates_in_backward, host_budget=host_budget, margin=margin)
     if routed:
-        found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
-                           "learned router, say), so ranks may use different parameters in a step")
+        routed_note = ("every chunk replicated: the traced step read values computed from the weights (a learned "
+                       "router, say), so ranks may use different parameters in a step")
+        found = replace(found, notes=[*found.notes, routed_note])
     return found
 
 
