@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from elixir_ray.engine import Plan, manual_plan, wrap
+from elixir_ray import Plan, wrap
+from elixir_ray.engine import manual_plan
 from elixir_ray.engine.timing import BACKGROUND, CATEGORIES, StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray import Plan, PlanError, wrap
+from elixir_ray.engine import engine_state, load_engine_state, manual_plan
 from elixir_ray.engine.trace import ValueReadError, trace_step
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -300,7 +301,8 @@ _ON_SECOND_GPU = """
 import sys, threading, torch
 sys.path.insert(0, sys.argv[1])
 from engine_models import Toy, batches
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 def train():
     torch.manual_seed(0)

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elixir_ray.engine import engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import engine_state, load_engine_state, manual_plan
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
