@@ -25,7 +25,7 @@ from elixir_ray.model.factory import build_model
 from elixir_ray.planner.api import default_host_budget
 from elixir_ray.planner.for_config import plan_config
 from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
-from elixir_ray.planner.search import plan_search
+from elixir_ray.planner.search import SearchSettings, plan_search
 from elixir_ray.units import parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -89,8 +89,8 @@ def test_plan_properties(widths, rows, world, factor, more, in_backward):
     host = default_host_budget(world)
 
     def search(budget: int) -> elixir_ray.Plan:
-        return plan_search(profiles, GPU, budget, world, "bfloat16", 2, host_budget=host,
-                           updates_in_backward=in_backward)
+        return plan_search(profiles, SearchSettings(GPU, budget, world, "bfloat16", 2, host_budget=host,
+                                                    updates_in_backward=in_backward))
 
     with pytest.raises(elixir_ray.PlanError) as err:
         search(1024)
@@ -124,7 +124,7 @@ def test_plan_is_the_search_over_the_traced_settings():
     profiles = [profile_model(model, _sample(4), None, v, torch.bfloat16) for v in checkpointing_variants(model)]
     budget = 3 * _min_budget(model, _sample(4), hardware=GPU, world_size=2)
     host = 2**30
-    assert (plan_search(profiles, GPU, budget, 2, "bfloat16", 2, host_budget=host)
+    assert (plan_search(profiles, SearchSettings(GPU, budget, 2, "bfloat16", 2, host_budget=host))
             == elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, world_size=2, host_memory=host))
 
 
@@ -507,7 +507,7 @@ def test_searched_plan_is_what_its_choice_costs():
     from elixir_ray.bench.systems import SHAPES
     from elixir_ray.model.gpt import build_gpt
     from elixir_ray.planner.model_profile import profile_model
-    from elixir_ray.planner.search import Choice, evaluate, make_layout, plan_search
+    from elixir_ray.planner.search import Choice, SearchSettings, evaluate, make_layout, plan_search
 
     hw = elixir_ray.HardwareProfile.from_json(open("jobs/hardware/h100_anchors.json").read())
     shape = SHAPES["gpt-4b"]
@@ -517,8 +517,9 @@ def test_searched_plan_is_what_its_choice_costs():
     uploads = set()
     for in_backward in (False, True):
         for budget in ("24GiB", "40GiB", "70GiB"):
-            plan = plan_search([profile], hw, parse_bytes(budget), 1, "bfloat16", 2, host_budget=parse_bytes("112GiB"),
-                               updates_in_backward=in_backward)
+            plan = plan_search([profile], SearchSettings(hw, parse_bytes(budget), 1, "bfloat16", 2,
+                                                         host_budget=parse_bytes("112GiB"),
+                                                         updates_in_backward=in_backward))
             uploads.add(plan.upload_copies)
             choice = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
                             np.array([p == "device" for p in plan.placements]), plan.dos_gap, plan.upload_copies,
@@ -592,7 +593,7 @@ def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step
 
     from elixir_ray.model.gpt import build_gpt
     from elixir_ray.planner.model_profile import profile_model
-    from elixir_ray.planner.search import Choice, evaluate, make_layout, plan_search
+    from elixir_ray.planner.search import Choice, SearchSettings, evaluate, make_layout, plan_search
 
     shape = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=97, seq_len=32)
     model = build_gpt(shape, device="meta")
@@ -605,8 +606,8 @@ def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step
     host_bytes, d2h = {}, {}
     for (accum, dtype, promised), expected in cases.items():
         elem = 4 if dtype == "float32" else 2
-        plan = plan_search([profile], GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum, chunk_sizes=[8192],
-                           low_host_grads=promised)
+        plan = plan_search([profile], SearchSettings(GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum,
+                                                     low_host_grads=promised), chunk_sizes=[8192])
         assert "host" in plan.placements
         assert plan.host_grads_low == expected, (accum, dtype, promised)
         all_host = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
