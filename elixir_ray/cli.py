@@ -67,7 +67,7 @@ def _cmd_plan(args) -> int:
     import torch
 
     from elixir_ray.config import load_config
-    from elixir_ray.engine import PlanError
+    from elixir_ray.chunk_plan.errors import PlanError
     from elixir_ray.engine.device import resolve_device
     from elixir_ray.model.factory import check_model_step
     from elixir_ray.planner.for_config import comparison_table, plan_config

@@ -90,7 +90,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     import torch
 
     from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
-    from elixir_ray.planner.api import default_host_budget, search_module
+    from elixir_ray.planner.api import Profiling, default_host_budget, search_module, search_settings
     from elixir_ray.planner.for_config import config_hints
     from elixir_ray.planner.hardware import HardwareProfile
 
@@ -110,11 +110,12 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
     kernels = slowest_kernels(profiles)
     with config_hints(cfg):
-        engine_plan, _ = search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro), budget, world,
-                                       rates, getattr(torch, dtype), trace_loss(cfg), accum, host_budget,
-                                       cfg.engine.search_checkpointing,
-                                       updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels,
-                                       replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin)
+        settings = search_settings(rates, budget, world, getattr(torch, dtype), grad_accum=accum,
+                                   host_budget=host_budget, updates_in_backward=updates_in_backward(cfg, dtype),
+                                   replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin)
+        profiling = Profiling(loss_fn=trace_loss(cfg), search_checkpointing=cfg.engine.search_checkpointing,
+                              kernel_seconds=kernels)
+        engine_plan, _ = search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro), settings, profiling)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import CausalLMLoss, count_updates_started_before_step, train_pairs  # noqa: E402

@@ -11,13 +11,14 @@ import copy
 import pytest
 import torch
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 from engine_models import Routed, Toy, batches
 
 
 def _wrapped(module, optimizer, data, **kwargs):
     sample = (data[0],)
-    return wrap(module, optimizer, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu",
+    return wrap(module, optimizer, sample_inputs=sample, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu",
                 **kwargs)
 
 

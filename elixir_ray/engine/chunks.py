@@ -29,21 +29,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from elixir_ray.chunk_plan.buffers import MAX_REDUCTIONS_IN_FLIGHT, staged_low
 from elixir_ray.engine.comm import Comm
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer, profiled
-
-MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
-# Deep Optimizer States buffers in use at once: two, so that one tile's state comes back while the
-# next one's goes up (on CUDA a stream each way); the planner budgets this many
-DOS_BUFFERS = 2
-# elements of a host chunk's shard each Deep Optimizer States buffer holds: a chunk goes up, is
-# updated and comes back a tile at a time, so the buffers are small enough to hold through the
-# backward (where updates may start) at 16 bytes an element: 256 MiB for the two, where whole
-# chunks of gpt-4b took 5 GiB; a tile's copies (96 MB each way) still take milliseconds
-DOS_TILE = 1 << 23
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -58,16 +49,6 @@ def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
         swapped = nn.Parameter(view, requires_grad=param.requires_grad)
         swapped.__dict__.update(param.__dict__)  # swap_tensors swaps attribute dicts too: keep the user's tags
         torch.utils.swap_tensors(param, swapped)
-
-
-def staged_low(grads_low: bool, world: int) -> bool:
-    """Whether a host chunk collects its gradients in the compute dtype rather than fp32: where
-    they go down in it (Plan.host_grads_low, one backward per step, a compute dtype narrower than
-    fp32), with one rank. Each gradient was computed in that dtype, so the staging copy loses
-    nothing (a parameter with several gradients in one backward has each sum rounded, as autograd
-    rounds a tied weight's); with several ranks the reduction sums in fp32 first. The planner costs
-    the same rule (`planner.cost.chunk_costs`, `planner.search.flying_bytes`)."""
-    return grads_low and world == 1
 
 
 def device_scope(device: torch.device):

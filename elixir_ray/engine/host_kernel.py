@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.engine.adam_step import AdamCall, AdamTensors
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_adam.c")
 KERNEL_ENV = "ELIXIR_RAY_HOST_KERNEL"  # "c" (the default) or "torch"
 CACHE_ENV = "ELIXIR_RAY_KERNEL_CACHE"
@@ -76,11 +78,11 @@ class HostAdamKernel:
                 and grad.dtype in (torch.bfloat16, torch.float32)
                 and (upload is None or upload.dtype == torch.bfloat16))
 
-    def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               upload: Optional[torch.Tensor], segments, step: int, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, decoupled: bool, grad_factor: float, threads: int) -> None:
-        """One Adam(W) step over `segments` ((lo, hi) pairs) of a chunk's shard, 1-D contiguous host
-        tensors of one length; `step` counts this update (1 at the first)."""
+    def update(self, tensors: AdamTensors, call: AdamCall, grad_factor: float, threads: int) -> None:
+        """One Adam(W) step, `call`, over its segments ((lo, hi) pairs) of a chunk's shard, 1-D
+        contiguous host tensors of one length (`call.step` updates before this one)."""
+        master, grad, exp_avg, exp_avg_sq, upload = (tensors.master, tensors.grad, tensors.exp_avg,
+                                                     tensors.exp_avg_sq, tensors.upload)
         n = master.numel()
         for name, t, dtype in (("master", master, torch.float32), ("grad", grad, grad.dtype),
                                ("exp_avg", exp_avg, torch.float32), ("exp_avg_sq", exp_avg_sq, torch.float32),
@@ -89,7 +91,7 @@ class HostAdamKernel:
                                   or t.device.type != "cpu"):
                 raise ValueError(f"host_adam kernel: {name} must be a contiguous {dtype} host tensor of "
                                  f"{n} elements, got {tuple(t.shape)} {t.dtype} on {t.device}")
-        pairs = [(int(lo), int(hi)) for lo, hi in segments if hi > lo]
+        pairs = [(int(lo), int(hi)) for lo, hi in call.segments if hi > lo]
         if any(lo < 0 or hi > n for lo, hi in pairs):
             raise ValueError(f"host_adam kernel: segments {pairs} reach outside the {n} elements")
         if not pairs:
@@ -97,8 +99,8 @@ class HostAdamKernel:
         bounds = (ctypes.c_int64 * (2 * len(pairs)))(*(x for pair in pairs for x in pair))
         self._fn(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), exp_avg.data_ptr(),
                  exp_avg_sq.data_ptr(), upload.data_ptr() if upload is not None else None, bounds, len(pairs),
-                 int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                 int(bool(decoupled)), float(grad_factor), int(threads), self.claim)
+                 int(call.step + 1), float(call.lr), float(call.beta1), float(call.beta2), float(call.eps),
+                 float(call.weight_decay), int(bool(call.decoupled)), float(grad_factor), int(threads), self.claim)
 
     def sum_of_squares(self, x: torch.Tensor, threads: int) -> float:
         """Sum of squares of a contiguous bf16 or fp32 host tensor, each element squared and summed in

@@ -33,11 +33,11 @@ Collectives are assumed to run at the host-to-device rate unless the profile say
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from elixir_ray.engine.chunks import staged_low
+from elixir_ray.chunk_plan.buffers import staged_low
 from elixir_ray.planner.hardware import HardwareProfile
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
@@ -91,7 +91,7 @@ class ChunkCosts:
     fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
     stage: np.ndarray  # per micro-step, a device chunk: its gradients copied (widened) into its fp32 staging buffer
     # per micro-step, a host chunk: its gradients copied into its staging buffer, in the compute dtype
-    # where they go down in it with one rank (engine.chunks.staged_low), else widened and then cast back
+    # where they go down in it with one rank (chunk_plan.buffers.staged_low), else widened and then cast back
     stage_host: np.ndarray
 
 
@@ -133,14 +133,35 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
     return compute_seconds(profile.trace.flops, hw), compute_seconds(profile.trace.forward_flops, hw)
 
 
-def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, updates_in_backward: bool,
-                    micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
-                    loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None,
-                    path: Optional[dict] = None):
+@dataclass(frozen=True)
+class StepParts:
+    """The parts of a step that `overlapped_step` overlaps: floats, or numpy arrays (one entry per
+    candidate) that broadcast together; its docstring says what each is."""
+
+    compute: Any
+    forward: Any
+    on_stream: Any
+    h2d: Any
+    d2h: Any
+    cpu_adam: Any
+    cpu_wait: Any  # seconds, or a function of the last backward's seconds that says them
+    updates_in_backward: bool
+    micro_steps: int = 1
+    dos_in: Any = 0.0
+    dos_out: Any = 0.0
+    forward_loads: Any = 0.0
+    dos_first_at: Any = None
+    loads_to_dos: Any = None
+    dos_queue_in: Any = None
+    dos_queue_out: Any = None
+    dos_after: Any = None
+
+
+def overlapped_step(parts: StepParts, path: Optional[dict] = None):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
-    compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
-    micro-step's forward (updates start only in the last micro-step's backward);
+    The parts (`StepParts`): compute: forward, recompute and backward of every one of
+    `micro_steps` micro-steps; forward: one micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
     gradients); cpu_adam: the background thread's CPU AdamW; cpu_wait: how long the next forward
@@ -179,7 +200,11 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
     for the CPU updates and for the link (the longer counts), the rest's length and its three
     streams' (compute and the compute stream's other work; loads; copies down).
     """
-    rest_parts = (compute + on_stream - forward, np.maximum(h2d - forward_loads, 0.0), d2h)
+    compute, forward, h2d, d2h, cpu_adam, cpu_wait = (parts.compute, parts.forward, parts.h2d, parts.d2h,
+                                                      parts.cpu_adam, parts.cpu_wait)
+    updates_in_backward, micro_steps, forward_loads = parts.updates_in_backward, parts.micro_steps, parts.forward_loads
+    dos_in, dos_out, dos_after = parts.dos_in, parts.dos_out, parts.dos_after
+    rest_parts = (compute + parts.on_stream - forward, np.maximum(h2d - forward_loads, 0.0), d2h)
     rest = np.maximum(rest_parts[0], np.maximum(rest_parts[1], rest_parts[2]))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
@@ -191,8 +216,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
             dos_out = np.maximum(dos_out - idle_out, 0.0)
         else:  # each suffix of the queue from its first gradient on: the most that outlasts the idle link
             after = np.asarray(dos_after)
-            dos_in = np.maximum(np.max(dos_queue_in - np.expand_dims(idle_in, -1) * after, axis=-1), 0.0)
-            dos_out = np.maximum(np.max(dos_queue_out - np.expand_dims(idle_out, -1) * after, axis=-1), 0.0)
+            dos_in = np.maximum(np.max(parts.dos_queue_in - np.expand_dims(idle_in, -1) * after, axis=-1), 0.0)
+            dos_out = np.maximum(np.max(parts.dos_queue_out - np.expand_dims(idle_out, -1) * after, axis=-1), 0.0)
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
@@ -203,8 +228,9 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
         cpu_wait = np.where(cpu_adam > 0, cpu_wait, 0.0)
     cpu_exposed = np.maximum(left - forward, cpu_wait)
     link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
+    dos_first_at = parts.dos_first_at
     if dos_first_at is not None and updates_in_backward:  # it waits at its first DOS chunk for the whole queue
-        loads_to = forward_loads if loads_to_dos is None else loads_to_dos
+        loads_to = forward_loads if parts.loads_to_dos is None else parts.loads_to_dos
         at_first = np.maximum(np.maximum(loads_to + dos_in, dos_out) - dos_first_at, 0.0)
         # then its later loads go on beside its later compute, on a link the queue has left
         after = np.maximum((forward_loads - loads_to) - (forward - dos_first_at), 0.0)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.plan import Plan, recomputation
 from elixir_ray.config import RunConfig
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import Plan, recomputation
 from elixir_ray.planner.alternatives import hand_made_plans
-from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
+from elixir_ray.planner.api import Profiling, default_host_budget, planning_budget, search_module, search_settings
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants
 from elixir_ray.planner.op_timing import device_is_here
@@ -107,11 +107,15 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     budget = planning_budget(memory, hardware)
     host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
 
+    settings = search_settings(hardware, budget, world_size, dtype, grad_accum=cfg.train.grad_accum, host_budget=host,
+                               updates_in_backward=in_backward, replicate=cfg.engine.replicate,
+                               memory_margin=cfg.engine.memory_margin)
+
     def search(micro_batch: int, timed: bool, say=None, variants=None):
-        return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), budget, world_size,
-                             hardware, dtype, trace_loss(cfg), cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
-                             in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say,
-                             variants=variants, memory_margin=cfg.engine.memory_margin)
+        profiling = Profiling(loss_fn=trace_loss(cfg), search_checkpointing=cfg.engine.search_checkpointing,
+                              variants=variants, time_compute=timed)
+        return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), settings, profiling,
+                             say)
 
     def fits(micro_batch: int) -> bool:
         """Whether some checkpointing setting has a plan at `micro_batch`: memory alone decides (no
@@ -133,8 +137,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
         plan, chosen = search(cfg.train.micro_batch, device_is_here(hardware), progress)
     layout = plan_layout(chosen, plan)
     why_not: dict = {}
-    alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
-                                   in_backward, why_not, margin=plan.memory_margin)
+    alternatives = hand_made_plans(layout, replace(settings, memory_margin=plan.memory_margin), why_not)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives, misfits=why_not,
                       host_budget=host)
 

@@ -17,10 +17,11 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.engine.adam_step import AdamCall, AdamTensors
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import update_threads
-from elixir_ray.engine.optimizer import AdamCall, TileScratch, host_update, run_adam
+from elixir_ray.engine.optimizer import TileScratch, host_update, run_adam
 
 
 @dataclass
@@ -201,7 +202,7 @@ class HostChunkState:
     def update(self, call: AdamCall, scratch: TileScratch, kernel="auto") -> None:
         """The engine's job over this state (`host_update`; `kernel` as there: the one-pass C kernel
         where it builds, or None for torch's passes)."""
-        host_update([call], self.master, self.grad, self.avg, self.avg_sq, self.upload, scratch=scratch,
+        host_update([call], AdamTensors(self.master, self.grad, self.avg, self.avg_sq, self.upload), scratch=scratch,
                     kernel=kernel)
 
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Optional
 
 import numpy as np
 
+from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
+from elixir_ray.chunk_plan.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.engine.allocator import MARGIN_EXPANDABLE, default_memory_margin
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
-from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
-from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.planner.cache_sim import loads_per_chunk
-from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
+from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, StepParts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
                                      overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
@@ -57,6 +57,44 @@ def check_margin(margin: Optional[float], device: str = "cpu") -> float:
 
 
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state by default; the rest for the process, data and pinning
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What one plan search is for: the rates, ranks, compute dtype and loop every candidate is
+    costed with, and the limits it must keep within.
+
+    `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
+    all-gather on each fetch, for world-size times their state), "all" replicates every chunk
+    (needed when ranks use different parameters in a step), "none" shards every chunk.
+    `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
+    caller cannot promise one micro-step per step).
+    `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
+    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
+    one micro-step, device chunks' gradients are released once applied (`gradients_released`).
+    """
+
+    hw: HardwareProfile
+    budget: int  # device bytes, the margin included
+    world_size: int = 1
+    dtype_name: str = "float32"  # the compute dtype
+    elem_bytes: int = 4  # its bytes per element
+    grad_accum: int = 1  # micro-steps per step
+    host_budget: Optional[int] = None  # host bytes per rank for optimizer state (None: no limit)
+    updates_in_backward: bool = False
+    low_host_grads: bool = True
+    replicate: str = "auto"
+    # the share of the budget kept back (None: the allocator's default for hw.device, default_memory_margin)
+    memory_margin: Optional[float] = None
+
+    @property
+    def margin(self) -> float:
+        return check_margin(self.memory_margin, self.hw.device)
+
+    @property
+    def limit(self) -> float:
+        """The device bytes a plan's predicted peak may take: the budget less the margin."""
+        return self.budget * (1 - self.margin)
 
 
 @dataclass
@@ -264,10 +302,23 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 # -- one configuration, part by part ---------------------------------------------------------------
 
-def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
-              in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
-              simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None,
-              depth: int = 1) -> np.ndarray:
+@dataclass(frozen=True)
+class UpdateQueue:
+    """The host chunks' CPU updates of some rows of one layout, and the forward's loads after them:
+    what `_cpu_wait` plays out, given the last backward's length (its docstring says what each is)."""
+
+    lay: Layout
+    plain: np.ndarray  # per row and chunk: updated by the CPU
+    adam_host: np.ndarray  # per chunk: its CPU update's seconds
+    forward: float  # the forward's compute
+    in_backward: bool  # updates start in the last backward
+    load: np.ndarray  # per chunk: one load's seconds
+    copy_down: Optional[np.ndarray] = None  # per chunk: its gradient's copy down
+    loaded: Optional[np.ndarray] = None  # per row and chunk: loaded by the forward (default `plain`)
+    depth: int = 1  # chunks the pool loads ahead
+
+
+def _cpu_wait(queue: UpdateQueue, backward, simulate: Optional[np.ndarray] = None) -> np.ndarray:
     """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
     them and for the loads of `loaded` (default `plain`), from the engine's update queue played out
     (0 where the row loads no chunk).
@@ -295,7 +346,9 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     `simulate` (per row): the rows to play out; the others get each update as if it ran alone,
     from when it is ready, a lower bound of their wait (for the search to skip rows that
     cannot be the best)."""
-    plain = np.asarray(plain, dtype=bool)
+    lay, adam_host, forward, in_backward = queue.lay, queue.adam_host, queue.forward, queue.in_backward
+    copy_down, loaded, load, depth = queue.copy_down, queue.loaded, queue.load, queue.depth
+    plain = np.asarray(queue.plain, dtype=bool)
     rows = plain.reshape(-1, plain.shape[-1])
     n_rows, n = rows.shape
     start = np.broadcast_to(np.asarray(backward, dtype=np.float64).reshape(-1), (n_rows,))[:, None]
@@ -316,8 +369,9 @@ def _update_queue(lay: Layout, costs, plain: np.ndarray, forward: float, in_back
                   loaded: np.ndarray, depth: int):
     """`_cpu_wait` with one layout's costs bound in, for `overlapped_step` to call with the backward's
     length; each gradient's copy down is what a host chunk's reduction costs beyond a device chunk's."""
-    return partial(_cpu_wait, lay, plain, costs.adam_host, forward, in_backward=in_backward, load=load,
-                   copy_down=costs.reduce_host - costs.reduce_device, loaded=loaded, depth=depth)
+    return partial(_cpu_wait, UpdateQueue(lay, plain, costs.adam_host, forward, in_backward, load,
+                                          copy_down=costs.reduce_host - costs.reduce_device, loaded=loaded,
+                                          depth=depth))
 
 
 def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
@@ -405,7 +459,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "engine kernels": engine_kernels,
     }
     dos_at, loads_to_dos = _dos_first(lay, host, dos, forward, load)
-    seconds = overlapped_step(
+    seconds = overlapped_step(StepParts(
         time["compute"], forward,
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
         + engine_kernels,
@@ -414,10 +468,11 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
-        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out), path=path)
-    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
-                        grad_bytes, gradients_freed(choice.grads_low, grad_accum),
-                        released=gradients_released(updates_in_backward, grad_accum))
+        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out)), path=path)
+    held = MemorySettings(choice.dos_gap, elem_bytes, world, choice.upload, grad_bytes,
+                          gradients_freed(choice.grads_low, grad_accum),
+                          gradients_released(updates_in_backward, grad_accum))
+    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], held)
     memory = {part: int(values[0]) for part, values in rows.items()}
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
@@ -447,8 +502,20 @@ MEMORY_PARTS = ("pool blocks", "optimizer state on device", "gradients of device
                 "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
 
 
-def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, elem_bytes: int, world: int,
-                 upload: bool, grad_bytes: int = 4, freed: bool = False, released: bool = False,
+@dataclass(frozen=True)
+class MemorySettings:
+    """How a placement holds its chunks, beside which are on the device: what `_memory_rows` counts by."""
+
+    dos_gap: int  # Deep Optimizer States gap (0: off)
+    elem_bytes: int  # bytes per element of the compute dtype
+    world: int  # ranks
+    upload: bool  # host chunks keep an upload copy in the compute dtype
+    grad_bytes: int = 4  # bytes per element of a host chunk's gradient on its way to the host
+    freed: bool = False  # `gradients_freed`
+    released: bool = False  # `gradients_released`
+
+
+def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySettings,
                  ranking: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
 
@@ -463,6 +530,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
     here by running sums instead of a product per row."""
+    dos_gap, elem_bytes, world, upload = held.dos_gap, held.elem_bytes, held.world, held.upload
+    grad_bytes, freed, released = held.grad_bytes, held.freed, held.released
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
     shards = lay.shards.astype(np.float64)
     timeline = lay.event_activations is not None and lay.event_handed is not None
@@ -592,15 +661,19 @@ def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: 
 
 @dataclass
 class _Best:
+    """What a search found so far: the fastest choice that fits, and (`smallest`) the smallest
+    need of any candidate, for the refusal when none fits."""
+
     seconds: float = float("inf")
     peak: int = 0
     choice: Optional[Choice] = None
+    smallest: dict = field(default_factory=dict)
 
 
-def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
-                   host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
-                   upload: bool, grads_low: bool = False, margin: float = SAFETY) -> None:
-    """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
+def _search_layout(lay: Layout, settings: SearchSettings, best: _Best, upload: bool, grads_low: bool = False) -> None:
+    """Try every pool size, device prefix and DOS gap of one layout; update `best`."""
+    hw, world, elem_bytes, grad_accum = settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum
+    updates_in_backward = settings.updates_in_backward
     grad_bytes = host_grad_bytes(grads_low)
     costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
     n_chunks = len(lay.sizes)
@@ -621,8 +694,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
                              updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
-            _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
-                             limit, host_budget, best, smallest, margin)
+            _search_prefixes(lay, n, ranking, host_bytes, costs, parts, settings, best)
 
 
 @dataclass
@@ -642,12 +714,11 @@ class _PrefixParts:
     grads_low: bool = False
 
 
-def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
-                     costs: ChunkCosts, parts: _PrefixParts, elem_bytes: int, world: int,
-                     limit: float, host_budget: Optional[int], best: _Best, smallest: dict,
-                     margin: float = SAFETY) -> None:
-    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (`margin`: the
-    budget's share kept back, for the smallest need a refusal names)."""
+def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray, costs: ChunkCosts,
+                     parts: _PrefixParts, settings: SearchSettings, best: _Best) -> None:
+    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (the settings'
+    margin also sets the smallest need a refusal names)."""
+    host_budget, limit, margin, smallest = settings.host_budget, settings.limit, settings.margin, best.smallest
     n_chunks = len(lay.sizes)
     rank_of = np.empty(n_chunks, dtype=np.int64)
     rank_of[ranking] = np.arange(n_chunks)
@@ -667,8 +738,9 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     released = gradients_released(parts.updates_in_backward, parts.micro_steps)
-    peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
-                                        freed, released, ranking).values()) for dos in (False, True)}
+    held = {dos: MemorySettings(1 if dos else 0, settings.elem_bytes, settings.world_size, parts.upload, grad_bytes,
+                                freed, released) for dos in (False, True)}
+    peaks_with = {dos: sum(_memory_rows(lay, n, device, held[dos], ranking).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -692,9 +764,10 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
             _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
 
         def step(cpu_wait):
-            return overlapped_step(parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait,
-                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                   dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
+            return overlapped_step(StepParts(
+                parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait, parts.updates_in_backward,
+                parts.micro_steps, dosf @ costs.dos_in, dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
+                *dos_queue))
 
         queue = _update_queue(lay, costs, plain, parts.forward, parts.updates_in_backward, load, host,
                               prefetch_depth(n, lay.min_blocks))
@@ -712,54 +785,39 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
             best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low)
 
 
-def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
-                dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
-                host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
-                updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto",
-                memory_margin: Optional[float] = None) -> Plan:
-    """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes
-    less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers;
-    None: the allocator's default for `hw.device`, `default_memory_margin`).
+def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
+                chunk_sizes: Optional[list[int]] = None) -> Plan:
+    """The fastest predicted plan over all profiles (checkpointing settings) that fits the
+    settings' budget less their memory margin (kept back for the allocator's fragmentation and
+    short-lived buffers). `chunk_sizes`: those to try (default: a few of least waste per profile).
 
-    `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
-    all-gather on each fetch, for world-size times their state), "all" replicates every chunk
-    (needed when ranks use different parameters in a step), "none" shards every chunk.
-
-    `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
-    caller cannot promise one micro-step per step).
-
-    `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
-    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
-    one micro-step, device chunks' gradients are released once applied (`gradients_released`).
     Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
     """
-    if replicate not in REPLICATE_CHOICES:
-        raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {replicate!r}")
-    routed = world_size > 1 and replicate == "auto" and any(p.trace.weights_read for p in profiles)
+    if settings.replicate not in REPLICATE_CHOICES:
+        raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {settings.replicate!r}")
+    routed = settings.world_size > 1 and settings.replicate == "auto" and any(p.trace.weights_read for p in profiles)
     if routed:  # which parameters a step uses depends on the weights, so it may differ between ranks
-        replicate = "all"
-    margin = check_margin(memory_margin, hw.device)
-    limit = budget * (1 - margin)
-    best, smallest = _Best(), {}
-    grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
+        settings = replace(settings, replicate="all")
+    settings = replace(settings, memory_margin=settings.margin)
+    best = _Best()
+    grads_low = host_grads_low_applies(settings.dtype_name, settings.grad_accum, settings.low_host_grads)
     for profile in profiles:
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
-            sharded = make_layout(profile, cs, world_size)
-            for lay in replication_layouts(sharded, world_size, elem_bytes, hw, replicate):
-                for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
-                    _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                                   updates_in_backward, upload, grads_low, margin)
+            sharded = make_layout(profile, cs, settings.world_size)
+            for lay in replication_layouts(sharded, settings.world_size, settings.elem_bytes, settings.hw,
+                                           settings.replicate):
+                uploads = (False, True) if settings.elem_bytes < 4 else (False,)  # upload copies: host RAM for PCIe
+                for upload in uploads:
+                    _search_layout(lay, settings, best, upload, grads_low)
     if best.choice is None:
         fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
-        raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget,
-                                           fully, updates_in_backward, margin))
-    found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
-                           note="searched: fastest predicted step within the budget",
-                           updates_in_backward=updates_in_backward, host_budget=host_budget, margin=margin)
+        raise PlanError(_too_small_message(settings, best.smallest, fully))
+    found = choice_to_plan(best.choice, settings, note="searched: fastest predicted step within the budget")
     if routed:
-        found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
-                           "learned router, say), so ranks may use different parameters in a step")
+        routed_note = ("every chunk replicated: the traced step read values computed from the weights (a learned "
+                       "router, say), so ranks may use different parameters in a step")
+        found = replace(found, notes=[*found.notes, routed_note])
     return found
 
 
@@ -815,8 +873,9 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
-    rows = _memory_rows(lay, plan.n_blocks, device[None, :], plan.dos_gap, elem_bytes, plan.world_size,
-                        plan.upload_copies, host_grad_bytes(plan.host_grads_low), freed, released)
+    held = MemorySettings(plan.dos_gap, elem_bytes, plan.world_size, plan.upload_copies,
+                          host_grad_bytes(plan.host_grads_low), freed, released)
+    rows = _memory_rows(lay, plan.n_blocks, device[None, :], held)
     return {part: int(values[0]) for part, values in rows.items()}
 
 
@@ -860,9 +919,11 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
     return out
 
 
-def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
-                   grad_accum: int, budget: int, note: str, updates_in_backward: bool = False,
-                   host_budget: Optional[int] = None, margin: float = SAFETY) -> Plan:
+def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
+    """The plan of a choice, with its predictions, their breakdowns and the notes that explain them."""
+    hw, world, dtype_name, elem_bytes = settings.hw, settings.world_size, settings.dtype_name, settings.elem_bytes
+    grad_accum, budget, updates_in_backward = settings.grad_accum, settings.budget, settings.updates_in_backward
+    host_budget, margin = settings.host_budget, settings.margin
     path: dict = {}
     memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path)
     lay = choice.layout
@@ -954,16 +1015,16 @@ def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
     return checkpointing is not None and all(m in (True, "full") for m in checkpointing)
 
 
-def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
-                       grad_accum: int, host_budget: Optional[int], fully_searched: bool = False,
-                       updates_in_backward: bool = False, margin: float = SAFETY) -> str:
+def _too_small_message(settings: SearchSettings, smallest: dict, fully_searched: bool = False) -> str:
     """`fully_searched`: a profile that recomputes every block was among those searched, so more
     checkpointing is no advice to give (that setting needed more than the smallest plan)."""
+    budget, host_budget, margin = settings.budget, settings.host_budget, settings.margin
     if "choice" not in smallest:
         return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
                 f"state): give the device more memory, add ranks, or free host memory")
     choice: Choice = smallest["choice"]
-    memory, _, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
+    memory, _, _, _ = evaluate(choice, settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum,
+                               settings.updates_in_backward)
     part, value = max(memory.items(), key=lambda kv: kv[1])
     prof = choice.layout.profile
     if part == "activations":

@@ -1,4 +1,4 @@
-"""Engine errors users see before any state is touched."""
+"""The error a plan search raises and the engine passes on from rank 0."""
 
 
 class PlanError(ValueError):
