@@ -260,8 +260,8 @@ def test_every_field_of_a_worker_written_manifest_is_checked_in_python_integers(
 def test_a_manifest_naming_a_huge_model_is_refused_before_sample_builds_it(tmp_path, monkeypatch):
     """The manifest's run config names gpt-10b, its tensors are a tiny model's: `sample` compares the
     shapes first and never builds the 10B model."""
-    from elixir_ray import sample as sample_module
-    from elixir_ray.api import as_config
+    from elixir_ray import generate as sample_module
+    from elixir_ray.run.resolved import as_config
     from elixir_ray.model.factory import init_reference_model
 
     from conftest import tiny_config
