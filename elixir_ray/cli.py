@@ -151,10 +151,16 @@ def _host_memory_line(args, hardware, host_budget: int) -> str:
     line = f"host RAM for optimizer state: {format_bytes(host_budget)} per rank"
     if args.host_memory:
         return line + " (--host-memory)"
-    line += f" ({HOST_FRACTION:.0%} of this machine's free RAM over {args.world_size} rank(s); --host-memory sets it)"
+    share = f"{HOST_FRACTION:.0%} of"
+    over = f"over {args.world_size} rank(s); --host-memory sets it"
+    if args.hardware and hardware.host_memory_free:  # the profile's record of the host it was measured on
+        recorded = format_bytes(hardware.host_memory_free)
+        return line + f" ({share} the free RAM {args.hardware} records, {recorded}, {over})"
+    line += f" ({share} this machine's free RAM {over})"
     if args.hardware and not device_is_here(hardware):
-        print(f"elixir-ray: warning: the rates are from {hardware.device_name or hardware.device}, but the host RAM "
-              f"limit is this machine's: give --host-memory for the machine the plan is for", file=sys.stderr)
+        print(f"elixir-ray: warning: {args.hardware} records no host memory, so the host RAM limit is this "
+              f"machine's: give --host-memory for the machine the plan is for (a profile written by "
+              f"--save-hardware records its host's)", file=sys.stderr)
     return line
 
 

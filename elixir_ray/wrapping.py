@@ -38,7 +38,7 @@ def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, *, sample_inputs: 
     `sample_inputs` is one step's inputs, traced to order the chunks: a tuple of forward's positional
     inputs, or a dict of its keyword inputs (a Hugging Face model's `input_ids` and `labels`). The
     trace runs backward from the loss: forward's output when it is a tensor, else its `loss` (a
-    ModelOutput's), else what `loss_fn(output)` returns.
+    ModelOutput's), else what `loss_fn(output)` returns; those two must be scalars.
     `plan`: a `Plan` to run (`elixir_ray.plan`, `engine.manual_plan`, `Plan.from_json`); without
     one, wrap measures the device briefly and searches the fastest plan within `device_memory`.
     `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets

@@ -363,13 +363,15 @@ def one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
             text = json.dumps({"plan": search().to_json()})
         except Exception as exc:  # sent on, then raised here too
             error = exc
-            text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "plan_error": isinstance(exc, PlanError)})
+            text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "plan_error": isinstance(exc, PlanError),
+                               "parts": exc.parts() if isinstance(exc, PlanError) else {}})
     message = json.loads(comm.broadcast_text(text))
     if error is not None:
         raise error
     if "error" in message:
-        kind = PlanError if message["plan_error"] else RuntimeError
-        raise kind(f"rank 0 could not plan: {message['error']}")
+        if message["plan_error"]:  # with its attributes: a loop that reads min_bytes reads it on every rank
+            raise PlanError(f"rank 0 could not plan: {message['error']}", **message["parts"])
+        raise RuntimeError(f"rank 0 could not plan: {message['error']}")
     return Plan.from_json(message["plan"])
 
 

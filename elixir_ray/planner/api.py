@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -14,15 +13,11 @@ from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
-from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
+from elixir_ray.planner.hardware import HardwareProfile, available_host_bytes, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
 from elixir_ray.planner.search import HOST_FRACTION, SearchSettings, check_margin, plan_search
 from elixir_ray.units import parse_bytes
-
-
-def available_host_bytes() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_budget(device: torch.device) -> int:
@@ -57,6 +52,16 @@ def default_host_budget(ranks_on_host: int, free_bytes: Optional[int] = None) ->
     """Host RAM for optimizer state per rank: a fraction of what is free, shared by the ranks on the host."""
     free = available_host_bytes() if free_bytes is None else free_bytes
     return int(HOST_FRACTION * free) // max(1, ranks_on_host)
+
+
+def host_budget(host_memory: Union[int, str, None], hardware: HardwareProfile, ranks_on_host: int,
+                flag: str = "host_memory") -> tuple[int, Optional[str]]:
+    """(host bytes per rank for optimizer state, the option that set them, `flag`, or None):
+    `host_memory` when given, else a share of the free host RAM the hardware profile recorded (of
+    the machine it describes), else of this machine's."""
+    if host_memory is not None:
+        return parse_bytes(host_memory), flag
+    return default_host_budget(ranks_on_host, hardware.host_memory_free or None), None
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], *,
 
     The module may live on the meta device; it is traced, never run on real weights. `hardware`
     defaults to a measurement of this machine's device. `host_memory` bounds the optimizer state
-    kept on the host per rank (default: the free RAM shared by `world_size` ranks).
+    kept on the host per rank (default: a share of the free RAM that `hardware` recorded, else of
+    this machine's, shared by `world_size` ranks).
     `search_checkpointing=False` keeps the module's own activation-checkpointing setting.
     `updates_in_backward=True` plans for a loop whose CPU updates start during the last backward
     (wrap with accumulation_steps, no max_grad_norm, not fp16), which hides more of them; with
@@ -156,10 +162,11 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], *,
         device = torch.device(hardware.device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         budget = planning_budget(device_memory, hardware)
-        host = parse_bytes(host_memory) if host_memory is not None else default_host_budget(world_size)
+        host, host_from = host_budget(host_memory, hardware, world_size)
         if time_compute is None:
             time_compute = device_is_here(hardware)
         settings = search_settings(hardware, budget, world_size, dtype, grad_accum=grad_accum, host_budget=host,
+                                   host_budget_from=host_from,
                                    updates_in_backward=updates_in_backward, low_host_grads=low_host_grads,
                                    replicate=replicate, memory_margin=memory_margin)
         profiling = Profiling(loss_fn=loss_fn, search_checkpointing=search_checkpointing, time_compute=time_compute)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import threading
@@ -49,16 +50,20 @@ class HardwareProfile:
     # updates: the link and the host's memory are shared, so each direction gets less than alone
     # (on the H100 the DOS copies ran at about half the one-way rate inside training); 0: not measured
     copies_beside_cpu_adam_gbps: float = 0.0
+    # the host RAM available where it was measured, bytes: what a plan for that machine bounds its
+    # host-side optimizer state by (HOST_FRACTION of it) unless a host limit is given; 0: not recorded
+    # (a profile from an older version, or written by hand)
+    host_memory_free: int = 0
 
     def __post_init__(self):
         """A profile is often hand-edited JSON: a rate that is not a positive number would plan with a
         zero division or a negative time, so it is refused here, by name."""
         for name in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
                      "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
-                     "copies_beside_cpu_adam_gbps"):
+                     "copies_beside_cpu_adam_gbps", "host_memory_free"):
             value = getattr(self, name)
             optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
-                                "copies_beside_cpu_adam_gbps")
+                                "copies_beside_cpu_adam_gbps", "host_memory_free")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not optional):
                 raise ValueError(f"{name} must be a {'non-negative' if optional else 'positive'} number, got {value!r}")
@@ -120,6 +125,7 @@ class HardwareProfile:
             copies_beside_cpu_adam_gbps=min((p.copies_beside_cpu_adam_gbps for p in profiles
                                              if p.copies_beside_cpu_adam_gbps), default=0.0),
             device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
+            host_memory_free=min((p.host_memory_free for p in profiles if p.host_memory_free), default=0),
         )
 
 
@@ -345,4 +351,9 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
                            cpu_threads=torch.get_num_threads(), device_name=device_name(device),
                            cpu_adam_low_grad_params_per_s=cpu_adam_low,
                            cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0,
-                           copies_beside_cpu_adam_gbps=copies_beside)
+                           copies_beside_cpu_adam_gbps=copies_beside, host_memory_free=available_host_bytes())
+
+
+def available_host_bytes() -> int:
+    """The host RAM free now (the page cache not counted)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

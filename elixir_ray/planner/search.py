@@ -20,7 +20,6 @@ from typing import Optional
 import numpy as np
 
 from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
-from elixir_ray.chunk_plan.errors import PlanError
 from elixir_ray.chunk_plan.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
 from elixir_ray.chunk_plan.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.engine.allocator import MARGIN_EXPANDABLE, default_memory_margin
@@ -81,6 +80,9 @@ class SearchSettings:
     elem_bytes: int = 4  # its bytes per element
     grad_accum: int = 1  # micro-steps per step
     host_budget: Optional[int] = None  # host bytes per rank for optimizer state (None: no limit)
+    # the option that set host_budget, as a refusal names it ("host_memory", "--host-memory"); None:
+    # HOST_FRACTION of the free host RAM
+    host_budget_from: Optional[str] = None
     updates_in_backward: bool = False
     low_host_grads: bool = True
     replicate: str = "auto"
@@ -791,7 +793,8 @@ def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
     settings' budget less their memory margin (kept back for the allocator's fragmentation and
     short-lived buffers). `chunk_sizes`: those to try (default: a few of least waste per profile).
 
-    Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
+    Raises PlanError (`refusal.too_small`): the smallest budget any candidate needs, what dominates
+    it, and what to change.
     """
     if settings.replicate not in REPLICATE_CHOICES:
         raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {settings.replicate!r}")
@@ -811,8 +814,9 @@ def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
                 for upload in uploads:
                     _search_layout(lay, settings, best, upload, grads_low)
     if best.choice is None:
-        fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
-        raise PlanError(_too_small_message(settings, best.smallest, fully))
+        from elixir_ray.planner.refusal import too_small  # it reads the search's results: imported when needed
+
+        raise too_small(settings, best.smallest, profiles)
     found = choice_to_plan(best.choice, settings, note="searched: fastest predicted step within the budget")
     if routed:
         routed_note = ("every chunk replicated: the traced step read values computed from the weights (a learned "
@@ -996,63 +1000,3 @@ def critical_path_note(path: dict, grad_accum: int = 1) -> str:
     rest = "recompute, backward and the other micro-steps" if grad_accum > 1 else "recompute and backward"
     return (f"critical path: the forward's compute {ms(path['forward'])}, {wait}, then {rest} {ms(path['rest'])} "
             f"(bound by {bound})")
-
-
-def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int, margin: float = SAFETY) -> str:
-    """The micro-batch that would fit, taking activations as proportional to it (an estimate: the
-    caller's config or loop sets the micro-batch, and only a plan at that size is exact)."""
-    rest = need * (1 - margin) - activations  # what does not shrink with the micro-batch
-    per_row = activations / max(1, batch)
-    fits = int((budget * (1 - margin) - rest) // per_row) if per_row > 0 else 0
-    if fits >= 1 and batch > 1:
-        return (f"use micro-batch {min(fits, batch - 1)} or less, an estimate that takes activations as "
-                f"proportional to the micro-batch")
-    return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - margin)))}: use shorter "
-            f"sequences or a smaller model, or give the device more memory")
-
-
-def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
-    return checkpointing is not None and all(m in (True, "full") for m in checkpointing)
-
-
-def _too_small_message(settings: SearchSettings, smallest: dict, fully_searched: bool = False) -> str:
-    """`fully_searched`: a profile that recomputes every block was among those searched, so more
-    checkpointing is no advice to give (that setting needed more than the smallest plan)."""
-    budget, host_budget, margin = settings.budget, settings.host_budget, settings.margin
-    if "choice" not in smallest:
-        return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
-                f"state): give the device more memory, add ranks, or free host memory")
-    choice: Choice = smallest["choice"]
-    memory, _, _, _ = evaluate(choice, settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum,
-                               settings.updates_in_backward)
-    part, value = max(memory.items(), key=lambda kv: kv[1])
-    prof = choice.layout.profile
-    if part == "activations":
-        ckpt = prof.checkpointing
-        if ckpt is not None and any(m == "selective" for m in ckpt) and not fully_searched:
-            hint = "recompute whole blocks: full activation checkpointing, or let the planner choose per block"
-        elif ckpt is not None and not _recomputes_every_block(ckpt) and not fully_searched:
-            hint = "enable activation checkpointing"
-        else:
-            hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size, margin)
-            if prof.checkpointing_hint:
-                hint = f"{prof.checkpointing_hint} (activation checkpointing), or {hint}"
-        dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
-    elif part == "pool blocks":
-        dominant = (f"the pool needs at least {choice.n_blocks} blocks of {format_bytes(value // choice.n_blocks)} "
-                    f"({format_bytes(value)}): the largest layer or parameter sets the block size")
-    else:
-        dominant = f"{part} needs {format_bytes(value)}"
-    need = format_bytes(int(smallest["need"]))
-    unbounded = smallest.get("unbounded_need", smallest["need"])
-    if host_budget is None or unbounded >= 0.99 * smallest["need"]:
-        return f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}"
-    host = (f"only {format_bytes(host_budget)} per rank may hold optimizer state ({HOST_FRACTION:.0%} of the free "
-            f"host RAM unless host_memory or --host-memory sets it), so the rest stays on the device")
-    if unbounded <= budget:  # the device would do, were the host roomier
-        return (f"host memory is too small for device_memory {format_bytes(budget)}: {host}, and the smallest plan "
-                f"then needs {need} of device memory; with room on the host for all of it, "
-                f"{format_bytes(int(unbounded))} would do: allow more host memory, or give the device more")
-    return (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}; "
-            f"host memory sets part of that: {host}; with room on the host for all of it the smallest plan needs "
-            f"{format_bytes(int(unbounded))}")
