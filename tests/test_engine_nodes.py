@@ -1,0 +1,94 @@
+"""Chunks sharded within each node and replicated across nodes, on 4 gloo ranks of 2 simulated nodes.
+
+Each way of holding a chunk (replicated, sharded across all ranks, sharded within each node) and
+a plan mixing the three train as one process does on the global batch (fp32, to 1e-5), with
+gradient clipping, and the ranks' checkpoint shards join into the same whole tensors.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elixir_ray import wrap
+from elixir_ray.engine import assemble, engine_shard, layout_of, manual_plan
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
+
+WORLD, STEPS, ACCUM, MAX_NORM = 4, 2, 2, 0.05
+# rank -> node: two nodes of two ranks; the mixed plan's ranks alternate between them
+RUNS = {"replicated": [0, 0, 1, 1], "sharded": [0, 0, 1, 1], "node_sharded": [0, 0, 1, 1], "mixed": [0, 1, 0, 1]}
+
+
+def _modes(run: str, n: int) -> list[str]:
+    if run != "mixed":
+        return [run] * n
+    return [("node_sharded", "sharded", "replicated")[i % 3] for i in range(n)]
+
+
+def _rank_main(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD)
+    results = {}
+    for run, node_of_rank in RUNS.items():
+        torch.manual_seed(0)
+        model = Toy()
+        data = batches(STEPS * ACCUM, 8)
+        sample = (data[0][: 8 // WORLD],)
+        n = manual_plan(model, sample, chunk_size=512, n_blocks=1, world_size=WORLD).n_chunks
+        modes = _modes(run, n)
+        plan = manual_plan(model, sample, chunk_size=512, n_blocks=3, world_size=WORLD,
+                           placements=["host" if i % 2 else "device" for i in range(n)],
+                           sharded=[m != "replicated" for m in modes], node_sharded=[m == "node_sharded" for m in modes],
+                           node_of_rank=node_of_rank)
+        wrapped, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=sample, plan=plan,
+                            max_grad_norm=MAX_NORM, device="cpu")
+        losses = engine_run(wrapped, opt, data, STEPS, ACCUM, rank=rank, world=WORLD)
+        state, optim = wrapped.state_dict(), opt.state_dict()  # collectives: every rank gathers
+        shard = engine_shard(wrapped, opt)
+        shards = [None] * WORLD
+        dist.all_gather_object(shards, shard)
+        results[run] = {"losses": losses, "state": state, "optim": optim, "modes": wrapped.plan.sharding,
+                        "shard_keys": sorted(k for k in shard if k.startswith("chunk/")),
+                        "joined": assemble(shards, layout_of(wrapped)), "layout": layout_of(wrapped)}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((torch.as_tensor(a[k]).float() - torch.as_tensor(b[k]).float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_each_way_of_holding_chunks_on_two_nodes_trains_as_one_process(tmp_path):
+    torch.manual_seed(0)
+    base = Toy()
+    ref_losses, ref_state, ref_optim = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM,
+                                                     with_optimizer=True)
+    out = str(tmp_path / "rank")
+    mp.spawn(_rank_main, args=(store_url(tmp_path), out), nprocs=WORLD, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
+    for run, node_of_rank in RUNS.items():
+        result = ranks[0][run]
+        assert set(result["modes"]) == ({"node_sharded", "sharded", "replicated"} if run == "mixed" else {run})
+        assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5, run
+        assert _max_diff(result["state"], ref_state) <= 1e-5, run
+        for i, entry in ref_optim["state"].items():
+            assert _max_diff(result["optim"]["state"][i], entry) <= 1e-5, run
+        # a checkpoint's join of the ranks' shards: the same weights and moments
+        joined = result["joined"]
+        assert _max_diff({k: joined[f"model/{k}"] for k in ref_state}, ref_state) <= 1e-5, run
+        # a node-sharded chunk's shards come from the ranks of rank 0's node only, one per local rank
+        node_chunks = [i for i, m in enumerate(result["modes"]) if m == "node_sharded"]
+        first_node = [r for r in range(WORLD) if node_of_rank[r] == node_of_rank[0]]
+        for i in node_chunks:
+            assert result["layout"]["chunks"][i]["shard_ranks"] == first_node
+            holders = [r for r in range(WORLD) if f"chunk/{i}/master" in ranks[r][run]["shard_keys"]]
+            assert holders == first_node, run
+        for r in range(WORLD):  # every rank joins the same tensors
+            assert _max_diff(ranks[r][run]["joined"], joined) == 0.0
