@@ -1,8 +1,10 @@
-"""Chunks sharded within each node and replicated across nodes, on 4 gloo ranks of 2 simulated nodes.
+"""4 gloo ranks on 2 simulated nodes (one spawn for the module): their collectives' rates, and
+chunks sharded within each node and replicated across nodes.
 
-Each way of holding a chunk (replicated, sharded across all ranks, sharded within each node) and
-a plan mixing the three train as one process does on the global batch (fp32, to 1e-5), with
-gradient clipping, and the ranks' checkpoint shards join into the same whole tensors.
+The ranks time their collectives within each node, across all ranks and between nodes. Each way
+of holding a chunk (replicated, sharded across all ranks, sharded within each node) and a plan
+mixing the three train as one process does on the global batch (fp32, to 1e-5), with gradient
+clipping, and the ranks' checkpoint shards join into the same whole tensors.
 """
 
 import os
@@ -14,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elixir_ray import wrap
+from elixir_ray.cluster.collective_rates import measure_collectives
 from elixir_ray.engine import assemble, engine_shard, layout_of, manual_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,7 +36,7 @@ def _modes(run: str, n: int) -> list[str]:
 def _rank_main(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD)
-    results = {}
+    results = {"network": measure_collectives([0, 0, 1, 1], torch.device("cpu"), 2**14)}
     for run, node_of_rank in RUNS.items():
         torch.manual_seed(0)
         model = Toy()
@@ -64,15 +67,33 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((torch.as_tensor(a[k]).float() - torch.as_tensor(b[k]).float()).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of the 4 ranks measured and trained."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    out = str(tmp / "rank")
+    mp.spawn(_rank_main, args=(store_url(str(tmp)), out), nprocs=WORLD, join=True)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
+
+
 @pytest.mark.slow
-def test_each_way_of_holding_chunks_on_two_nodes_trains_as_one_process(tmp_path):
+def test_the_ranks_time_collectives_within_a_node_across_all_ranks_and_between_nodes(ranks):
+    from elixir_ray.planner.network import Network
+
+    for rank in ranks:
+        assert set(rank["network"]) == {"node", "world", "peers"}
+        for rates in rank["network"].values():
+            assert rates["all_gather_gbps"] > 0 and rates["reduce_scatter_gbps"] > 0 and rates["latency_s"] > 0
+    net = Network.from_ranks([0, 0, 1, 1], ["a", "b"], [r["network"] for r in ranks])
+    assert net.node.nodes in (("a",), ("b",)) and net.world.nodes == ("a", "b") and net.peers.nodes == ("a", "b")
+
+
+@pytest.mark.slow
+def test_each_way_of_holding_chunks_on_two_nodes_trains_as_one_process(ranks):
     torch.manual_seed(0)
     base = Toy()
     ref_losses, ref_state, ref_optim = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM,
                                                      with_optimizer=True)
-    out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(store_url(tmp_path), out), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
     for run, node_of_rank in RUNS.items():
         result = ranks[0][run]
         assert set(result["modes"]) == ({"node_sharded", "sharded", "replicated"} if run == "mixed" else {run})
