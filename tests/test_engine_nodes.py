@@ -2,9 +2,10 @@
 chunks sharded within each node and replicated across nodes.
 
 The ranks time their collectives within each node, across all ranks and between nodes. Each way
-of holding a chunk (replicated, sharded across all ranks, sharded within each node) and a plan
-mixing the three train as one process does on the global batch (fp32, to 1e-5), with gradient
-clipping, and the ranks' checkpoint shards join into the same whole tensors.
+of holding a chunk (replicated, sharded across all ranks, sharded within each node), a plan
+mixing the three, and the plan searched for a slow network between the nodes train as one
+process does on the global batch (fp32, to 1e-5), with gradient clipping, and the ranks'
+checkpoint shards join into the same whole tensors.
 """
 
 import os
@@ -15,16 +16,38 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import elixir_ray
 from elixir_ray import wrap
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.cluster.collective_rates import measure_collectives
 from elixir_ray.engine import assemble, engine_shard, layout_of, manual_plan
+from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.network import GroupRates, Network
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
 
 WORLD, STEPS, ACCUM, MAX_NORM = 4, 2, 2, 0.05
-# rank -> node: two nodes of two ranks; the mixed plan's ranks alternate between them
-RUNS = {"replicated": [0, 0, 1, 1], "sharded": [0, 0, 1, 1], "node_sharded": [0, 0, 1, 1], "mixed": [0, 1, 0, 1]}
+# rank -> node: two nodes of two ranks; the mixed plan's ranks alternate between them ("searched": the plan's)
+RUNS = {"replicated": [0, 0, 1, 1], "sharded": [0, 0, 1, 1], "node_sharded": [0, 0, 1, 1], "mixed": [0, 1, 0, 1],
+        "searched": [0, 0, 1, 1]}
+RATES = HardwareProfile(device="cpu", h2d_gbps=5.0, d2h_gbps=5.0, cpu_adam_params_per_s=1e9,
+                        device_adam_params_per_s=1e9, matmul_tflops=0.1, cpu_threads=1)
+
+
+def _network(between_nodes_gbps: float) -> Network:
+    """Two nodes of two ranks: 20 GB/s within a node, `between_nodes_gbps` across them (and across all
+    ranks, whose ring crosses between the nodes), 50 us a call everywhere."""
+    far = GroupRates(between_nodes_gbps, between_nodes_gbps, 5e-5, ("a", "b"))
+    return Network(node_of_rank=(0, 0, 1, 1), node_names=("a", "b"), node=GroupRates(20.0, 20.0, 5e-5, ("a",)),
+                   world=far, peers=far)
+
+
+def _searched(between_nodes_gbps: float) -> Plan:
+    torch.manual_seed(0)
+    return elixir_ray.plan(Toy(), (batches(1, 8)[0][: 8 // WORLD],), device_memory="1GiB", world_size=WORLD,
+                           hardware=RATES, dtype=torch.float32, host_memory="1GiB",
+                           network=_network(between_nodes_gbps))
 
 
 def _modes(run: str, n: int) -> list[str]:
@@ -33,7 +56,7 @@ def _modes(run: str, n: int) -> list[str]:
     return [("node_sharded", "sharded", "replicated")[i % 3] for i in range(n)]
 
 
-def _rank_main(rank: int, store: str, out: str) -> None:
+def _rank_main(rank: int, store: str, out: str, searched: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD)
     results = {"network": measure_collectives([0, 0, 1, 1], torch.device("cpu"), 2**14)}
@@ -44,10 +67,11 @@ def _rank_main(rank: int, store: str, out: str) -> None:
         sample = (data[0][: 8 // WORLD],)
         n = manual_plan(model, sample, chunk_size=512, n_blocks=1, world_size=WORLD).n_chunks
         modes = _modes(run, n)
-        plan = manual_plan(model, sample, chunk_size=512, n_blocks=3, world_size=WORLD,
-                           placements=["host" if i % 2 else "device" for i in range(n)],
-                           sharded=[m != "replicated" for m in modes], node_sharded=[m == "node_sharded" for m in modes],
-                           node_of_rank=node_of_rank)
+        plan = Plan.from_json(searched) if run == "searched" else manual_plan(
+            model, sample, chunk_size=512, n_blocks=3, world_size=WORLD,
+            placements=["host" if i % 2 else "device" for i in range(n)],
+            sharded=[m != "replicated" for m in modes], node_sharded=[m == "node_sharded" for m in modes],
+            node_of_rank=node_of_rank)
         wrapped, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=sample, plan=plan,
                             max_grad_norm=MAX_NORM, device="cpu")
         losses = engine_run(wrapped, opt, data, STEPS, ACCUM, rank=rank, world=WORLD)
@@ -72,7 +96,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     """What each of the 4 ranks measured and trained."""
     tmp = tmp_path_factory.mktemp("nodes")
     out = str(tmp / "rank")
-    mp.spawn(_rank_main, args=(store_url(str(tmp)), out), nprocs=WORLD, join=True)
+    searched = _searched(between_nodes_gbps=0.001).to_json()
+    mp.spawn(_rank_main, args=(store_url(str(tmp)), out, searched), nprocs=WORLD, join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
 
 
@@ -96,7 +121,8 @@ def test_each_way_of_holding_chunks_on_two_nodes_trains_as_one_process(ranks):
                                                      with_optimizer=True)
     for run, node_of_rank in RUNS.items():
         result = ranks[0][run]
-        assert set(result["modes"]) == ({"node_sharded", "sharded", "replicated"} if run == "mixed" else {run})
+        if run != "searched":
+            assert set(result["modes"]) == ({"node_sharded", "sharded", "replicated"} if run == "mixed" else {run})
         assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5, run
         assert _max_diff(result["state"], ref_state) <= 1e-5, run
         for i, entry in ref_optim["state"].items():
@@ -113,3 +139,25 @@ def test_each_way_of_holding_chunks_on_two_nodes_trains_as_one_process(ranks):
             assert holders == first_node, run
         for r in range(WORLD):  # every rank joins the same tensors
             assert _max_diff(ranks[r][run]["joined"], joined) == 0.0
+
+
+@pytest.mark.slow
+def test_a_slow_network_between_nodes_shards_chunks_within_each_node_and_says_why(ranks):
+    """The acceptance of hierarchical sharding: at 1 MB/s between the nodes (20 GB/s within) the
+    search shards chunks within each node, explain() says why, and the plan trained above (test
+    before) is the one searched: it trains as one process does."""
+    plan = _searched(between_nodes_gbps=0.001)
+    assert "node_sharded" in plan.sharding and plan.node_of_rank == [0, 0, 1, 1]
+    assert ranks[0]["searched"]["modes"] == plan.sharding
+    text = plan.explain()
+    assert "sharding: " in text and "N within each node" in text
+    why = next(line for line in text.splitlines() if "note: sharded within each node:" in line)
+    assert "gathered within the node (all-gather 20 GB/s)" in why and "(0.001 GB/s)" in why, why
+    assert "sharded so instead, the step is predicted at" in why
+    assert "collectives between nodes: all-gather 0.001 GB/s" in text and "measured on a-b" in text
+
+
+def test_a_fast_network_between_nodes_shards_no_chunk_within_a_node():
+    plan = _searched(between_nodes_gbps=20.0)
+    assert "node_sharded" not in plan.sharding and not plan.node_sharded
+    assert "sharding within each node (replicated across the 2 nodes) was searched too" in plan.explain()

@@ -76,7 +76,8 @@ class SearchSettings:
     clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
     one micro-step, device chunks' gradients are released once applied (`gradients_released`).
     `network`: where the ranks are and their collectives' measured rates (None: one node, at
-    `hw.collective_gbps`). `slowest_nodes`: per rate
+    `hw.collective_gbps`); with "auto" on several nodes of as many ranks each, the search also tries
+    sharding chunks within each node and replicating them across nodes. `slowest_nodes`: per rate
     of `hw` (a HardwareProfile field, or "compute"), the node it was measured on, where the ranks'
     profiles differ (`hardware.slowest_nodes`): the plan names the one that bounds its step.
     """
@@ -830,8 +831,8 @@ def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
             sharded = make_layout(profile, cs, settings.world_size)
-            for lay in replication_layouts(sharded, settings.world_size, settings.elem_bytes, settings.hw,
-                                           settings.replicate):
+            for lay in node_sharding_layouts(replication_layouts(sharded, settings.world_size, settings.elem_bytes,
+                                                                 settings.hw, settings.replicate), settings):
                 uploads = (False, True) if settings.elem_bytes < 4 else (False,)  # upload copies: host RAM for PCIe
                 for upload in uploads:
                     _search_layout(lay, settings, best, upload, grads_low)
@@ -947,6 +948,49 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
     return out
 
 
+NODE_SHARDED_FRACTIONS = (0.5, 1.0)  # of a layout's sharded chunks, those node sharding saves most on first
+
+
+def node_sharding_applies(settings: SearchSettings) -> bool:
+    """Whether the search tries sharding chunks within each node: "auto", on several nodes of as
+    many ranks each, more than one of them."""
+    nodes = settings.nodes
+    return (settings.replicate == "auto" and settings.world_size > 1 and nodes.n_nodes > 1
+            and nodes.ranks_per_node > 1 and nodes.uniform)
+
+
+def node_sharding_layouts(layouts: list[Layout], settings: SearchSettings) -> list[Layout]:
+    """`layouts` (the first with every chunk sharded across all ranks) and, with "auto" on several
+    nodes of as many ranks each, each of them with some of its sharded chunks sharded within each
+    node instead: gathered among the ranks of a node, with only the gradient shards crossing
+    between nodes, for ranks-per-node times less of the chunk's state on each rank than replicated
+    and world/ranks-per-node times more than sharded. The chunks are taken in the order of the
+    collective time saved per extra byte of state (at the smallest pool, where they are fetched
+    most), half of them and all."""
+    if not node_sharding_applies(settings):
+        return layouts
+    world, lay, k = settings.world_size, layouts[0], settings.nodes.ranks_per_node
+    n = len(lay.sizes)
+    spread, within = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
+
+    def collective(node: np.ndarray) -> np.ndarray:
+        costs = chunk_costs(lay.sizes, np.where(node, lay.sizes // k, lay.shards), spread, world,
+                            settings.elem_bytes, settings.hw, node_sharded=node, network=settings.network)
+        return loads_at(lay, lay.min_blocks) * costs.load_device + costs.reduce_device
+
+    saved = collective(spread) - collective(within)
+    extra = (lay.sizes // k - lay.shards) * STATE_BYTES
+    ranking = np.argsort(-(saved / np.maximum(extra, 1)), kind="stable")
+    out = list(layouts)
+    for base in layouts:
+        free = [c for c in ranking if not base.replicated[c]]
+        for m in sorted({max(1, int(round(f * len(free)))) for f in NODE_SHARDED_FRACTIONS} if free else ()):
+            mask = np.zeros(n, dtype=bool)
+            mask[free[:m]] = True
+            out.append(make_layout(lay.profile, lay.chunk_size, world, base.replicated, mask, k))
+    return out
+
+
 def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
     """The plan of a choice, with its predictions, their breakdowns and the notes that explain them."""
     hw, world, dtype_name, elem_bytes = settings.hw, settings.world_size, settings.dtype_name, settings.elem_bytes
@@ -982,6 +1026,11 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
                      f"memory-bound kernels not counted)")
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
+    if lay.node_sharded.any():
+        notes.append(_node_sharding_note(choice, settings, seconds))
+    elif node_sharding_applies(settings):
+        notes.append(f"sharding within each node (replicated across the {settings.nodes.n_nodes} nodes) was searched "
+                     f"too and predicted no faster a step within the budget")
     bound = bounding_note(time, settings.slowest_nodes, settings.network)
     if bound:
         notes.append(bound)
@@ -1000,6 +1049,28 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
         updates_in_backward=updates_in_backward, memory_margin=margin,
     )
+
+
+def _node_sharding_note(choice: Choice, settings: SearchSettings, seconds: float) -> str:
+    """Why some chunks are sharded within each node: the collectives' rates, and the step predicted
+    with those chunks sharded across all ranks instead."""
+    lay, nodes, network = choice.layout, settings.nodes, settings.network
+    spread = make_layout(lay.profile, lay.chunk_size, settings.world_size, lay.replicated)
+    across = replace(choice, layout=spread)
+    alone = evaluate(across, settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum,
+                     settings.updates_in_backward, network=network)[3]
+    extra = int(((lay.shards - spread.shards) * STATE_BYTES).sum())
+
+    def rate(scope: str) -> str:
+        measured = network.rates(scope) if network is not None else None
+        return f"{measured.all_gather_gbps:.3g} GB/s" if measured is not None else "an unmeasured rate"
+
+    return (f"sharded within each node: {int(lay.node_sharded.sum())} chunk(s) split among the "
+            f"{nodes.ranks_per_node} ranks of a node and whole on each of the {nodes.n_nodes} nodes, gathered within "
+            f"the node (all-gather {rate('node')}) with only their gradient shards all-reduced between nodes "
+            f"({rate('peers')}), where sharding across all ranks gathers at {rate('world')}: sharded so instead, the "
+            f"step is predicted at {alone * 1e3:,.1f} ms, not {seconds * 1e3:,.1f} ms, for "
+            f"{format_bytes(extra)} less state per rank")
 
 
 def forward_wait(path: dict) -> tuple[float, bool]:
