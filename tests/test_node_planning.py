@@ -67,9 +67,11 @@ def test_a_plan_for_mixed_nodes_is_costed_at_the_slowest_and_names_the_node_that
     plan = make_run_plan(_cfg(device_memory="64MiB"), profiles)
     engine = Plan.from_dict(plan.engine)
     assert engine.node_of_rank == [0, 0, 1, 1]
+    assert Plan.from_json(engine.to_json()) == engine  # the rates' nodes as JSON keeps them
     assert engine.hardware["cpu_adam_params_per_s"] == 2e8 and engine.hardware["matmul_tflops"] == 0.05  # node b's
     text = engine.explain()
-    assert "the step is bound by compute" in text and "at node box/node-b's rate, the slowest of the ranks'" in text, text
+    assert "the step is bound by compute" in text, text
+    assert "at node box/node-b's rate, the slowest of the ranks'" in text
     # the collectives' rates, with the nodes they were measured on
     assert "collectives within a node: all-gather 20 GB/s" in text and "(measured on box/node-a)" in text
     assert "collectives between nodes: all-gather 5 GB/s" in text and "(measured on box/node-a-box/node-b)" in text

@@ -188,12 +188,12 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
         replicated = np.asarray(replicated, dtype=bool)
     node = (np.zeros(len(sizes), dtype=bool) if node_sharded is None or world == 1
             else np.asarray(node_sharded, dtype=bool) & ~replicated)
+    shards = np.where(replicated, sizes_arr, np.where(node, sizes_arr // ranks_per_node, sizes_arr // world))
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
                   backward_final=backward_shares(profile.trace, chunk_of_param, handed_at, len(sizes)),
-                  shards=np.where(replicated, sizes_arr, np.where(node, sizes_arr // ranks_per_node, sizes_arr // world)),
-                  replicated=replicated, node_sharded=node, ranks_per_node=ranks_per_node,
+                  shards=shards, replicated=replicated, node_sharded=node, ranks_per_node=ranks_per_node,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
                   open_grads=max(1, max(opened for opened, _ in moments)),
@@ -1040,7 +1040,7 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
         node_sharded=[bool(x) for x in lay.node_sharded] if lay.node_sharded.any() else [],
         node_of_rank=list(settings.network.node_of_rank) if settings.network is not None else [],
-        network=settings.network.to_dict() if settings.network is not None else {},
+        network=json.loads(json.dumps(settings.network.to_dict())) if settings.network is not None else {},
         host_grads_low=choice.grads_low and not bool(choice.device.all()), prefetch_depth=choice.depth,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
