@@ -8,6 +8,7 @@ process does on the global batch (fp32, to 1e-5), with gradient clipping, and th
 checkpoint shards join into the same whole tensors.
 """
 
+import functools
 import os
 import sys
 
@@ -43,6 +44,7 @@ def _network(between_nodes_gbps: float) -> Network:
                    world=far, peers=far)
 
 
+@functools.lru_cache(maxsize=None)
 def _searched(between_nodes_gbps: float) -> Plan:
     torch.manual_seed(0)
     return elixir_ray.plan(Toy(), (batches(1, 8)[0][: 8 // WORLD],), device_memory="1GiB", world_size=WORLD,

@@ -69,9 +69,6 @@ class Network:
     def layout(self, world: int) -> NodeLayout:
         return NodeLayout.of(self.node_of_rank, world)
 
-    def name_of(self, node: int) -> str:
-        return _name(self.node_names, node)
-
     def rates(self, scope: str) -> Optional[GroupRates]:
         return getattr(self, scope)
 
