@@ -163,3 +163,19 @@ def test_a_fast_network_between_nodes_shards_no_chunk_within_a_node():
     plan = _searched(between_nodes_gbps=20.0)
     assert "node_sharded" not in plan.sharding and not plan.node_sharded
     assert "sharding within each node (replicated across the 2 nodes) was searched too" in plan.explain()
+
+
+def test_a_plan_whose_node_sharding_cannot_run_is_refused_before_the_module_changes():
+    torch.manual_seed(0)
+    sample = (batches(1, 8)[0],)
+    model = Toy()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    n = manual_plan(model, sample, chunk_size=512, n_blocks=1).n_chunks
+    cases = [(dict(sharded=False, node_sharded=True), "does not shard them"),
+             (dict(node_sharded=[True] * (n + 1)), f"node_sharded lists {n + 1} chunks"),
+             (dict(node_of_rank=[0, 1]), r"node_of_rank must give each of the 1 rank\(s\) a node")]
+    for kwargs, said in cases:
+        plan = manual_plan(model, sample, chunk_size=512, n_blocks=3, **kwargs)
+        with pytest.raises(ValueError, match=said):
+            wrap(model, torch.optim.AdamW(model.parameters()), sample_inputs=sample, plan=plan, device="cpu")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -27,10 +27,10 @@ from torch.utils._pytree import tree_flatten
 
 from elixir_ray.chunk_plan.errors import PlanError
 from elixir_ray.chunk_plan.layout import chunk_events, pack
+from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.allocator import use_expandable_segments
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, own_part, write_part
-from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.engine.comm import Comm, NodeComms
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.hooks import EngineHooks
@@ -602,7 +602,7 @@ def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
 def _node_sharded(plan: Plan, n_chunks: int) -> list[bool]:
     """The plan's chunks sharded within each node, checked against its other fields (before the
     module is touched): only sharded chunks, on as many ranks per node (`NodeComms`)."""
-    NodeLayout.of(plan.node_of_rank, plan.world_size)  # a node for each rank
+    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)  # a node for each rank
     if not plan.node_sharded:
         return [False] * n_chunks
     if len(plan.node_sharded) != n_chunks:
@@ -611,7 +611,6 @@ def _node_sharded(plan: Plan, n_chunks: int) -> list[bool]:
     if wrong:
         raise ValueError(f"the plan shards chunk(s) {wrong[:4]} within each node but does not shard them "
                          f"(sharded False): a node-sharded chunk is a sharded one")
-    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)
     if any(plan.node_sharded) and not nodes.uniform:
         raise ValueError(f"the plan shards chunks within each node, which needs as many ranks on every node; its "
                          f"node_of_rank is {plan.node_of_rank}")
