@@ -127,6 +127,12 @@ def check_layout(layout: dict, world: int) -> None:
         if chunk["sharded"] and world > 1 and (size == 0 or size % world):
             raise ValueError(f"its layout's chunk {i} is sharded over {world} ranks with {size} elements, not a "
                              f"positive multiple of {world}")
+        holders = chunk.get("shard_ranks")
+        if holders is not None and (not chunk["sharded"] or not isinstance(holders, list) or not holders
+                                    or not all(is_count(r) and r < world for r in holders)
+                                    or len(set(holders)) != len(holders) or size % len(holders)):
+            raise ValueError(f"its layout's chunk {i} names the ranks {holders!r} as holding its shards, not "
+                             f"distinct ranks below {world} of a sharded chunk that splits evenly among them")
     for j, slot in enumerate(slots):
         if not isinstance(slot, dict) or not isinstance(slot.get("name"), str):
             raise ValueError(f"its layout's slot {j} has no name")

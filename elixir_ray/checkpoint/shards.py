@@ -26,6 +26,7 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
 from elixir_ray.checkpoint.manifest import confined_path
 from elixir_ray.engine import JoinedState
+from elixir_ray.engine.state import shard_ranks
 
 SHARDS_FORMAT = "elixir_ray.checkpoint/2"  # one checkpoint directory of rank shards plus the layout
 PART_BYTES = 2**30
@@ -206,13 +207,13 @@ def _check_fits_layout(shards: list[dict], layout: dict) -> None:
     past an array or misses one."""
     world = len(shards)
     for i, chunk in enumerate(layout["chunks"]):
-        split = chunk["sharded"] and world > 1
-        length = chunk["size"] // world if split else chunk["size"]
+        holders = shard_ranks(chunk, world)
+        length = chunk["size"] // len(holders)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             key = f"chunk/{i}/{kind}"
             if key not in shards[0] and kind != "master":
                 continue  # moments not made yet (no step taken)
-            for rank in range(world) if split else (0,):
+            for rank in holders:
                 value = shards[rank].get(key)
                 if value is None or tuple(value.shape) != (length,):
                     found = "none" if value is None else f"shape {list(value.shape)}"

@@ -14,7 +14,8 @@ from typing import Optional, Union
 
 # 6: activation checkpointing per block by mode name, the hardware rates and the forward's compute
 # the predictions rest on, the memory margin the plan was searched with, and how many chunks ahead
-# the pool loads. Only this version is read: a plan of another is made again.
+# the pool loads; and, empty in a plan for one node, the node of each rank, the chunks sharded
+# within each node and the collectives' rates. Only this version is read: a plan of another is made again.
 PLAN_VERSION = 6
 # the share of the budget a plan keeps back for the allocator unless asked otherwise (planner.search.SAFETY)
 DEFAULT_MEMORY_MARGIN = 0.20
@@ -62,12 +63,29 @@ class Plan:
     # how many chunks ahead of the trace the pool loads (wrap's `prefetch` unless given there): the
     # planner takes as many as the pool's blocks allow (planner.search.prefetch_depth)
     prefetch_depth: int = 1
+    # per chunk (empty: none): True where a sharded chunk is split among the ranks of each node
+    # only and whole on every node (gathered within the node; its gradient reduce-scattered there,
+    # then all-reduced among the ranks holding the same shard on the other nodes)
+    node_sharded: list[bool] = field(default_factory=list)
+    # per rank: the number of the node it runs on (empty: every rank on one node); node-sharded
+    # chunks need as many ranks on every node
+    node_of_rank: list[int] = field(default_factory=list)
+    # the collectives' rates the predictions rest on and the nodes they were measured on
+    # (planner.network.Network's fields; empty where none were measured)
+    network: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     notes: list[str] = field(default_factory=list)
 
     @property
     def n_chunks(self) -> int:
         return len(self.placements)
+
+    @property
+    def sharding(self) -> list[str]:
+        """Per chunk: "sharded" (across all ranks), "node_sharded" (within each node, replicated
+        across nodes) or "replicated"."""
+        node = self.node_sharded or [False] * self.n_chunks
+        return ["replicated" if not s else "node_sharded" if n else "sharded" for s, n in zip(self.sharded, node)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -113,7 +131,12 @@ class Plan:
                      + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else "")
                      + ("; host gradients in the compute dtype" if self.host_grads_low else ""))
         if self.world_size > 1:
-            lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
+            within = self.sharding.count("node_sharded")
+            nodes = len(set(self.node_of_rank)) or 1
+            lines.append(f"  across ranks: {n - replicated - within} chunk(s) sharded, "
+                         + (f"{within} sharded within each node ({self.world_size // nodes} ranks) and replicated "
+                            f"across the {nodes} nodes, " if within else "")
+                         + f"{replicated} replicated")
         if self.activation_checkpointing is not None:
             modes = self.activation_checkpointing
             whole, selective = recomputation(modes)
@@ -121,6 +144,11 @@ class Plan:
                          + (f", {selective} selectively (layer norms and GELU)" if selective else ""))
         if n:
             lines.append("  chunks: " + _placement_strip(self.placements, self.sharded, self.world_size))
+        if any(self.node_sharded):
+            lines.append("  sharding: " + "".join({"sharded": "S", "node_sharded": "N", "replicated": "R"}[m]
+                                                  for m in self.sharding)
+                         + "   (S across all ranks, N within each node, R replicated)")
+        lines.extend(f"  collectives {line}" for line in network_lines(self.network))
         if self.memory:
             budget = f" of {format_bytes(self.budget_bytes)} budget" if self.budget_bytes else ""
             lines.append(f"  predicted peak device memory: {format_bytes(self.predicted_peak_bytes)}{budget}")
@@ -134,6 +162,21 @@ class Plan:
                     lines.append(f"    {part:<24} {value * 1e3:>10,.1f} ms")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+NETWORK_SCOPES = {"node": "within a node", "world": "across all ranks", "peers": "between nodes"}
+
+
+def network_lines(network: dict) -> list[str]:
+    """Each kind of group's measured rates in a plan's `network`, and the nodes it was measured on."""
+    out = []
+    for scope, words in NETWORK_SCOPES.items():
+        rates = network.get(scope) if network else None
+        if rates:
+            out.append(f"{words}: all-gather {rates['all_gather_gbps']:.3g} GB/s, reduce-scatter "
+                       f"{rates['reduce_scatter_gbps']:.3g} GB/s, {rates.get('latency_s', 0) * 1e6:,.0f} us a call "
+                       f"(measured on {'-'.join(rates.get('nodes') or ['?'])})")
+    return out
 
 
 def ordinal(n: int) -> str:

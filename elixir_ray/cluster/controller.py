@@ -61,7 +61,7 @@ WRITES_END_TIMEOUT_S = 10.0  # after a failed write, how long killed ranks' writ
 class RunState(enum.Enum):
     PLACING = "placing"  # reserving the workers' bundles and starting one actor per rank
     RENDEZVOUS = "rendezvous"  # showing each rank its devices and forming the process group
-    PROFILING = "profiling"  # every rank measures its hardware (the first try only)
+    PROFILING = "profiling"  # every rank measures its hardware and links (again on other nodes after a restart)
     PLANNING = "planning"  # the driver searches the plan; every rank builds its engine from it
     RESTORING = "restoring"  # the ranks load the newest snapshot or checkpoint (or start from scratch)
     TRAINING = "training"  # segments of steps, each ending in a snapshot or checkpoint
@@ -229,8 +229,9 @@ class TrainController:
 
     def _rendezvous(self) -> NextState:
         self.group.rendezvous()
-        if self.outcome.profiles:  # restarts reuse the first profiles: the same kind of machines
-            return NextState(RunState.PLANNING, "process group formed; the first try's profiles are reused")
+        if [p.node_id for p in self.outcome.profiles] == self.group.node_ids:
+            # a restart onto the same nodes, rank for rank: their rates and links are the ones measured
+            return NextState(RunState.PLANNING, "process group formed on the profiled nodes; their profiles are reused")
         return NextState(RunState.PROFILING, "process group formed")
 
     def _restart(self) -> NextState:
@@ -260,12 +261,8 @@ class TrainController:
 
     def _plan(self) -> NextState:
         self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
-        # Restarts reuse the first profiles: the same kind of machines, measured once.
-        profiles = self.outcome.profiles[: self.shape.num_workers]
-        while len(profiles) < self.shape.num_workers:
-            profiles.append(profiles[-1])
         try:
-            plan = make_run_plan(self.cfg, profiles, global_batch=self.global_batch)
+            plan = make_run_plan(self.cfg, self.outcome.profiles, global_batch=self.global_batch)
         except ValueError as exc:
             raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
         if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads

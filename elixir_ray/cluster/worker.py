@@ -9,6 +9,7 @@ device 0, about half a GiB of another rank's GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from elixir_ray.cluster.collective_rates import measure_collectives
 from elixir_ray.cluster.failure import StepError, error_line
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
@@ -35,6 +37,9 @@ from elixir_ray.trainer import DTYPES, RankTrainer
 
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+# elements the profiling round's collectives gather and reduce: a chunk of a model of a few billion
+# parameters on a GPU (32 MiB gathered in bf16); on a CPU, 4 MiB, which gloo moves in milliseconds
+COLLECTIVE_NUMEL = {"cuda": 16 * 2**20, "cpu": 2**20}
 log = logging.getLogger("elixir_ray")
 
 
@@ -49,6 +54,7 @@ class RankWorker:
         self.cfg: RunConfig = config_from_dict(config)
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
+        self.node_of_rank: list[int] = []  # every rank's node, numbered (one node until set_devices says)
         self.trainer: RankTrainer | None = None
         self._metrics: list[dict] = []
         self._lock = threading.Lock()
@@ -71,8 +77,10 @@ class RankWorker:
             "hostname": socket.gethostname(),
         }
 
-    def set_devices(self, visible_gpu_ids: list[str], local_rank: int) -> None:
-        """Show every GPU of this node to each of its ranks (so peers can use P2P), then pick ours."""
+    def set_devices(self, visible_gpu_ids: list[str], local_rank: int, node_of_rank: list[int] = ()) -> None:
+        """Show every GPU of this node to each of its ranks (so peers can use P2P), then pick ours;
+        `node_of_rank`: every rank's node, numbered (for the profiling round's collectives)."""
+        self.node_of_rank = list(node_of_rank)
         os.environ["LOCAL_RANK"] = str(local_rank)
         if visible_gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids)
@@ -164,13 +172,18 @@ class RankWorker:
                         self.rank, node_ip, socket.gethostname())
 
     def profile(self, micro_batch: int) -> WorkerProfile:
-        """Measure this worker's device and rates, and time the model's kernels at `micro_batch` on
-        its device (the driver traces the model too, without weights, and plans)."""
+        """Measure this worker's device and rates, time the model's kernels at `micro_batch` on its
+        device (the driver traces the model too, without weights, and plans), and, with every other
+        rank at once, the collectives within its node, across all ranks and between nodes (the
+        nodes `set_devices` was given)."""
         from elixir_ray.run_plan import resolve_dtype
 
         self._use_device()
-        return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)],
-                              self.cfg, micro_batch)
+        dtype = DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)]
+        profile = profile_worker(self.rank, self.device, dtype, self.cfg, micro_batch)
+        network = measure_collectives(self.node_of_rank, self.device, COLLECTIVE_NUMEL[self.device.type], dtype) \
+            if self.world_size > 1 else {}
+        return dataclasses.replace(profile, node_id=ray.get_runtime_context().get_node_id(), network=network)
 
     def setup(self, plan: RunPlan) -> None:
         self._use_device()

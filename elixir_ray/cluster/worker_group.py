@@ -60,6 +60,7 @@ class WorkerGroup:
         self.placement_group: Optional[PlacementGroup] = None  # one this group reserved (and removes)
         self.on_driver_node = False  # every rank runs on the driver's node (known after the rendezvous)
         self.workers_per_node: dict[str, int] = {}  # node id -> ranks there (known after the rendezvous)
+        self.node_ids: list[str] = []  # per rank, its node's id (known after the rendezvous)
         self._rendezvous_files: list[str] = []  # FileStore files of a one-node group, removed at kill
 
     @property
@@ -138,11 +139,12 @@ class WorkerGroup:
         for rank, info in enumerate(infos):
             by_node.setdefault(info["node_id"], []).append(rank)
         self.workers_per_node = {node: len(ranks) for node, ranks in by_node.items()}
+        self.node_ids = [info["node_id"] for info in infos]
         calls = []
         for ranks in by_node.values():
             gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
             for local_rank, rank in enumerate(ranks):
-                calls.append(self.actors[rank].set_devices.remote(gpus, local_rank))
+                calls.append(self.actors[rank].set_devices.remote(gpus, local_rank, self.node_of_rank))
         self.get_watched(calls, "setting devices")
         last_error = None
         for _try in range(RENDEZVOUS_TRIES):
@@ -171,6 +173,12 @@ class WorkerGroup:
         log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
                     "(it listens on every interface)", os.path.dirname(path), port)
         return f"tcp://127.0.0.1:{port}"
+
+    @property
+    def node_of_rank(self) -> list[int]:
+        """Per rank, its node numbered in the order of the nodes' first ranks (after the rendezvous)."""
+        order = list(dict.fromkeys(self.node_ids))
+        return [order.index(node) for node in self.node_ids]
 
     # -- calling and watching ------------------------------------------------------------------
 

@@ -472,17 +472,18 @@ class ChunkedAdam(torch.optim.Optimizer):
                      for g in self.param_groups)
 
     def _grad_norm_sq(self) -> float:
-        """Sum of squared gradients over the whole model: sharded parts add up across ranks.
+        """Sum of squared gradients over the whole model: sharded parts add up across ranks, those of
+        chunks sharded within each node across the node's ranks.
 
         Host gradients are summed in fp64 on the host. Device gradients get one fp32 norm each,
         squared in fp64 and summed on the device, so that a GPU needs no fp64 copy of a chunk and
         the host waits for it once, not once per chunk."""
-        local = [0.0, 0.0]  # sharded, replicated
-        on_device: dict[int, list] = {0: [], 1: []}
+        local = [0.0, 0.0, 0.0]  # sharded, replicated, sharded within each node
+        on_device: dict[int, list] = {0: [], 1: [], 2: []}
         for c in self.store.chunks:
             if c.grad is None:
                 continue
-            k = 0 if c.sharded else 1
+            k = 2 if c.node_sharded else 0 if c.sharded else 1
             if c.grad.device.type == "cpu":
                 local[k] += _host_sum_of_squares(c.grad, self.host_kernel)
             else:
@@ -491,6 +492,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             if norms:
                 local[k] += float(torch.stack(norms).sum())
         total = self.store.comm.all_reduce_sum(torch.tensor([local[0]], dtype=torch.float64))
+        if self.store.nodes is not None:  # every node holds the same gradient of its node-sharded chunks
+            total = total + self.store.nodes.node.all_reduce_sum(torch.tensor([local[2]], dtype=torch.float64))
         return float(total[0] + local[1])  # replicated chunks: every rank holds the same full gradient
 
     def _overflow(self) -> bool:

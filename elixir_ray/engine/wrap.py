@@ -27,10 +27,11 @@ from torch.utils._pytree import tree_flatten
 
 from elixir_ray.chunk_plan.errors import PlanError
 from elixir_ray.chunk_plan.layout import chunk_events, pack
+from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.allocator import use_expandable_segments
 from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, own_part, write_part
-from elixir_ray.engine.comm import Comm
+from elixir_ray.engine.comm import Comm, NodeComms
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.hooks import EngineHooks
 from elixir_ray.engine.materialise import materialise, post_order
@@ -558,9 +559,10 @@ def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     layout, sizes = pack([p.numel() for p in ordered], plan.chunk_size, comm.world)
     if len(plan.placements) != len(sizes) or len(plan.sharded) != len(sizes):
         raise ValueError(f"the plan describes {len(plan.placements)} chunks but packing gives {len(sizes)}")
+    node_sharded = _node_sharded(plan, len(sizes))
     originals = [p.data for p in ordered]
-    chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i])
-              for i, size in enumerate(sizes)]
+    chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i],
+                    node_sharded=node_sharded[i]) for i, size in enumerate(sizes)]
     slots = []
     for p, name, pos in zip(ordered, plan.param_order, layout):
         slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
@@ -572,7 +574,8 @@ def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     events, min_blocks = chunk_events(trace.events, trace.phases, chunk_of_param, trace.grad_epochs)
     if any(plan.sharded):
         _check_same_accesses_on_every_rank(comm, events, prefetch)
-    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
+    nodes = NodeComms(comm, NodeLayout.of(plan.node_of_rank, comm.world)) if any(node_sharded) else None
+    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low, nodes)
     materialise(module, slots, originals, store, options.init_fn)
     for c in chunks:
         store.refresh_upload(c)
@@ -596,6 +599,24 @@ def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     optimizer.state_dict = chunked_optimizer.state_dict
     optimizer.load_state_dict = chunked_optimizer.load_state_dict
     return model, chunked_optimizer
+
+
+def _node_sharded(plan: Plan, n_chunks: int) -> list[bool]:
+    """The plan's chunks sharded within each node, checked against its other fields (before the
+    module is touched): only sharded chunks, on as many ranks per node (`NodeComms`)."""
+    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)  # a node for each rank
+    if not plan.node_sharded:
+        return [False] * n_chunks
+    if len(plan.node_sharded) != n_chunks:
+        raise ValueError(f"the plan's node_sharded lists {len(plan.node_sharded)} chunks, its placements {n_chunks}")
+    wrong = [i for i, (n, s) in enumerate(zip(plan.node_sharded, plan.sharded)) if n and not s]
+    if wrong:
+        raise ValueError(f"the plan shards chunk(s) {wrong[:4]} within each node but does not shard them "
+                         f"(sharded False): a node-sharded chunk is a sharded one")
+    if any(plan.node_sharded) and not nodes.uniform:
+        raise ValueError(f"the plan shards chunks within each node, which needs as many ranks on every node; its "
+                         f"node_of_rank is {plan.node_of_rank}")
+    return [bool(n) for n in plan.node_sharded]
 
 
 def _warn_if_released_gradients_planned(plan: Plan, optimizer: ChunkedAdam) -> None:
@@ -628,8 +649,11 @@ def _refuse_original_step(optimizer, args, kwargs):
 def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_size: int, n_blocks: int,
                 world_size: int = 1, placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
                 dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
-                host_grads_low: bool = False, prefetch_depth: int = 1) -> Plan:
-    """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
+                host_grads_low: bool = False, prefetch_depth: int = 1, node_sharded: Union[bool, list] = False,
+                node_of_rank: Optional[list] = None) -> Plan:
+    """A plan with the given chunk size and pool, packing parameters in traced first-use order.
+    `node_sharded` (a bool, or one per chunk, of the sharded ones): split within each node of
+    `node_of_rank` (each rank's node, numbered) and whole on every node."""
     named = unique_parameters(module)
     trace = trace_step(module, as_sample_inputs(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
@@ -643,5 +667,8 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_s
         placements=[placements] * n if isinstance(placements, str) else list(placements),
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
         dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, prefetch_depth=prefetch_depth,
+        node_sharded=([] if node_sharded is False else [node_sharded] * n if not isinstance(node_sharded, list)
+                      else list(node_sharded)),
+        node_of_rank=list(node_of_rank or []),
         notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
     )

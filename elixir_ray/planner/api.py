@@ -15,6 +15,7 @@ from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
 from elixir_ray.planner.hardware import HardwareProfile, available_host_bytes, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
+from elixir_ray.planner.network import Network
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops
 from elixir_ray.planner.search import HOST_FRACTION, SearchSettings, check_margin, plan_search
 from elixir_ray.units import parse_bytes
@@ -130,7 +131,7 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], *,
          host_memory: Union[int, str, None] = None, search_checkpointing: bool = True,
          updates_in_backward: bool = False, time_compute: Optional[bool] = None, low_host_grads: bool = True,
          replicate: str = "auto", progress: Optional[Callable[[str], None]] = None,
-         memory_margin: Optional[float] = None) -> Plan:
+         memory_margin: Optional[float] = None, network: Optional[Network] = None) -> Plan:
     """The fastest predicted plan for `module` within `device_memory` (bytes or "24GiB"), less
     `memory_margin` of it (default, None: 0.2), kept back for the allocator's fragmentation.
 
@@ -148,10 +149,15 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], *,
     (when the loop may call backward() more often than `grad_accum` says).
     `replicate` (several ranks): "auto" searches which chunks every rank keeps whole, "all"
     replicates every chunk (when ranks use different parameters in a step), "none" shards them all.
+    `network` (several ranks): the node of each rank and the collectives' rates within a node,
+    across all ranks and between nodes (`planner.network.Network`); on several nodes "auto" also
+    tries sharding chunks within each node and replicating them across nodes.
     `progress` (`print`, say) gets a line as each stage starts.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if network is not None:
+        network.layout(world_size)  # a node for each rank, checked before any tracing
     sample_inputs = as_sample_inputs(sample_inputs)
     with random_state_kept(torch.device(hardware.device) if hardware is not None else None):
         check_margin(memory_margin)  # before any measuring or tracing
@@ -168,7 +174,7 @@ def plan(module: nn.Module, sample_inputs: Union[tuple, dict, SampleInputs], *,
         settings = search_settings(hardware, budget, world_size, dtype, grad_accum=grad_accum, host_budget=host,
                                    host_budget_from=host_from,
                                    updates_in_backward=updates_in_backward, low_host_grads=low_host_grads,
-                                   replicate=replicate, memory_margin=memory_margin)
+                                   replicate=replicate, memory_margin=memory_margin, network=network)
         profiling = Profiling(loss_fn=loss_fn, search_checkpointing=search_checkpointing, time_compute=time_compute)
         return search_module(module, sample_inputs, settings, profiling, progress)[0]
 

@@ -26,8 +26,9 @@ rest, not the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
 measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step).
-Collectives are assumed to run at the host-to-device rate unless the profile says otherwise
-(`collective_gbps`).
+Collectives are charged at the rates the ranks measured (`planner.network`: within a node, across
+all ranks, between nodes), each call its latency plus its bytes over its group's rate; where none
+were measured, at `collective_gbps`, or the host-to-device rate.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from typing import Any, Optional
 import numpy as np
 
 from elixir_ray.chunk_plan.buffers import staged_low
+from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.network import GroupRates, Network
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
 
@@ -95,13 +98,68 @@ class ChunkCosts:
     stage_host: np.ndarray
 
 
-def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
-                hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4) -> ChunkCosts:
-    h2d, d2h = (rate * 1e9 for rate in hw.link_rates())  # as the copies run in training, beside the CPU job
+@dataclass(frozen=True)
+class Link:
+    """One kind of group's collectives as the cost model charges them: bytes per second of bus
+    bandwidth for an all-gather and a reduce-scatter, seconds per call beyond the bytes, and the
+    share of a buffer each rank moves (n - 1) / n over the group's n ranks."""
+
+    gather: float
+    reduce: float
+    latency: float
+    spread: float
+
+    def gather_seconds(self, nbytes):
+        return nbytes * self.spread / self.gather + self.latency
+
+    def reduce_seconds(self, nbytes):
+        return nbytes * self.spread / self.reduce + self.latency
+
+    def all_reduce_seconds(self, nbytes):
+        """A reduce-scatter and an all-gather of the reduced buffer, counted as one call."""
+        return nbytes * self.spread / self.reduce + nbytes * self.spread / self.gather + self.latency
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What collectives cost on a plan's ranks (`collectives`): across all of them (`world`), within
+    a node (`node`, for chunks sharded within each node) and among the ranks of one local rank on
+    every node (`peers`); `ranks_per_node` ranks on each node, the size of a node-sharded chunk's
+    shard group."""
+
+    world: Link
+    node: Link
+    peers: Link
+    ranks_per_node: int
+
+
+def collectives(hw: HardwareProfile, world: int, network: Optional[Network] = None) -> Collectives:
+    """The measured rates of `network` where it has them; a kind of group it lacks is charged as all
+    ranks are, and those, unmeasured, at `collective_gbps` (or the host-to-device rate) with no latency."""
+    layout = network.layout(world) if network is not None else NodeLayout.of((), world)
+    k, n = layout.ranks_per_node, layout.n_nodes
+
+    def link(rates: Optional[GroupRates], ranks: int, otherwise: Link) -> Link:
+        spread = (ranks - 1) / ranks if ranks > 1 else 0.0
+        if rates is None:
+            return Link(otherwise.gather, otherwise.reduce, otherwise.latency, spread)
+        return Link(rates.all_gather_gbps * 1e9, rates.reduce_scatter_gbps * 1e9, rates.latency_s, spread)
+
     coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
-    spread = (world - 1) / world if world > 1 else 0.0
-    gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
-    reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
+    everyone = link(network.world if network is not None else None, world, Link(coll, coll, 0.0, 0.0))
+    return Collectives(world=everyone, node=link(network.node if network is not None else None, k, everyone),
+                       peers=link(network.peers if network is not None else None, n, everyone), ranks_per_node=k)
+
+
+def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
+                hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4,
+                node_sharded: Optional[np.ndarray] = None, network: Optional[Network] = None) -> ChunkCosts:
+    """`node_sharded` (bool per chunk, where `replicated` is not): sharded within each node and
+    replicated across nodes, its shard gathered within the node and its gradient reduce-scattered
+    there, then all-reduced among the ranks holding the same shard (`network`'s rates)."""
+    h2d, d2h = (rate * 1e9 for rate in hw.link_rates())  # as the copies run in training, beside the CPU job
+    gather, reduce_comm = _collective_seconds(sizes, shards, replicated, node_sharded, world, elem_bytes,
+                                              collectives(hw, world, network))
     dos_in = shards * (DOS_COPY_IN + grad_bytes) / h2d
     dos_out = shards * (DOS_COPY_OUT + (elem_bytes if upload and elem_bytes < 4 else 0)) / d2h
     dos_update = shards / hw.device_adam_params_per_s
@@ -119,6 +177,23 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
         stage_host=(sizes * (elem_bytes + grad_bytes) if staged_low(grad_bytes < 4, world) else
                     sizes * (elem_bytes + 4) + shards * ((4 + grad_bytes) if grad_bytes < 4 else 0)) / memory_rate,
     )
+
+
+def _collective_seconds(sizes, shards, replicated, node_sharded, world: int, elem_bytes: int, coll: Collectives):
+    """Per chunk: (one fetch's all-gather, one micro-step's gradient reduction) in seconds. A
+    sharded chunk gathers its compute copy and reduce-scatters its fp32 gradient across all ranks,
+    a replicated one all-reduces its gradient, a node-sharded one gathers and reduce-scatters
+    within the node, then all-reduces its gradient shard between the nodes."""
+    if world <= 1:
+        return np.zeros(len(sizes)), np.zeros(len(sizes))
+    node = np.zeros(len(sizes), dtype=bool) if node_sharded is None else np.asarray(node_sharded, dtype=bool)
+    gathered, grads = sizes * elem_bytes, sizes * 4
+    gather = np.where(replicated, 0.0, np.where(node, coll.node.gather_seconds(gathered),
+                                                coll.world.gather_seconds(gathered)))
+    node_reduce = coll.node.reduce_seconds(grads) + coll.peers.all_reduce_seconds(shards * 4)
+    reduce_comm = np.where(replicated, coll.world.all_reduce_seconds(grads),
+                           np.where(node, node_reduce, coll.world.reduce_seconds(grads)))
+    return gather, reduce_comm
 
 
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:

@@ -129,6 +129,23 @@ class HardwareProfile:
         )
 
 
+def slowest_nodes(profiles: list[HardwareProfile], nodes: list[str],
+                  compute_seconds: Optional[list[float]] = None) -> Optional[dict[str, str]]:
+    """Per rate a plan is costed at (`HardwareProfile.slowest`), the node of the rank that measured
+    the slowest (the first such): where the ranks span several nodes, for a plan to name the node
+    that bounds its step (`planner.bounds`); None on one node, and without a rate that is the
+    slowest on every node alike. "compute": the rank whose kernels took longest (`compute_seconds`,
+    per rank), else the one of the lowest matmul rate."""
+    if len(set(nodes)) < 2:
+        return None
+    rates = {rate: [getattr(p, rate) for p in profiles]
+             for rate in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s")}
+    rates["compute"] = ([-s for s in compute_seconds] if compute_seconds
+                        else [p.matmul_tflops for p in profiles])  # lower is slower, as for the rates
+    return {rate: nodes[values.index(min(values))] for rate, values in rates.items()
+            if len({nodes[i] for i, v in enumerate(values) if v == min(values)}) < len(set(nodes))}
+
+
 def device_name(device: torch.device) -> str:
     """What the device is: the GPU's name, or the CPU's model (so that rates and kernel times
     measured elsewhere are not mixed with this machine's)."""

@@ -21,14 +21,17 @@ import numpy as np
 
 from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
 from elixir_ray.chunk_plan.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
+from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.chunk_plan.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.engine.allocator import MARGIN_EXPANDABLE, default_memory_margin
+from elixir_ray.planner.bounds import bounding_note
 from elixir_ray.planner.cache_sim import loads_per_chunk
 from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, StepParts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
                                      overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.network import Network
 from elixir_ray.units import format_bytes
 
 # Deep Optimizer States gaps (0: off). The gap that wins moves with the budget and with when CPU
@@ -71,6 +74,11 @@ class SearchSettings:
     `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
     clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
     one micro-step, device chunks' gradients are released once applied (`gradients_released`).
+    `network`: where the ranks are and their collectives' measured rates (None: one node, at
+    `hw.collective_gbps`); with "auto" on several nodes of as many ranks each, the search also tries
+    sharding chunks within each node and replicating them across nodes. `slowest_nodes`: per rate
+    of `hw` (a HardwareProfile field, or "compute"), the node it was measured on, where the ranks'
+    profiles differ (`hardware.slowest_nodes`): the plan names the one that bounds its step.
     """
 
     hw: HardwareProfile
@@ -88,6 +96,12 @@ class SearchSettings:
     replicate: str = "auto"
     # the share of the budget kept back (None: the allocator's default for hw.device, default_memory_margin)
     memory_margin: Optional[float] = None
+    network: Optional[Network] = None
+    slowest_nodes: Optional[dict] = None
+
+    @property
+    def nodes(self) -> NodeLayout:
+        return NodeLayout.of(self.network.node_of_rank if self.network is not None else (), self.world_size)
 
     @property
     def margin(self) -> float:
@@ -129,6 +143,9 @@ class Layout:
     # device chunk's gradient then holds that buffer until the step's zero_grad, or, where updates
     # start in backward with one micro-step, until its update right after: `gradients_released`)
     event_handed: Optional[np.ndarray] = None
+    # bool per chunk: sharded within each node of `ranks_per_node` ranks, replicated across nodes
+    node_sharded: Optional[np.ndarray] = None
+    ranks_per_node: int = 1
 
 
 @dataclass
@@ -150,8 +167,11 @@ REPLICATE_CHOICES = ("auto", "all", "none")
 REPLICATED_FRACTIONS = (0.25, 0.5, 0.75)  # "auto": these shares of the chunks replicated, best first
 
 
-def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: Optional[np.ndarray] = None) -> Layout:
-    """`replicated` (bool per chunk; several ranks only): chunks every rank holds whole, default none."""
+def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: Optional[np.ndarray] = None,
+                node_sharded: Optional[np.ndarray] = None, ranks_per_node: int = 1) -> Layout:
+    """`replicated` (bool per chunk; several ranks only): chunks every rank holds whole, default none;
+    `node_sharded` (bool per chunk, of those not replicated): chunks split among the `ranks_per_node`
+    ranks of each node and whole on every node, default none."""
     order = profile.trace.order
     slots, sizes = pack([profile.numels[i] for i in order], chunk_size, world)
     chunk_of_param = [0] * len(profile.numels)
@@ -168,11 +188,14 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
         replicated = np.zeros(len(sizes), dtype=bool)
     else:
         replicated = np.asarray(replicated, dtype=bool)
+    node = (np.zeros(len(sizes), dtype=bool) if node_sharded is None or world == 1
+            else np.asarray(node_sharded, dtype=bool) & ~replicated)
+    shards = np.where(replicated, sizes_arr, np.where(node, sizes_arr // ranks_per_node, sizes_arr // world))
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
                   backward_final=backward_shares(profile.trace, chunk_of_param, handed_at, len(sizes)),
-                  shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
+                  shards=shards, replicated=replicated, node_sharded=node, ranks_per_node=ranks_per_node,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
                   open_grads=max(1, max(opened for opened, _ in moments)),
@@ -429,14 +452,16 @@ def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> n
 
 
 def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
-             updates_in_backward: bool = False, path: Optional[dict] = None) -> tuple[dict, dict, int, float]:
+             updates_in_backward: bool = False, path: Optional[dict] = None,
+             network: Optional[Network] = None) -> tuple[dict, dict, int, float]:
     """(device memory parts in bytes, step time parts in seconds, host bytes, predicted step seconds).
 
     The time parts overlap (`overlapped_step`), so the step is not their sum; `path` (a dict) gets
-    the critical path's pieces."""
+    the critical path's pieces; `network` the collectives' rates (`chunk_costs`)."""
     lay = choice.layout
     grad_bytes = host_grad_bytes(choice.grads_low)
-    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes)
+    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes,
+                        lay.node_sharded, network)
     loads = loads_at(lay, choice.n_blocks)
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
@@ -677,7 +702,8 @@ def _search_layout(lay: Layout, settings: SearchSettings, best: _Best, upload: b
     hw, world, elem_bytes, grad_accum = settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum
     updates_in_backward = settings.updates_in_backward
     grad_bytes = host_grad_bytes(grads_low)
-    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
+    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes,
+                                    lay.node_sharded, settings.network)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
     host_bytes = (host_state_bytes(elem_bytes, upload, grad_bytes) * lay.shards).astype(np.float64)
@@ -808,8 +834,8 @@ def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
             sharded = make_layout(profile, cs, settings.world_size)
-            for lay in replication_layouts(sharded, settings.world_size, settings.elem_bytes, settings.hw,
-                                           settings.replicate):
+            for lay in node_sharding_layouts(replication_layouts(sharded, settings.world_size, settings.elem_bytes,
+                                                                 settings.hw, settings.replicate), settings):
                 uploads = (False, True) if settings.elem_bytes < 4 else (False,)  # upload copies: host RAM for PCIe
                 for upload in uploads:
                     _search_layout(lay, settings, best, upload, grads_low)
@@ -826,8 +852,10 @@ def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
 
 
 def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
-    """The layout a plan was chosen on (its chunk size, ranks and replicated chunks)."""
-    return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
+    """The layout a plan was chosen on (its chunk size, ranks, replicated and node-sharded chunks)."""
+    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)
+    return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool),
+                       np.array(plan.node_sharded, dtype=bool) if plan.node_sharded else None, nodes.ranks_per_node)
 
 
 def _plan_loop(plan: Plan, grad_accum: Optional[int], updates_in_backward: Optional[bool]) -> tuple[int, bool]:
@@ -895,7 +923,8 @@ def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, el
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low,
                     plan.prefetch_depth)
-    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path)[3]
+    network = Network.from_dict(plan.network) if plan.network else None
+    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path, network)[3]
 
 
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
@@ -923,13 +952,57 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
     return out
 
 
+NODE_SHARDED_FRACTIONS = (0.5, 1.0)  # of a layout's sharded chunks, those node sharding saves most on first
+
+
+def node_sharding_applies(settings: SearchSettings) -> bool:
+    """Whether the search tries sharding chunks within each node: "auto", on several nodes of as
+    many ranks each, more than one of them."""
+    nodes = settings.nodes
+    return (settings.replicate == "auto" and settings.world_size > 1 and nodes.n_nodes > 1
+            and nodes.ranks_per_node > 1 and nodes.uniform)
+
+
+def node_sharding_layouts(layouts: list[Layout], settings: SearchSettings) -> list[Layout]:
+    """`layouts` (the first with every chunk sharded across all ranks) and, with "auto" on several
+    nodes of as many ranks each, each of them with some of its sharded chunks sharded within each
+    node instead: gathered among the ranks of a node, with only the gradient shards crossing
+    between nodes, for ranks-per-node times less of the chunk's state on each rank than replicated
+    and world/ranks-per-node times more than sharded. The chunks are taken in the order of the
+    collective time saved per extra byte of state (at the smallest pool, where they are fetched
+    most), half of them and all."""
+    if not node_sharding_applies(settings):
+        return layouts
+    world, lay, k = settings.world_size, layouts[0], settings.nodes.ranks_per_node
+    n = len(lay.sizes)
+    spread, within = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
+
+    def collective(node: np.ndarray) -> np.ndarray:
+        costs = chunk_costs(lay.sizes, np.where(node, lay.sizes // k, lay.shards), spread, world,
+                            settings.elem_bytes, settings.hw, node_sharded=node, network=settings.network)
+        return loads_at(lay, lay.min_blocks) * costs.load_device + costs.reduce_device
+
+    saved = collective(spread) - collective(within)
+    extra = (lay.sizes // k - lay.shards) * STATE_BYTES
+    ranking = np.argsort(-(saved / np.maximum(extra, 1)), kind="stable")
+    out = list(layouts)
+    for base in layouts:
+        free = [c for c in ranking if not base.replicated[c]]
+        for m in sorted({max(1, int(round(f * len(free)))) for f in NODE_SHARDED_FRACTIONS} if free else ()):
+            mask = np.zeros(n, dtype=bool)
+            mask[free[:m]] = True
+            out.append(make_layout(lay.profile, lay.chunk_size, world, base.replicated, mask, k))
+    return out
+
+
 def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
     """The plan of a choice, with its predictions, their breakdowns and the notes that explain them."""
     hw, world, dtype_name, elem_bytes = settings.hw, settings.world_size, settings.dtype_name, settings.elem_bytes
     grad_accum, budget, updates_in_backward = settings.grad_accum, settings.budget, settings.updates_in_backward
     host_budget, margin = settings.host_budget, settings.margin
     path: dict = {}
-    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path)
+    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path,
+                                                 settings.network)
     lay = choice.layout
     start = "from the last backward" if updates_in_backward else "from step()"
     host_limit = f" (of {format_bytes(host_budget)} allowed, host_memory)" if host_budget is not None else ""
@@ -957,10 +1030,21 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
                      f"memory-bound kernels not counted)")
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
+    if lay.node_sharded.any():
+        notes.append(_node_sharding_note(choice, settings, seconds))
+    elif node_sharding_applies(settings):
+        notes.append(f"sharding within each node (replicated across the {settings.nodes.n_nodes} nodes) was searched "
+                     f"too and predicted no faster a step within the budget")
+    bound = bounding_note(time, settings.slowest_nodes, settings.network)
+    if bound:
+        notes.append(bound)
     return Plan(
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
+        node_sharded=[bool(x) for x in lay.node_sharded] if lay.node_sharded.any() else [],
+        node_of_rank=list(settings.network.node_of_rank) if settings.network is not None else [],
+        network=json.loads(json.dumps(settings.network.to_dict())) if settings.network is not None else {},
         host_grads_low=choice.grads_low and not bool(choice.device.all()), prefetch_depth=choice.depth,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
@@ -969,6 +1053,28 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
         updates_in_backward=updates_in_backward, memory_margin=margin,
     )
+
+
+def _node_sharding_note(choice: Choice, settings: SearchSettings, seconds: float) -> str:
+    """Why some chunks are sharded within each node: the collectives' rates, and the step predicted
+    with those chunks sharded across all ranks instead."""
+    lay, nodes, network = choice.layout, settings.nodes, settings.network
+    spread = make_layout(lay.profile, lay.chunk_size, settings.world_size, lay.replicated)
+    across = replace(choice, layout=spread)
+    alone = evaluate(across, settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum,
+                     settings.updates_in_backward, network=network)[3]
+    extra = int(((lay.shards - spread.shards) * STATE_BYTES).sum())
+
+    def rate(scope: str) -> str:
+        measured = network.rates(scope) if network is not None else None
+        return f"{measured.all_gather_gbps:.3g} GB/s" if measured is not None else "an unmeasured rate"
+
+    return (f"sharded within each node: {int(lay.node_sharded.sum())} chunk(s) split among the "
+            f"{nodes.ranks_per_node} ranks of a node and whole on each of the {nodes.n_nodes} nodes, gathered within "
+            f"the node (all-gather {rate('node')}) with only their gradient shards all-reduced between nodes "
+            f"({rate('peers')}), where sharding across all ranks gathers at {rate('world')}: sharded so instead, the "
+            f"step is predicted at {alone * 1e3:,.1f} ms, not {seconds * 1e3:,.1f} ms, for "
+            f"{format_bytes(extra)} less state per rank")
 
 
 def forward_wait(path: dict) -> tuple[float, bool]:
