@@ -69,11 +69,22 @@ class TrainConfig:
     log_every: int = 10
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class ClusterConfig:
     num_workers: Optional[int] = None  # default: one per GPU, or 2 on a CPU-only cluster
     use_gpu: Optional[bool] = None  # default: use GPUs when the cluster has any
-    cpus_per_worker: int = 1
+    # "auto": one CPU reserved per worker, and each rank's threads its share of its node's CPUs
+    # (cluster/cpu_shares.py); a number: that many reserved per worker, and as many threads
+    cpus_per_worker: typing.Union[int, str] = "auto"
+    placement_strategy: str = "PACK"  # Ray's placement group strategy for the workers' bundles
+    resources_per_worker: dict = field(default_factory=dict)  # custom Ray resources each worker's bundle asks for
+    runtime_env: Optional[dict] = None  # the workers' Ray runtime_env (env_vars, pip, ...)
+    # the fewest workers a run goes on with after losing some (None: all of num_workers, or 1 with
+    # fault.elastic); it grows back to num_workers at a checkpoint when the resources return
+    min_workers: Optional[int] = None
     namespace: str = "elixir_ray"
     placement_timeout_s: float = 60.0
     init_timeout_s: float = 120.0
@@ -490,7 +501,23 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     c = cfg.cluster
     _positive("cluster.num_workers", c.num_workers, allow_none=True)
-    _positive("cluster.cpus_per_worker", c.cpus_per_worker)
+    if c.cpus_per_worker != "auto":
+        if isinstance(c.cpus_per_worker, str):
+            raise ConfigError(f"cluster.cpus_per_worker must be auto or a whole number of CPUs, got {c.cpus_per_worker!r}")
+        _positive("cluster.cpus_per_worker", c.cpus_per_worker)
+    if c.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"cluster.placement_strategy must be {', '.join(PLACEMENT_STRATEGIES[:-1])} or "
+                          f"{PLACEMENT_STRATEGIES[-1]}, got {c.placement_strategy!r}")
+    for name, amount in c.resources_per_worker.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or not isinstance(name, str):
+            raise ConfigError(f"cluster.resources_per_worker names custom Ray resources; {name!r} is set by "
+                              f"cluster.cpus_per_worker, cluster.use_gpu or Ray itself")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < math.inf:
+            raise ConfigError(f"cluster.resources_per_worker.{name} must be a positive amount, got {amount!r}")
+    _positive("cluster.min_workers", c.min_workers, allow_none=True)
+    if c.min_workers is not None and c.num_workers is not None and c.min_workers > c.num_workers:
+        raise ConfigError(f"cluster.min_workers={c.min_workers} is above cluster.num_workers={c.num_workers}, the "
+                          f"most a run has: lower it")
     _positive("cluster.placement_timeout_s", c.placement_timeout_s)
     _positive("cluster.init_timeout_s", c.init_timeout_s)
     _positive("cluster.local_num_cpus", c.local_num_cpus, allow_none=True)

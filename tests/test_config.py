@@ -249,6 +249,15 @@ def test_the_command_prints_its_own_warnings_as_one_line_and_a_librarys_as_pytho
     ("eval.path=foo://x", "eval.path 'foo://x': pyarrow has no filesystem for the scheme 'foo://'"),
     ("checkpoint.uri=mock://x", "checkpoint.uri 'mock://x': pyarrow has no filesystem for the scheme 'mock://'"),
     ("output_dir=ftp://host/runs", "output_dir 'ftp://host/runs': pyarrow has no filesystem for the scheme 'ftp://'"),
+    ("cluster.cpus_per_worker=many", "cluster.cpus_per_worker must be auto or a whole number of CPUs, got 'many'"),
+    ("cluster.cpus_per_worker=0", "cluster.cpus_per_worker must be a positive number, got 0"),
+    ("cluster.placement_strategy=pack", "cluster.placement_strategy must be PACK, SPREAD, STRICT_PACK or "
+                                        "STRICT_SPREAD, got 'pack'"),
+    ("cluster.resources_per_worker={GPU: 1}", "cluster.resources_per_worker names custom Ray resources; 'GPU' is set "
+                                              "by cluster.cpus_per_worker, cluster.use_gpu or Ray itself"),
+    ("cluster.resources_per_worker={A100: 0}", "cluster.resources_per_worker.A100 must be a positive amount, got 0"),
+    ("cluster.runtime_env=pip", "cluster.runtime_env: expected a mapping, got 'pip'"),
+    ("cluster.min_workers=0", "cluster.min_workers must be a positive number, got 0"),
 ])
 def test_values_a_run_cannot_use_are_refused_before_ray_in_one_line_naming_the_field(override, needle):
     """NaN compares false with everything, so `lr <= 0` let `lr: .nan` by to fail in the workers, and
@@ -259,6 +268,19 @@ def test_values_a_run_cannot_use_are_refused_before_ray_in_one_line_naming_the_f
     assert config_from_dict({}, ["fault.wait_for_resources_s=0", "optim.max_grad_norm=null", "optim.weight_decay=0",
                                  "checkpoint.uri=s3://bucket/ckpt", "data.path=gs://bucket/data.arrow",
                                  "eval.path=file:///data/eval.arrow"])
+
+
+def test_the_cluster_settings_take_auto_or_a_number_a_strategy_resources_and_an_environment():
+    cfg = config_from_dict({})
+    assert cfg.cluster.cpus_per_worker == "auto" and cfg.cluster.placement_strategy == "PACK"
+    cfg = config_from_dict({"cluster": {"cpus_per_worker": 4, "placement_strategy": "STRICT_SPREAD",
+                                        "resources_per_worker": {"accelerator_type:H100": 0.5},
+                                        "runtime_env": {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}},
+                                        "num_workers": 4, "min_workers": 2}})
+    assert cfg.cluster.cpus_per_worker == 4 and cfg.cluster.resources_per_worker == {"accelerator_type:H100": 0.5}
+    assert cfg.cluster.runtime_env == {"env_vars": {"NCCL_SOCKET_IFNAME": "eth0"}} and cfg.cluster.min_workers == 2
+    with pytest.raises(ConfigError, match=r"^cluster.min_workers=3 is above cluster.num_workers=2, the most a run has"):
+        config_from_dict({"cluster": {"num_workers": 2, "min_workers": 3}})
 
 
 def test_a_filesystem_pyarrow_cannot_make_is_refused_naming_the_field_and_the_cause():

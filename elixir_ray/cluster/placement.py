@@ -6,8 +6,9 @@ hosts the driver comes first so that rank 0 (the rendezvous host) sits beside it
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
@@ -22,14 +23,24 @@ from elixir_ray.errors import ClusterError, ConfigError
 class WorkerShape:
     num_workers: int
     use_gpu: bool
-    cpus_per_worker: int
+    cpus_per_worker: int  # CPUs reserved per worker
+    # cluster.cpus_per_worker=auto: each rank's threads are its share of its node's CPUs
+    # (cpu_shares.py), whatever the one CPU it reserves
+    threads_from_node: bool = False
+    strategy: str = "PACK"  # cluster.placement_strategy
+    resources: dict = field(default_factory=dict)  # cluster.resources_per_worker
 
     @property
     def bundle(self) -> dict:
         bundle = {"CPU": self.cpus_per_worker}
         if self.use_gpu:
             bundle["GPU"] = 1
+        bundle.update(self.resources)
         return bundle
+
+    def with_workers(self, num_workers: int) -> "WorkerShape":
+        """The same workers, so many of them (an elastic run's shrink and growth)."""
+        return dataclasses.replace(self, num_workers=num_workers)
 
     @property
     def backend(self) -> str:
@@ -44,7 +55,8 @@ def resolve_worker_shape(cfg: RunConfig, resources: dict) -> WorkerShape:
     if use_gpu and gpus == 0:
         raise ConfigError("cluster.use_gpu is true but the Ray cluster has no GPUs (set cluster.use_gpu: false)")
     num = cfg.cluster.num_workers or (gpus if use_gpu else 2)
-    per = cfg.cluster.cpus_per_worker
+    auto = cfg.cluster.cpus_per_worker == "auto"
+    per = 1 if auto else cfg.cluster.cpus_per_worker  # auto reserves the one CPU every worker needs
     if use_gpu and num > gpus:
         raise ConfigError(f"cluster.num_workers={num} but the Ray cluster has {gpus} GPU(s): use at most {gpus}")
     if num * per > cpus:
@@ -52,7 +64,14 @@ def resolve_worker_shape(cfg: RunConfig, resources: dict) -> WorkerShape:
             f"cluster.num_workers={num} x cluster.cpus_per_worker={per} needs {num * per} CPUs "
             f"but the Ray cluster has {cpus}: lower one of them"
         )
-    return WorkerShape(num_workers=num, use_gpu=use_gpu, cpus_per_worker=per)
+    for name, amount in cfg.cluster.resources_per_worker.items():
+        have = float(resources.get(name, 0))
+        if num * amount > have:
+            raise ConfigError(f"cluster.resources_per_worker.{name}={amount:g} x {num} worker(s) needs {num * amount:g} "
+                              f"but the Ray cluster has {have:g} {name}: start its nodes with that resource "
+                              f"(ray start --resources='{{\"{name}\": N}}') or lower the amount")
+    return WorkerShape(num_workers=num, use_gpu=use_gpu, cpus_per_worker=per, threads_from_node=auto,
+                       strategy=cfg.cluster.placement_strategy, resources=dict(cfg.cluster.resources_per_worker))
 
 
 def workers_that_fit(shape: WorkerShape, available: dict) -> int:
@@ -67,8 +86,9 @@ def cpu_thread_hint(shape: WorkerShape, workers_per_node: dict[str, int], node_c
     threads (at least one), and on one GPU that update is often what limits the step, so the
     default of 1 leaves a 16-core machine's cores idle. The share is per GPU of the node, not per
     worker of this run, so that the node's other GPUs keep theirs (another run, a sweep's trial).
-    Only a hint: the reservation is what the config asked for."""
-    if not shape.use_gpu or not workers_per_node:
+    Only a hint: the reservation is what the config asked for. `cpus_per_worker: auto` takes the
+    share by itself, and gets no hint."""
+    if not shape.use_gpu or not workers_per_node or shape.threads_from_node:
         return None
     share = min(int(node_cpus.get(node, 0) // max(count, node_gpus.get(node, 0)))
                 for node, count in workers_per_node.items())
@@ -91,7 +111,7 @@ class PlacementTimeoutError(ClusterError):
 
 
 def create_placement_group(shape: WorkerShape, timeout_s: float):
-    pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
+    pg = placement_group([shape.bundle] * shape.num_workers, strategy=shape.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         table = placement_group_table(pg)
@@ -101,6 +121,9 @@ def create_placement_group(shape: WorkerShape, timeout_s: float):
             f"{timeout_s:g}s (placement group state: {table.get('state')}; free now: "
             f"{_free(shape.bundle)}): other runs or tasks hold them; free them, or raise "
             f"cluster.placement_timeout_s to wait longer"
+            + (f" ({shape.strategy} needs {shape.num_workers} nodes with a bundle's resources free)"
+               if shape.strategy == "STRICT_SPREAD" else
+               f" ({shape.strategy} needs one node with them all free)" if shape.strategy == "STRICT_PACK" else "")
         )
     return pg
 

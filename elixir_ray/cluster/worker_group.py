@@ -4,7 +4,7 @@ group they form, the calls made on all of them, and the failure detection every 
 The group knows nothing of steps, plans or checkpoints: the controller's states decide what to
 call and when, the group runs the calls and turns a dead, failed or silent rank into a
 `WorkerGroupFailure`. A group places its ranks into a placement group it reserves (one bundle per
-rank, `PACK`, ordered by node with the driver's node first), or into bundles of a placement group
+rank, ordered by node with the driver's node first), or into bundles of a placement group
 it is given (a Ray Tune trial's reservation), which it then leaves in place when it is killed.
 """
 
@@ -112,6 +112,7 @@ class WorkerGroup:
         options = self.actor_cls.options(
             name=name, namespace=namespace, num_cpus=self.shape.cpus_per_worker,
             num_gpus=1 if self.shape.use_gpu else 0, max_restarts=0, max_task_retries=0,
+            resources=dict(self.shape.resources), runtime_env=self.cfg.cluster.runtime_env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle))
         deadline = time.monotonic() + name_wait_s
         while True:
