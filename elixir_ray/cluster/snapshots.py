@@ -22,6 +22,7 @@ import ray
 
 from elixir_ray.checkpoint import CheckpointError, delete_checkpoint, read_manifest, save_checkpoint
 from elixir_ray.checkpoint.shards import join_rank_shards
+from elixir_ray.cluster.shard_parts import copy_here, fetch_whole
 from elixir_ray.engine import JoinedState
 
 log = logging.getLogger("elixir_ray")
@@ -55,7 +56,9 @@ class Snapshot:
     step: int
     samples_consumed: int
     extra: dict  # what the manifest records beside the tensors (plan, config, world size)
-    worker_refs: list  # each worker's state_shard result: driver-owned, stored on that worker's node
+    # each worker's shard (a ref of its state_shard result, or its parts: shard_parts.RankShardRefs),
+    # driver-owned, stored on that worker's node
+    worker_refs: list
     # the same shards copied to the driver's node (so the snapshot outlives a worker's node); None
     # until the persister makes them, and never when every shard is on the driver's node already
     driver_refs: Optional[list] = None
@@ -78,7 +81,7 @@ class Snapshot:
             if not refs:
                 continue
             try:
-                return refs, ray.get(refs, timeout=timeout_s)
+                return refs, fetch_whole(refs, timeout_s)
             except (*OBJECT_GONE, ray.exceptions.RayTaskError):  # gone, or a rank failed to make its shard
                 continue
         return None
@@ -146,9 +149,9 @@ class CheckpointPersister:
 
     def _persist(self, snap: Snapshot) -> None:
         if snap.driver_refs is None and not snap.on_driver_node:
-            # one shard at a time, so the driver's node holds at most one shard beyond the copies
+            # one object at a time, so the driver's node holds at most one beyond the copies
             try:
-                copies = [ray.put(ray.get(ref, timeout=FETCH_TIMEOUT_S)) for ref in snap.worker_refs]
+                copies = [copy_here(shard, FETCH_TIMEOUT_S) for shard in snap.worker_refs]
             except (*OBJECT_GONE, ray.exceptions.RayTaskError):
                 copies = None
             if copies is not None:
