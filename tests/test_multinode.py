@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -15,22 +16,33 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_node_lost_mid_run_continues_elastically_on_two_workers(tiny_dataset, tmp_path):
+def test_node_lost_mid_run_continues_on_two_workers_and_grows_back_to_three(tiny_dataset, tmp_path):
+    """cluster.min_workers: a node removed mid-run, the run goes on with the two workers left; a node
+    added again, it grows back to three at its next checkpoint; every loss is the one an
+    uninterrupted run takes at the same global batch."""
+    from test_train_ray import reference_losses
+
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "scripts", "elastic_three_nodes.py"), tiny_dataset, str(tmp_path)],
-        capture_output=True, text=True, timeout=420, env={**os.environ, "RAY_ADDRESS": ""},
+        capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["node_removed"]
     assert report["steps"] == list(range(1, 31))
-    assert report["world_sizes"] == [2]
-    assert report["plan_world_size"] == 2
+    assert report["world_sizes"] == [2]  # the one restart, after the loss, went on with two
+    assert [workers for _, workers in report["placed"]] == [3, 2, 3], report["placed"]
+    grown_at = report["placed"][2][0]
+    assert report["node_added"] and grown_at % 3 == 0 and grown_at > report["restored_step"][0], report
+    assert report["restores"][-1] == [grown_at, "object_store", 3]
+    assert report["plan_world_size"] == 3
     # the global batch (2 x 2 x 3 = 12) is kept: 2 workers take 6 samples each
-    assert report["plan_micro_batch"] * report["plan_grad_accum"] == 6
+    assert report["shrunk_plan_micro_batch"] * report["shrunk_plan_grad_accum"] == 6
     assert report["manifest_global_batch"] == 12  # what a resume compares its own with
     assert report["restored_step"][0] % 3 == 0
     assert report["checkpoint"]
+    reference, _ = reference_losses(report["config"], world_size=3)  # one process, the global batch of 12
+    np.testing.assert_allclose(report["losses"], reference, rtol=0, atol=1e-5)
 
 
 def test_full_disk_during_persist_reports_and_keeps_training(tiny_dataset, tmp_path):

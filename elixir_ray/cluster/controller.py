@@ -36,7 +36,11 @@ from elixir_ray.checkpoint import CheckpointError, check_compatible, load_first_
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
 from elixir_ray.cluster.failure import Decision, FailureKind, RestartPolicy, WorkerGroupFailure, step_against_timeout
+from elixir_ray.cluster.cpu_shares import give_ranks_their_threads
+from elixir_ray.cluster.elastic import grows_back, minimum_workers, workers_after_loss
 from elixir_ray.cluster.placement import PlacementTimeoutError, WorkerShape, cpu_thread_hint, workers_that_fit
+from elixir_ray.cluster.shard_parts import all_refs, call_snapshot, chunk_count, with_keys
+from elixir_ray.cluster.shared_storage import check_workers_see_storage
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker_group import GivenPlacement, WorkerGroup
 from elixir_ray.cluster.worker_profile import WorkerProfile
@@ -99,6 +103,27 @@ class RestartRecord:
 
 
 @dataclass
+class Placement:
+    """One group of ranks as placed: from which step, each rank's node and CPU threads."""
+
+    step: int
+    node_ids: list[str]
+    threads: list[int]
+
+
+@dataclass
+class RestoreRecord:
+    """One restore: the step and where from, onto how many ranks, and the bytes each rank read of the
+    state (object-store parts fetched, or checkpoint bytes read) beside the state's whole size."""
+
+    step: int
+    source: str  # "object_store", "durable"
+    world_size: int
+    read_bytes: list[int]
+    state_bytes: int
+
+
+@dataclass
 class RestoreSource:
     """Where the first try starts from (`--resume`)."""
 
@@ -119,6 +144,9 @@ class ControllerOutcome:
     checkpoint_via: str = ""  # "object_store" or "storage": how the checkpoints left the workers
     start_step: int = 0  # the step this run started from (a --resume checkpoint's; 0 for a new run)
     transitions: list[Transition] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)  # every group placed, the first one's first
+    restores: list[RestoreRecord] = field(default_factory=list)  # every restore (not a start from scratch)
+    plans: list[RunPlan] = field(default_factory=list)  # every plan trained with, `plan` (the last) last
 
 
 class TrainController:
@@ -142,6 +170,8 @@ class TrainController:
         self.policy = RestartPolicy(cfg.fault.max_restarts)
         self.failures: list[WorkerGroupFailure] = []  # every failure that was restarted, oldest first
         self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum * shape.num_workers
+        self.full_workers = shape.num_workers  # the most the run has; an elastic run grows back to them
+        self._growing = False  # the group was ended at a checkpoint to place the full group again
         self.tokenizer = data_tokenizer(cfg.data.path)  # kept in checkpoints: a resume on other tokens is refused
         self.checkpoint_uri = cfg.checkpoint_uri
         self.state: Optional[RunState] = None
@@ -212,7 +242,7 @@ class TrainController:
         self.outcome.restarts.append(RestartRecord(reason=str(failure), failed_at=time.time(), failed_step=self.step))
         self.on_note(f"step {reached}: {failure}; restarting (restart {len(self.outcome.restarts)} of "
                      f"{self.cfg.fault.max_restarts}), waiting up to {self.cfg.fault.wait_for_resources_s:g}s for "
-                     f"{self.shape.num_workers} worker(s)")
+                     f"{self.full_workers} worker(s)")
         return NextState(RunState.RESTARTING, str(failure))
 
     # -- states --------------------------------------------------------------------------------
@@ -229,6 +259,9 @@ class TrainController:
 
     def _rendezvous(self) -> NextState:
         self.group.rendezvous()
+        threads = give_ranks_their_threads(self.group, self.shape)
+        check_workers_see_storage(self.group, self.cfg)
+        self.outcome.placements.append(Placement(self.step, list(self.group.node_ids), threads))
         if [p.node_id for p in self.outcome.profiles] == self.group.node_ids:
             # a restart onto the same nodes, rank for rank: their rates and links are the ones measured
             return NextState(RunState.PLANNING, "process group formed on the profiled nodes; their profiles are reused")
@@ -277,6 +310,7 @@ class TrainController:
         if warning and (before is None or where):  # not again at each restart onto as many workers
             log.warning(warning)
         self.outcome.plan = plan
+        self.outcome.plans.append(plan)
         self.outcome.checkpoint_via = self._checkpoint_via()
         plan_ref = ray.put(plan)  # one copy in the object store, read by every worker
         self.group.get_watched(self.group.call("setup", plan_ref), "setting up the workers")
@@ -464,11 +498,16 @@ class TrainController:
                 self.outcome.metrics = []
             if step >= self.cfg.train.steps:
                 raise ClusterError(nothing_left_to_train(self.resume.uri, step, self.cfg.train.steps))
+        read = None
         if shard_refs is not None:
-            self.group.get_watched(self.group.call("load_shards", shard_refs, step, consumed), "restoring state")
+            read = self.group.get_watched(self.group.call("load_shards", shard_refs, step, consumed), "restoring state")
         elif tensors is not None:
             tensors_ref = ray.put(tensors)  # lazily read tensors go as file names: each worker reads its part
-            self.group.get_watched(self.group.call("load_state", tensors_ref, step, consumed), "restoring state")
+            read = self.group.get_watched(self.group.call("load_state", tensors_ref, step, consumed), "restoring state")
+        if read is not None:
+            self.outcome.restores.append(RestoreRecord(step, source, self.group.world_size, read, self._state_bytes()))
+            log.info("restored step %d from %s: each rank read at most %.1f MiB of the state's %.1f MiB", step, source,
+                     max(read) / 2**20, self._state_bytes() / 2**20)
         self.step = step
         kept = [m for m in self.outcome.metrics if m["step"] <= step]
         last = kept[-1]["step"] if kept else 0
@@ -480,6 +519,9 @@ class TrainController:
         self.outcome.metrics = kept
         if not self.outcome.restarts:
             self.outcome.start_step = step
+        elif self._growing:
+            self._growing = False
+            self.on_note(f"step {step}: grew back to {self.group.world_size} worker(s); training goes on")
         else:
             record = self.outcome.restarts[-1]
             record.restored_from, record.restored_step = source, step
@@ -495,6 +537,9 @@ class TrainController:
             segment = min(total, (self.step // every + 1) * every if every else total) - self.step
             self._run_segment(segment)
             self._snapshot()
+            if self.step < total and self.placement is None and grows_back(self.shape, self.full_workers,
+                                                                           ray.available_resources()):
+                return self._grow()
         self.persister.flush()
         return NextState(RunState.FINISHED, f"trained {total} step(s)")
 
@@ -536,10 +581,11 @@ class TrainController:
             self._write_checkpoint()
             return
         start = time.monotonic()
-        pairs = self.group.call("state_shard")
+        pairs = call_snapshot(self.group, chunk_count(self.outcome.plan))  # in parts: shard_parts.py
         headers = self.group.get([h for h, _ in pairs], "taking a snapshot", timeout=self._snapshot_timeout())
-        shards = [s for _, s in pairs]
-        ray.wait(shards, num_returns=len(shards), fetch_local=False)  # ready with their headers; not pulled here
+        shards = with_keys([s for _, s in pairs], headers)
+        refs = all_refs(shards)
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)  # ready with their headers; not pulled here
         self.outcome.snapshot_stalls.append(time.monotonic() - start)
         if len({(h["step"], h["samples_consumed"]) for h in headers}) != 1:
             raise WorkerGroupFailure("taking a snapshot", f"the ranks are at different steps: {headers}")
@@ -639,30 +685,44 @@ class TrainController:
         """fault.detect_timeout_s plus the time to copy out the whole state at SNAPSHOT_BYTES_PER_S."""
         return self.cfg.fault.detect_timeout_s + self._state_bytes() / SNAPSHOT_BYTES_PER_S
 
+    def _grow(self) -> NextState:
+        """At a checkpoint of a run on fewer workers than it started with, where the free resources hold
+        the missing ones again: end the group and place the full one, restored from that checkpoint."""
+        before = self.shape.num_workers
+        log.info("step %d: the cluster holds %d worker(s) again: growing from %d", self.step, self.full_workers, before)
+        self._kill_group()
+        self.shape = self.shape.with_workers(self.full_workers)
+        self._growing = True
+        self._warn_dropout_streams(before)
+        return NextState(RunState.PLACING, f"growing from {before} to {self.full_workers} worker(s) at step {self.step}")
+
     def _wait_for_workers(self) -> WorkerShape:
-        """Wait for the full set of workers; with fault.elastic, settle for as many as fit. Bundles of
-        a given placement group stay reserved across the restart: they fit as they are."""
+        """Wait for the full set of workers; an elastic run (cluster.min_workers, fault.elastic) then
+        settles for as many as fit (`elastic.py`). Bundles of a given placement group stay reserved
+        across the restart: they fit as they are."""
         if self.placement is not None:
             return self.shape
         deadline = time.monotonic() + self.cfg.fault.wait_for_resources_s
         fit = 0
         while True:
             fit = workers_that_fit(self.shape, ray.available_resources())
-            if fit >= self.shape.num_workers:
-                return self.shape
+            if fit >= self.full_workers:
+                return self.shape.with_workers(self.full_workers)
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
-        if not self.cfg.fault.elastic or fit < 1:
+        minimum = minimum_workers(self.cfg, self.full_workers)
+        count = workers_after_loss(fit, self.full_workers, minimum, self.global_batch)
+        if count is None or (minimum == self.full_workers and count < self.full_workers):
             raise ClusterError(
-                f"after a worker failure only {fit} of {self.shape.num_workers} workers fit in the cluster within "
+                f"after a worker failure only {fit} of {self.full_workers} workers fit in the cluster within "
                 f"fault.wait_for_resources_s={self.cfg.fault.wait_for_resources_s:g}s "
-                f"(set fault.elastic: true to continue with fewer)"
+                + ("(set cluster.min_workers to continue with fewer)" if minimum == self.full_workers else
+                   f"(cluster.min_workers={minimum}: no count from {minimum} to {fit} splits the global batch of "
+                   f"{self.global_batch} evenly)" if fit >= minimum else f"(cluster.min_workers={minimum})")
             )
-        while fit > 1 and self.global_batch % fit:
-            fit -= 1  # the global batch must split evenly over the workers
-        log.warning("continuing elastically on %d worker(s) instead of %d", fit, self.shape.num_workers)
-        return WorkerShape(num_workers=fit, use_gpu=self.shape.use_gpu, cpus_per_worker=self.shape.cpus_per_worker)
+        log.warning("continuing elastically on %d worker(s) instead of %d", count, self.full_workers)
+        return self.shape.with_workers(count)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from elixir_ray.cluster.collective_rates import measure_collectives
+from elixir_ray.cluster.cpu_shares import reserved_threads
+from elixir_ray.cluster.shard_parts import CountedReads, RestoreReads, read_snapshot, split_shard
 from elixir_ray.cluster.failure import StepError, error_line
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
@@ -61,12 +63,17 @@ class RankWorker:
         self._stop = threading.Event()
         self._bytes_written = 0  # by `write_shard`, read by the driver's `write_progress` polls
         self._beats = 0  # forwards of an evaluation under way: progress the driver sees before the step ends
-        torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
+        torch.set_num_threads(reserved_threads(self.cfg.cluster.cpus_per_worker))  # until placed: cpu_shares.py
 
     def alive(self) -> bool:
         """Answered on another of the actor's threads while a long call runs: the driver's sign that
         this worker is busy rather than hung."""
         return True
+
+    def run_here(self, fn, *args):
+        """`fn(*args)` in this rank's process, a module-level function of the cluster package: what a
+        placed rank sets or checks of its node (its threads, the storage it sees), kept out of here."""
+        return fn(*args)
 
     def node_info(self) -> dict:
         return {
@@ -222,17 +229,28 @@ class RankWorker:
     def current_step(self) -> int:
         return self.trainer.state.step if self.trainer else 0
 
-    def load_state(self, tensors: dict, step: int, samples_consumed: int) -> None:
+    def load_state(self, tensors: dict, step: int, samples_consumed: int) -> int:
+        """Restore from whole tensors (a checkpoint's, read lazily: this rank reads its own part);
+        the bytes this rank read of them."""
         assert self.trainer is not None, "setup() must run before load_state()"
         self._use_device()
-        self.trainer.load_state_tensors(tensors, step, samples_consumed)
+        reads = RestoreReads()
+        self.trainer.load_state_tensors(CountedReads(tensors, reads), step, samples_consumed)
+        return reads.bytes
 
-    def load_shards(self, shard_refs: list, step: int, samples_consumed: int) -> None:
-        """Restore from a snapshot's shards (any number of ranks made them), read from the object
-        store here rather than joined and put there again by the driver."""
-        from elixir_ray.cluster.snapshots import join_shards
+    def load_shards(self, shard_refs: list, step: int, samples_consumed: int) -> int:
+        """Restore from a snapshot's shards (any number of ranks made them), fetched from the object
+        store here, only the parts this rank reads (`shard_parts.py`); the bytes it fetched."""
+        reads = RestoreReads()
+        self.load_state(read_snapshot(shard_refs, reads), step, samples_consumed)
+        return reads.bytes
 
-        self.load_state(join_shards(ray.get(shard_refs)), step, samples_consumed)
+    @ray.method(num_returns=2)  # the driver calls it with num_returns=2 + chunks (shard_parts.call_snapshot)
+    def snapshot_parts(self, chunks: int) -> tuple:
+        """`state_shard`'s result as (header, rest, one object per chunk): a restore then fetches only
+        the chunks' parts it reads."""
+        header, shard = self.state_shard()
+        return split_shard(header, shard, chunks)
 
     @ray.method(num_returns=2)
     def state_shard(self) -> tuple[dict, dict]:

@@ -171,8 +171,11 @@ def builtin_corpus_files(max_bytes: int = 8 * 2**20) -> list[str]:
 
 
 def builtin_dataset_uri(cache_dir: str | None) -> str:
-    """Build the builtin corpus once per cache directory and Python version, then reuse it."""
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "elixir_ray")
+    """Build the builtin corpus once per cache directory and Python version, then reuse it. The
+    default directory is this machine's cache ($XDG_CACHE_HOME, else ~/.cache): on a cluster each
+    node builds its own copy where its workers run."""
+    cache_dir = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                                           ".cache"), "elixir_ray")
     version = "{}.{}".format(*sysconfig.get_python_version().split(".")[:2])
     uri = os.path.join(cache_dir, f"builtin-stdlib-py{version}.arrow")
     if not os.path.exists(uri):
@@ -200,8 +203,9 @@ def read_metadata(uri: str) -> dict[str, str]:
 
 def data_tokenizer(uri: str) -> dict[str, str]:
     """What a checkpoint keeps of the tokenizer its run's data was made with: its identity, which a
-    resume and `sample` compare, and its file's name, which their messages show."""
-    meta = read_metadata(uri)
+    resume and `sample` compare, and its file's name, which their messages show. The built-in corpus
+    is byte-level wherever it is built."""
+    meta = read_metadata(uri) if uri != "builtin" else {}
     identity = meta.get("tokenizer", "bytes")
     return {"tokenizer": identity, "tokenizer_file": meta.get("tokenizer_file", identity)}
 

@@ -38,6 +38,9 @@ class Result:
     checkpoint_step: Optional[int] = None  # the step checkpoint_uri holds
     start_step: int = 0  # the --resume checkpoint's step (the metrics hold the steps before it too)
     config: Optional[RunConfig] = None  # the config the run used, overrides applied (what a sweep compares)
+    placements: list = dataclasses.field(default_factory=list)  # controller.Placement per group placed
+    restores: list = dataclasses.field(default_factory=list)  # controller.RestoreRecord per restore
+    plans: list = dataclasses.field(default_factory=list)  # every plan trained with (an elastic run's several)
 
     @property
     def final_loss(self) -> Optional[float]:
@@ -258,4 +261,5 @@ def write_outputs(run: ResolvedRun, outcome, seconds: float) -> Result:
                   metrics_uri=uri, seconds=seconds, restarts=outcome.restarts,
                   persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
                   checkpoint_via=outcome.checkpoint_via, final_step=outcome.final_step,
-                  checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step, config=cfg)
+                  checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step, config=cfg,
+                  placements=outcome.placements, restores=outcome.restores, plans=outcome.plans)

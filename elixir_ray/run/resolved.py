@@ -46,7 +46,7 @@ class MetaModel:
 @dataclass(frozen=True)
 class ResolvedRun:
     """One run's config with everything derived from it resolved: `config` holds the absolute data
-    and eval paths, so the workers read what the driver checked."""
+    and eval paths (or `builtin`), so the workers read what the driver checked."""
 
     config: RunConfig
     model_shape: Mapping[str, int]  # resolve_model_shape(config.model)
@@ -74,11 +74,14 @@ class ResolvedRun:
 
 def resolve_run(cfg: RunConfig) -> ResolvedRun:
     """Resolve `cfg`'s data and eval paths and its model's shape. The files are opened by the checks
-    (`preflight.check_data`), not here."""
+    (`preflight.check_data`), not here. `builtin` stays in the config: each worker builds the corpus
+    on its own node (the driver's cache path is no path on another node), and the workers check
+    that theirs is the driver's (`cluster.shared_storage`)."""
     uri = resolve_data_uri(cfg.data.path, cfg.data.cache_dir)
     if "://" not in uri:
         uri = os.path.abspath(uri)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
+    if cfg.data.path != "builtin":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=uri))
     eval_uri = cfg.eval.path
     if eval_uri is not None:
         eval_uri = eval_uri if "://" in eval_uri else os.path.abspath(eval_uri)
