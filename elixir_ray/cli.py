@@ -199,6 +199,23 @@ def _cmd_bench(args) -> int:
     return main_args(args)
 
 
+def _cmd_doctor(args) -> int:
+    from elixir_ray.cluster.doctor import diagnose
+    from elixir_ray.config import config_from_dict, load_config
+    from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
+    from elixir_ray.run.resolved import resolve_run
+
+    cfg = load_config(args.config, overrides=args.set) if args.config else config_from_dict({}, args.set)
+    cfg = resolve_run(cfg).config  # data and eval paths as a run hands them to its workers
+    started = RAY_STARTED_BY_TRAIN.join(cfg)
+    try:
+        print(diagnose(cfg).table())
+    finally:
+        if started:
+            RAY_STARTED_BY_TRAIN.leave()
+    return 0
+
+
 def at_least(low: int):
     """An argparse type: a whole number of at least `low`."""
     def parse(text: str) -> int:
@@ -309,6 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "NAME.plan.png here for a config the package ships, given by name)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (elixir_ray.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan, parser=p)
+
+    p = sub.add_parser("doctor", help="probe the Ray cluster as a run would use it, one row per node",
+                       description="Place one probe per worker as the config places its workers (RAY_ADDRESS's "
+                                   "cluster, else an embedded local one), and print per node: its CPUs, GPUs and "
+                                   "RAM, the copy and CPU AdamW rates, the all-gather bandwidth within and across "
+                                   "nodes, whether each configured path reads there as on the driver, and the "
+                                   "threads and placement a run would take. Nothing is trained.")
+    p.add_argument("config", nargs="?", help="a run's YAML config, or the name of one the package ships (default: "
+                                             "every setting's default)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.set_defaults(func=_cmd_doctor, parser=p)
 
     from elixir_ray.bench.run import add_arguments
 

@@ -90,3 +90,45 @@ def test_two_nodes_profile_their_links_and_the_plan_is_made_for_those_nodes(tiny
         assert rates["all_gather_gbps"] > 0 and rates["reduce_scatter_gbps"] > 0 and rates["latency_s"] > 0, scope
     assert len(report["network"]["peers"]["nodes"]) == 2 and len(report["network"]["node"]["nodes"]) == 1
     assert "collectives between nodes: all-gather" in report["explain"]
+
+
+def test_three_nodes_share_cpus_spread_restore_in_parts_and_refuse_a_driver_only_path(tmp_path, tiny_dataset):
+    """Nodes of 2, 4 and 6 CPUs: the doctor's table; `cpus_per_worker: auto` and SPREAD on the
+    built-in corpus, built where each worker runs; a 4-rank restore from durable storage and from
+    the object store reading at most 30% of the state per rank; a driver-only data.path refused."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "scripts", "cluster_three_nodes.py"), tiny_dataset, str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    rows = report["doctor_rows"]
+    assert sorted(row["cpus"] for row in rows) == [2, 4, 6] and all(len(row["ranks"]) == 2 for row in rows), rows
+    for row in rows:
+        for key in ("ram_total", "h2d", "d2h", "adam", "threads", "within", "across"):
+            assert row[key] is not None and row[key] > 0, (key, row)
+        assert row["threads"] == row["cpus"] // 2  # two ranks share each node
+        assert row["reads"] == {"data.path": True, "checkpoint.uri": True}, row
+    table = report["doctor_table"]
+    assert "in-node GB/s" in table and "across GB/s" in table and "placement SPREAD" in table, table
+
+    spread = report["spread"]
+    assert spread["steps"] == [1, 2, 3]
+    assert sorted(spread["node_cpus"]) == [2, 4, 6]  # one rank per node
+    assert spread["threads"] == spread["node_cpus"]  # each rank its whole node (the driver's is the head)
+    # the corpus was built in every node's own cache directory, and the driver's
+    assert spread["caches_built"] == ["cache-driver", "cache-node0", "cache-node1", "cache-node2"]
+
+    restore = report["restore"]
+    assert restore["killed"] and restore["steps"] == [4, 5, 6, 7, 8]  # resumed at the first run's step 3
+    sources = [(r["source"], r["world_size"]) for r in restore["restores"]]
+    assert sources == [("durable", 4), ("object_store", 4)], sources
+    for r in restore["restores"]:
+        assert max(r["read_bytes"]) <= 0.3 * r["state_bytes"], r
+        assert min(r["read_bytes"]) >= 0.2 * r["state_bytes"], r  # a quarter each: the figure is what was read
+
+    refused = report["refused"]
+    assert refused is not None and refused.startswith("data.path '/proc/self/fd/900' is read by the driver but not "
+                                                      "where worker(s) 0, 1, 2"), refused
+    assert "s3://" in refused and "gs://" in refused and "mounted at the same path on every node" in refused
