@@ -30,6 +30,7 @@ from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.engine.allocator import use_expandable_segments
+from elixir_ray.errors import NonFiniteLossError
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.trainer import DTYPES, RankTrainer
 
@@ -179,8 +180,11 @@ class RankWorker:
     def _beat(self) -> None:
         self._beats += 1
 
-    def run(self, num_steps: int) -> int:
-        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
+    def run(self, num_steps: int) -> int | NonFiniteLossError:
+        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`.
+        Returns the step reached, or a non-finite loss, which every rank meets at the same step:
+        returned rather than raised, so that the ranks' results the driver leaves unread, once it
+        has one, are not printed by Ray as unhandled errors, traceback and all."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
@@ -191,6 +195,8 @@ class RankWorker:
                 if self.rank == 0:
                     with self._lock:
                         self._metrics.append(metrics)
+        except NonFiniteLossError as exc:
+            return exc
         except Exception as exc:
             raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
                             traceback.format_exc()) from exc

@@ -24,7 +24,7 @@ from elixir_ray.cluster.failure import FailureKind, StepError, WorkerGroupFailur
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group
 from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
 from elixir_ray.config import RunConfig
-from elixir_ray.errors import ClusterError
+from elixir_ray.errors import ClusterError, NonFiniteLossError
 
 log = logging.getLogger("elixir_ray")
 
@@ -185,23 +185,35 @@ class WorkerGroup:
     def get(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         """The calls' results. A rank that died, raised or timed out is a `WorkerGroupFailure`
         (the group is rebuilt); an error that is a bug rather than a lost worker (ValueError,
-        TypeError, KeyError, AssertionError) is a `ClusterError` (the run ends)."""
+        TypeError, KeyError, AssertionError) is a `ClusterError` (the run ends), as is a
+        non-finite loss (`NonFiniteLossError`). A rank's error may come back as its call's result
+        (`RankWorker.run` returns one every rank meets): read alike."""
         try:
-            return ray.get(refs, timeout=timeout)
+            results = ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise WorkerGroupFailure(what, f"timed out after {timeout:g}s", FailureKind.SILENT) from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}", FailureKind.DIED) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
-                raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
-            first = (str(cause).splitlines() or [""])[0]
-            error = cause.error if isinstance(cause, StepError) else error_line(cause)
-            failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
-            if isinstance(cause, StepError):
-                failure.step = cause.step
-            raise failure from exc
+            raise self._raised(what, cause) from exc
+        for result in results:
+            if isinstance(result, BaseException):
+                raise self._raised(what, result)
+        return results
+
+    def _raised(self, what: str, cause: BaseException) -> Exception:
+        """What a rank's error is to the driver: the end of the run, or a failure of the group."""
+        if isinstance(cause, NonFiniteLossError):
+            return cause
+        if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
+            return ClusterError(f"a worker failed while {what}: {cause}")  # a bug, not a lost worker
+        first = (str(cause).splitlines() or [""])[0]
+        error = cause.error if isinstance(cause, StepError) else error_line(cause)
+        failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
+        if isinstance(cause, StepError):
+            failure.step = cause.step
+        return failure
 
     def get_watched(self, refs: list, what: str) -> list:
         """Wait for calls that take as long as they take (profiling, setting up, restoring), pinging

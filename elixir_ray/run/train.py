@@ -13,12 +13,12 @@ import time
 from typing import Optional, Union
 
 from elixir_ray.config import RunConfig, check_storage
-from elixir_ray.errors import ClusterError
+from elixir_ray.errors import ClusterError, NonFiniteLossError
 from elixir_ray.progress import ProgressBar
 from elixir_ray.run.claim import claim_outputs
 from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
-from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, earlier_metrics, metrics_uri_of,
-                                    where_to_resume, write_outputs)
+from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, after_nonfinite_loss, earlier_metrics,
+                                    metrics_uri_of, where_to_resume, write_outputs)
 from elixir_ray.run.preflight import (check_checkpoint_space, check_data, check_local_cluster_shape,
                                       check_model_step, check_output_dir, check_resume, warn_if_data_under_one_batch,
                                       warn_of_earlier_checkpoints)
@@ -92,6 +92,8 @@ def _train_claimed(run: ResolvedRun, progress: bool, resume: Optional[str], work
             if bar:
                 bar.close()  # the lines below start on a line of their own, not after the bar's
             saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
+            if isinstance(exc, NonFiniteLossError):
+                raise ClusterError(f"{exc}{after_nonfinite_loss(controller, saver.uri, exc.step)}") from exc
             if isinstance(exc, ClusterError):
                 raise ClusterError(f"{exc}{where_to_resume(controller, saver.uri)}") from exc
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, `ray job stop`
