@@ -39,3 +39,96 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_naming_the_last_good_check
     steps = [row["step"] for row in read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))]
     assert steps == list(range(1, step)), steps
 
+
+class _Faults:
+    """In a thread: SIGKILL worker-0 once it has trained `at_step` steps, then SIGSTOP the next
+    worker-1 (the restarted group's) once it has too, noting when each signal went."""
+
+    def __init__(self, run: str, at_step: int):
+        import threading
+
+        self.run, self.at_step = run, at_step
+        self.killed_at = self.stopped_at = None
+        self.stopped_pid = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._inject, daemon=True)
+
+    def _pid_once_trained(self, rank: int):
+        """The pid of worker `rank` once it has trained `at_step` steps, else None."""
+        import ray
+
+        from elixir_ray.cluster.worker import worker_actor_name
+
+        try:
+            actor = ray.get_actor(worker_actor_name(self.run, rank), namespace="elixir_ray")
+            if ray.get(actor.current_step.remote(), timeout=5) >= self.at_step:
+                return ray.get(actor.node_info.remote(), timeout=5)["pid"]
+        except (ValueError, ray.exceptions.RayError):  # not started yet, being replaced, or killed
+            pass
+        return None
+
+    def _inject(self) -> None:
+        import signal
+        import time
+
+        deadline = time.monotonic() + 240
+        first_group = set()  # the pids of the group worker-0 was killed in
+        while time.monotonic() < deadline and not self.done.is_set():
+            if self.killed_at is None:
+                pids = [self._pid_once_trained(0), self._pid_once_trained(1)]
+                if None not in pids:
+                    first_group = set(pids)
+                    os.kill(pids[0], signal.SIGKILL)
+                    self.killed_at = time.time()
+            else:
+                pid = self._pid_once_trained(1)
+                if pid is not None and pid not in first_group:
+                    os.kill(pid, signal.SIGSTOP)
+                    self.stopped_pid, self.stopped_at = pid, time.time()
+                    return
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        import signal
+
+        self.done.set()
+        self.thread.join(timeout=10)
+        if self.stopped_pid is not None:
+            try:
+                os.kill(self.stopped_pid, signal.SIGCONT)  # the teardown SIGKILLs it; be sure
+            except ProcessLookupError:
+                pass
+
+
+def test_a_dead_worker_0_then_a_stopped_worker_1_are_named_in_one_line_each(
+        ray_cluster, tiny_dataset, tmp_path, capfd, caplog):
+    """A SIGKILLed worker-0 is named as dead (its survivor's "connection closed" is not what is
+    reported, nor printed as a traceback); after the restart a SIGSTOPped worker-1 is named as the
+    one that stopped answering within fault.detect_timeout_s + 1 s, where the healthy worker-0,
+    whose gloo receive timed out, was blamed after the timeout + 5 s."""
+    from elixir_ray import ClusterError, train
+
+    detect = 5
+    faults = _Faults("faults", at_step=2)
+    cfg = {**tiny_config(tiny_dataset, tmp_path, train={"steps": 200}, checkpoint={"every_steps": 100},
+                         fault={"max_restarts": 1, "detect_timeout_s": detect}), "name": "faults"}
+    faults.thread.start()
+    try:
+        with caplog.at_level("WARNING", logger="elixir_ray"):
+            with pytest.raises(ClusterError, match="giving up after 1 restart") as err:
+                train(cfg, progress=False)
+    finally:
+        faults.release()
+    assert faults.killed_at is not None and faults.stopped_at is not None, "the faults were not injected"
+    failures = [r for r in caplog.records if r.getMessage().startswith("worker group failed")]
+    assert len(failures) == 2, [r.getMessage() for r in failures]
+    died, stalled = failures
+    assert died.getMessage().startswith("worker group failed: worker 0 died"), died.getMessage()
+    assert re.match(r"worker group failed: worker\(s\) 1 did not answer for [\d.]+s", stalled.getMessage()), \
+        stalled.getMessage()
+    assert "worker(s) 1 did not answer" in str(err.value) and "rank 0" not in str(err.value)
+    assert stalled.created - faults.stopped_at <= detect + 1, stalled.created - faults.stopped_at
+    out, errs = capfd.readouterr()
+    console = out + errs
+    assert "Traceback" not in console and "Unhandled error" not in console, console
+    assert len(console.splitlines()) < 20, console

@@ -25,7 +25,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elixir_ray.cluster.failure import StepError, error_line
+from elixir_ray.cluster.failure import StepError, error_line, is_peer_error
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
 from elixir_ray.config import RunConfig, config_from_dict
@@ -180,11 +180,13 @@ class RankWorker:
     def _beat(self) -> None:
         self._beats += 1
 
-    def run(self, num_steps: int) -> int | NonFiniteLossError:
+    def run(self, num_steps: int) -> int | StepError | NonFiniteLossError:
         """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`.
-        Returns the step reached, or a non-finite loss, which every rank meets at the same step:
-        returned rather than raised, so that the ranks' results the driver leaves unread, once it
-        has one, are not printed by Ray as unhandled errors, traceback and all."""
+        Returns the step reached, or the error that ended the steps when every rank meets it (a
+        non-finite loss) or when it is a peer's doing (a collective's error after a peer died or
+        stopped): returned rather than raised, so that the result the driver leaves unread, once it
+        has the one that names the cause, is not printed by Ray as an unhandled error, traceback and
+        all. The run's own errors are raised, with their traceback."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
@@ -198,6 +200,8 @@ class RankWorker:
         except NonFiniteLossError as exc:
             return exc
         except Exception as exc:
+            if is_peer_error(exc):
+                return StepError(self.rank, self.trainer.state.step, str(exc), "", "")
             raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
                             traceback.format_exc()) from exc
         return self.trainer.state.step
