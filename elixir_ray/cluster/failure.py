@@ -66,8 +66,6 @@ class WorkerGroupFailure(Exception):
         # the last step trained before it failed: the raising rank's own for a step's error, else
         # the last step the driver saw (set by the controller)
         self.step: Optional[int] = None
-        self.rank: Optional[int] = None  # for a step's error: the rank that raised it
-        self.detail = ""  # for a step's error: its message, without the rank and step
 
     def repeats(self, earlier: "WorkerGroupFailure") -> bool:
         """The same error raised in the same phase with no step trained in between: a restart from a

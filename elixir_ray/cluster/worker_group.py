@@ -221,7 +221,6 @@ class WorkerGroup:
         failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
         if isinstance(cause, StepError):
             failure.step = cause.step
-            failure.rank, failure.detail = cause.rank, cause.message
         return failure
 
     def _death(self, what: str, exc: BaseException) -> WorkerGroupFailure:
@@ -337,7 +336,7 @@ class WorkerGroup:
                                           FailureKind.SILENT)
             if time.monotonic() >= deadline or all(self.heartbeats.answered_since(rank, since) for rank in others):
                 return None
-            time.sleep(0.02)
+            time.sleep(0.05)
 
     @staticmethod
     def _follow_on(calls: list, *culprits: int) -> str:
