@@ -38,7 +38,7 @@ DEATH_NAMING_S = 1.0  # how long a dead call's failure waits for the heartbeats 
 # no step for fault.detect_timeout_s) is the one named: a busy rank answers within milliseconds
 STALL_NAMING_S = 1.0
 HEARTBEAT_POLL_S = 0.2  # how often a long call's wait collects the heartbeats and sends the next
-RENDEZVOUS_TRIES = 3  # a free port can be taken between probe and bind
+RENDEZVOUS_TRIES = 3  # each on a fresh file or port: a try can fail on a rank slow to start
 FILES_REMOVE_S = 5.0  # how long a kill waits for a live worker to remove the rendezvous files
 
 
@@ -133,7 +133,8 @@ class WorkerGroup:
 
     def rendezvous(self) -> None:
         """Show each rank its node's GPUs, then form the process group (NCCL on GPU, gloo on CPU):
-        through a file on one node (no listening socket), else through a TCP store on rank 0."""
+        through a file on one node (no listening socket), else through a TCP store on rank 0 that
+        listens on its node's address only."""
         # the first call each new worker answers: it waits for the worker's process to start, which a
         # liveness ping cannot tell from a hang, so it gets the rendezvous's own limit
         infos = self.get(self.call("node_info"),
@@ -168,17 +169,22 @@ class WorkerGroup:
     def _init_method(self, *, one_node: bool, rank0_ip: str) -> str:
         """A fresh rendezvous address: a new file (or port) for each try."""
         if not one_node:
-            port = self.get_watched([self.call_rank(0, "free_port")], "probing a port")[0]
-            return f"tcp://{rank0_ip}:{port}"
+            return self._tcp_store(rank0_ip)
         path = self.get_watched([self.call_rank(0, "rendezvous_file", self.cfg.name)], "choosing a file")[0]
         self._rendezvous_files.append(path)
         if all(self.get_watched(self.call("sees_file", path), "checking the file")):
             return f"file://{path}"
         # ranks in containers of their own share no temp directory: a TCP store on loopback
-        port = self.get_watched([self.call_rank(0, "free_port")], "probing a port")[0]
-        log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
-                    "(it listens on every interface)", os.path.dirname(path), port)
-        return f"tcp://127.0.0.1:{port}"
+        init_method = self._tcp_store("127.0.0.1")
+        log.warning("the ranks do not share %s: meeting through a TCP store on %s instead",
+                    os.path.dirname(path), init_method[len("tcp://"):])
+        return init_method
+
+    def _tcp_store(self, address: str) -> str:
+        """A TCP store on rank 0, listening on `address` only (its node's address, or loopback)."""
+        port = self.get_watched([self.call_rank(0, "open_store", address)], "opening the rendezvous store")[0]
+        host = f"[{address}]" if ":" in address else address
+        return f"tcp://{host}:{port}"
 
     # -- calling and watching ------------------------------------------------------------------
 
