@@ -132,3 +132,29 @@ def test_a_dead_worker_0_then_a_stopped_worker_1_are_named_in_one_line_each(
     console = out + errs
     assert "Traceback" not in console and "Unhandled error" not in console, console
     assert len(console.splitlines()) < 20, console
+
+
+def test_a_run_that_queues_for_resources_says_it_is_waiting_and_for_how_long(ray_cluster, tiny_dataset, tmp_path,
+                                                                               caplog):
+    """Another run holds the CPUs (here a placement group, released after a few seconds): the run
+    says once that it is waiting and for how long it will, instead of silence, then trains."""
+    import threading
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from elixir_ray import train
+
+    hold = placement_group([{"CPU": 3}])
+    ray.get(hold.ready(), timeout=60)
+    release = threading.Timer(4.0, remove_placement_group, [hold])
+    release.start()
+    try:
+        with caplog.at_level("WARNING", logger="elixir_ray"):
+            result = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False)
+    finally:
+        release.join()
+    waits = [r.getMessage() for r in caplog.records if "waiting for the cluster" in r.getMessage()]
+    assert len(waits) == 1, waits
+    assert "2 x {'CPU': 1} for the workers (free now: 1 CPU): up to cluster.placement_timeout_s=60s" in waits[0]
+    assert result.metrics.column("step").to_pylist() == [1]
