@@ -15,6 +15,7 @@ from typing import Optional, Union
 from elixir_ray.config import RunConfig, check_storage
 from elixir_ray.errors import ClusterError, NonFiniteLossError
 from elixir_ray.progress import ProgressBar
+from elixir_ray.run.auto_resume import AUTO, resolve_auto_resume
 from elixir_ray.run.claim import claim_outputs
 from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
 from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, after_nonfinite_loss, earlier_metrics,
@@ -27,13 +28,17 @@ from elixir_ray.run.resolved import ResolvedRun, as_config, resolve_run
 
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
           progress: bool = True, resume: Optional[str] = None, *, worker_group_cls: Optional[type] = None) -> Result:
-    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from.
+    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from,
+    or is "auto": this run's newest checkpoint if it has one, else a fresh start (said on stderr).
     `worker_group_cls`: the `cluster.worker_group.WorkerGroup` subclass that places and watches the
     ranks (one that injects faults, in tests); WorkerGroup itself when None."""
     run = resolve_run(as_config(config, overrides))
     check_storage(run.config)  # each URI's filesystem, before anything opens one
     check_data(run)
     check_model_step(run)
+    if resume == AUTO:
+        resume, line = resolve_auto_resume(run.config)
+        print(line, file=sys.stderr, flush=True)
     if resume is not None:
         check_resume(run, resume)
     check_output_dir(run.config)
