@@ -104,8 +104,8 @@ def test_a_dead_worker_0_then_a_stopped_worker_1_are_named_in_one_line_each(
         ray_cluster, tiny_dataset, tmp_path, capfd, caplog):
     """A SIGKILLed worker-0 is named as dead (its survivor's "connection closed" is not what is
     reported, nor printed as a traceback); after the restart a SIGSTOPped worker-1 is named as the
-    one that stopped answering within fault.detect_timeout_s + 1 s, where the healthy worker-0,
-    whose gloo receive timed out, was blamed after the timeout + 5 s."""
+    one that stopped answering within fault.detect_timeout_s + 1 s, not the healthy worker-0 whose
+    gloo receive timed out waiting for it."""
     from elixir_ray import ClusterError, train
 
     detect = 5
