@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="CKPT_URI",
                    help="continue a stopped run from a checkpoint, or from the newest valid one in a directory "
                         "(the highest step there, whichever run wrote it); train.steps must be above its step, "
-                        "and the same global batch (workers x micro_batch x grad_accum) continues it exactly")
+                        "and the same global batch (workers x micro_batch x grad_accum) continues it exactly. "
+                        "auto: this run's newest checkpoint in checkpoint.uri if it has one, else start afresh "
+                        "(a resubmitted job goes on where its lost driver got to; a directory named auto: ./auto)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train, parser=p)
 

@@ -67,6 +67,8 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     log_every: int = 10
+    # a step whose loss is NaN or infinite ends the run there (no restart: it would repeat it)
+    stop_on_nonfinite: bool = True
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -22,6 +22,7 @@ from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
 from elixir_ray.engine import EngineShard, engine_shard, layout_of, load_engine_state
+from elixir_ray.errors import NonFiniteLossError
 from elixir_ray.model.factory import build_model, init_fn_for, loss_of, sample_inputs, trace_loss
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.wrapping import wrap
@@ -118,6 +119,10 @@ class RankTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         loss = self._mean_over_ranks(loss_sum / self.plan.grad_accum)
+        if self.cfg.train.stop_on_nonfinite and not math.isfinite(loss):
+            # the mean over the ranks: every rank raises here, at the same step, so none is left
+            # waiting in a collective for the others
+            raise NonFiniteLossError(self.state.step + 1, loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step += 1

@@ -552,9 +552,10 @@ class TrainController:
             if self._drain_metrics():
                 last_progress = time.monotonic()
             self.group.check_finished(runs, pending, "training")
+            self.group.watch("training")
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
-                raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
-                                                     f"{self.cfg.fault.detect_timeout_s:g}s", FailureKind.SILENT)
+                raise self.group.silent_failure("training", f"no step (nor evaluation forward) completed for "
+                                                            f"{self.cfg.fault.detect_timeout_s:g}s")
         self.step = self.group.get(runs, "training")[0]
         self._drain_metrics()
 

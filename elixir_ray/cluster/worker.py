@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 from elixir_ray.cluster.collective_rates import measure_collectives
 from elixir_ray.cluster.cpu_shares import reserved_threads
-from elixir_ray.cluster.shard_parts import CountedReads, RestoreReads, read_snapshot, split_shard
-from elixir_ray.cluster.failure import StepError, error_line
+from elixir_ray.cluster.failure import StepError, error_line, is_peer_error
 from elixir_ray.cluster.network import interface_with_address, is_loopback
+from elixir_ray.cluster.shard_parts import CountedReads, RestoreReads, read_snapshot, split_shard
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.engine.allocator import use_expandable_segments
+from elixir_ray.errors import NonFiniteLossError
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.trainer import DTYPES, RankTrainer
 
@@ -63,6 +64,7 @@ class RankWorker:
         self._stop = threading.Event()
         self._bytes_written = 0  # by `write_shard`, read by the driver's `write_progress` polls
         self._beats = 0  # forwards of an evaluation under way: progress the driver sees before the step ends
+        self._store_socket: socket.socket | None = None  # rank 0's rendezvous listener, until the store takes it
         torch.set_num_threads(reserved_threads(self.cfg.cluster.cpus_per_worker))  # until placed: cpu_shares.py
 
     def alive(self) -> bool:
@@ -130,38 +132,54 @@ class RankWorker:
             except FileNotFoundError:
                 pass
 
-    def free_port(self) -> int:
-        """A port free on every interface, as torch's TCP store binds it (all of them, IPv6 too where
-        the host has it): one free only on the address the ranks connect to may be taken on another,
-        and the store then fails to start (a review reproduced it: a port listened on at 127.0.0.1
-        was handed out for another address)."""
-        family_kwargs = {"family": socket.AF_INET6, "dualstack_ipv6": True} if socket.has_dualstack_ipv6() else {}
+    def open_store(self, address: str) -> int:
+        """Listen for the rendezvous on `address` only (this node's address that the other ranks
+        reach, or 127.0.0.1), on a port the kernel picks, and return the port. torch's TCPStore,
+        given an address and a port, listens on every interface; given this socket, it listens
+        where the socket does (`init_process_group` hands it over)."""
+        self._close_store_socket()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            with socket.create_server(("", 0), **family_kwargs) as s:
-                return s.getsockname()[1]
-        except OSError:  # IPv6 present but not usable here (a container without it): IPv4's wildcard
-            with socket.create_server(("", 0)) as s:
-                return s.getsockname()[1]
+            sock.bind((address, 0))
+            sock.listen(max(128, self.world_size))
+        except OSError:
+            sock.close()
+            raise
+        self._store_socket = sock
+        return sock.getsockname()[1]
+
+    def _close_store_socket(self) -> None:
+        if self._store_socket is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
     def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:
-        """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes."""
+        """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes (rank 0 then
+        listens on the socket `open_store` opened)."""
         self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        host = urlsplit(init_method).hostname
-        if init_method.startswith("file://") or is_loopback(host):
+        url = urlsplit(init_method)
+        if init_method.startswith("file://") or is_loopback(url.hostname):
             # one node: gloo's pairs and NCCL's bootstrap listen where the hostname resolves (the
             # container's or the machine's address) unless told the interface; loopback is enough
             os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         elif backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
             self._gloo_on_node_interface()
+        timeout = timedelta(seconds=timeout_s)
+        rendezvous = {"init_method": init_method}
+        if url.scheme == "tcp":
+            listen_fd = self._store_socket.detach() if self._store_socket is not None else None  # the store's now
+            self._store_socket = None
+            rendezvous = {"store": dist.TCPStore(url.hostname, url.port, self.world_size, self.rank == 0, timeout,
+                                                 master_listen_fd=listen_fd)}
         dist.init_process_group(
-            backend=backend, init_method=init_method, rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
-            device_id=self.device if backend == "nccl" else None,
+            backend=backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
+            device_id=self.device if backend == "nccl" else None, **rendezvous,
         )
 
     def _gloo_on_node_interface(self) -> None:
@@ -199,8 +217,13 @@ class RankWorker:
     def _beat(self) -> None:
         self._beats += 1
 
-    def run(self, num_steps: int) -> int:
-        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
+    def run(self, num_steps: int) -> int | StepError | NonFiniteLossError:
+        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`.
+        Returns the step reached, or the error that ended the steps when every rank meets it (a
+        non-finite loss) or when it is a peer's doing (a collective's error after a peer died or
+        stopped): returned rather than raised, so that the result the driver leaves unread, once it
+        has the one that names the cause, is not printed by Ray as an unhandled error, traceback and
+        all. The run's own errors are raised, with their traceback."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
@@ -211,7 +234,11 @@ class RankWorker:
                 if self.rank == 0:
                     with self._lock:
                         self._metrics.append(metrics)
+        except NonFiniteLossError as exc:
+            return exc
         except Exception as exc:
+            if is_peer_error(exc):
+                return StepError(self.rank, self.trainer.state.step, str(exc), "", "")
             raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
                             traceback.format_exc()) from exc
         return self.trainer.state.step

@@ -13,12 +13,13 @@ import time
 from typing import Optional, Union
 
 from elixir_ray.config import RunConfig, check_storage
-from elixir_ray.errors import ClusterError
+from elixir_ray.errors import ClusterError, NonFiniteLossError
 from elixir_ray.progress import ProgressBar
+from elixir_ray.run.auto_resume import AUTO, resolve_auto_resume
 from elixir_ray.run.claim import claim_outputs
 from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
-from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, earlier_metrics, metrics_uri_of,
-                                    where_to_resume, write_outputs)
+from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, after_nonfinite_loss, earlier_metrics,
+                                    metrics_uri_of, where_to_resume, write_outputs)
 from elixir_ray.run.preflight import (check_checkpoint_space, check_data, check_local_cluster_shape,
                                       check_model_step, check_output_dir, check_resume, warn_if_data_under_one_batch,
                                       warn_of_earlier_checkpoints)
@@ -27,13 +28,17 @@ from elixir_ray.run.resolved import ResolvedRun, as_config, resolve_run
 
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
           progress: bool = True, resume: Optional[str] = None, *, worker_group_cls: Optional[type] = None) -> Result:
-    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from.
+    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from,
+    or is "auto": this run's newest checkpoint if it has one, else a fresh start (said on stderr).
     `worker_group_cls`: the `cluster.worker_group.WorkerGroup` subclass that places and watches the
     ranks (one that injects faults, in tests); WorkerGroup itself when None."""
     run = resolve_run(as_config(config, overrides))
     check_storage(run.config)  # each URI's filesystem, before anything opens one
     check_data(run)
     check_model_step(run)
+    if resume == AUTO:
+        resume, line = resolve_auto_resume(run.config)
+        print(line, file=sys.stderr, flush=True)
     if resume is not None:
         check_resume(run, resume)
     check_output_dir(run.config)
@@ -92,6 +97,8 @@ def _train_claimed(run: ResolvedRun, progress: bool, resume: Optional[str], work
             if bar:
                 bar.close()  # the lines below start on a line of their own, not after the bar's
             saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
+            if isinstance(exc, NonFiniteLossError):
+                raise ClusterError(f"{exc}{after_nonfinite_loss(controller, saver.uri, exc.step)}") from exc
             if isinstance(exc, ClusterError):
                 raise ClusterError(f"{exc}{where_to_resume(controller, saver.uri)}") from exc
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, `ray job stop`
