@@ -28,7 +28,7 @@ def rank_shard(rank: int) -> dict:
 def put_parts(ray, rank: int) -> RankShardRefs:
     header, rest, *chunks = split_shard({"step": 1}, rank_shard(rank), chunks=2)
     return RankShardRefs(rest=ray.put(rest), chunks=tuple(ray.put(c) for c in chunks),
-                         chunk_keys=frozenset(header["chunk_keys"]))
+                         chunk_dtypes=header["chunk_dtypes"])
 
 
 def test_a_restoring_rank_fetches_only_the_parts_holding_what_it_reads(ray_cluster):
@@ -37,6 +37,8 @@ def test_a_restoring_rank_fetches_only_the_parts_holding_what_it_reads(ray_clust
     state = read_snapshot(shards, reads)
     rests = 2 * (16 + 3)  # every rank's step counts and random state
     assert reads.bytes == rests  # nothing of the chunks yet
+    assert state.spec_of("model/a") == ((8,), np.float32) and state.nbytes_of("model/b") == 16
+    assert reads.bytes == rests  # a tensor's dtype is told by the header, not fetched
     np.testing.assert_array_equal(state.read_range("model/a", 4, 8), [4, 5, 6, 7])  # rank 1's half of chunk 0
     assert reads.bytes == rests + 16  # rank 1's part of chunk 0 alone
     np.testing.assert_array_equal(state["model/b"], np.arange(100, 104))  # replicated: rank 0's whole chunk 1

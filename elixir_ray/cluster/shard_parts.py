@@ -29,12 +29,17 @@ from elixir_ray.engine import JoinedState
 @dataclass(frozen=True)
 class RankShardRefs:
     """One rank's snapshot shard as object refs: `rest` ({"tensors", "layout"}) and one per chunk
-    ({name: array}, empty where the rank holds none of it); `chunk_keys`, the names in the chunk
-    objects (from the call's header), so that a reader knows what is there without fetching it."""
+    ({name: array}, empty where the rank holds none of it); `chunk_dtypes`, the name and dtype of
+    each array in the chunk objects (from the call's header), so that a reader knows what is there
+    without fetching it."""
 
     rest: ray.ObjectRef
     chunks: tuple
-    chunk_keys: frozenset
+    chunk_dtypes: Mapping[str, str]
+
+    @property
+    def chunk_keys(self) -> frozenset:
+        return frozenset(self.chunk_dtypes)
 
     @property
     def refs(self) -> list:
@@ -58,7 +63,7 @@ def split_shard(header: dict, shard: dict, chunks: int) -> tuple:
             parts[index][key] = value
         else:
             rest[key] = value
-    header = {**header, "chunk_keys": sorted(k for part in parts for k in part)}
+    header = {**header, "chunk_dtypes": {k: np.asarray(v).dtype.str for part in parts for k, v in part.items()}}
     return (header, {"tensors": rest, "layout": shard["layout"]}, *parts)
 
 
@@ -69,19 +74,19 @@ def _chunk_of(key: str) -> Optional[int]:
 
 def call_snapshot(group, chunks: int) -> list[tuple]:
     """Every rank's (header ref, shard) of a snapshot: the shard is one ref, or with `chunks` a
-    `RankShardRefs` whose `chunk_keys` `with_keys` fills in once the headers are read."""
+    `RankShardRefs` whose `chunk_dtypes` `with_keys` fills in once the headers are read."""
     if not chunks:
         return [tuple(pair) for pair in group.call("state_shard")]
     pairs = []
     for actor in group.actors:
         refs = actor.snapshot_parts.options(num_returns=2 + chunks).remote(chunks)
-        pairs.append((refs[0], RankShardRefs(rest=refs[1], chunks=tuple(refs[2:]), chunk_keys=frozenset())))
+        pairs.append((refs[0], RankShardRefs(rest=refs[1], chunks=tuple(refs[2:]), chunk_dtypes={})))
     return pairs
 
 
 def with_keys(shards: list, headers: list[dict]) -> list:
-    """The shards with the chunk keys their headers name."""
-    return [RankShardRefs(s.rest, s.chunks, frozenset(h.get("chunk_keys", ()))) if isinstance(s, RankShardRefs)
+    """The shards with the chunk arrays their headers name."""
+    return [RankShardRefs(s.rest, s.chunks, dict(h.get("chunk_dtypes", {}))) if isinstance(s, RankShardRefs)
             else s for s, h in zip(shards, headers)]
 
 
@@ -112,7 +117,7 @@ def copy_here(shard, timeout_s: float):
     if isinstance(shard, RankShardRefs):
         return RankShardRefs(rest=ray.put(ray.get(shard.rest, timeout=timeout_s)),
                              chunks=tuple(ray.put(ray.get(ref, timeout=timeout_s)) for ref in shard.chunks),
-                             chunk_keys=shard.chunk_keys)
+                             chunk_dtypes=shard.chunk_dtypes)
     return ray.put(ray.get(shard, timeout=timeout_s))
 
 
@@ -150,6 +155,10 @@ class FetchedShard(Mapping):
 
     def __contains__(self, key) -> bool:
         return key in self.shard.chunk_keys or key in self.rest["tensors"]
+
+    def dtype_of(self, key: str) -> np.dtype:
+        """A chunk array's dtype without fetching it (`engine.JoinedState` asks rank 0's shard)."""
+        return np.dtype(self.shard.chunk_dtypes[key]) if key in self.shard.chunk_dtypes else self[key].dtype
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.shard.chunk_keys:

@@ -190,7 +190,7 @@ class JoinedState(Mapping):
             return 4
         if where[0] == "buffer":
             return self.shards[0][f"model/{where[1]}"].nbytes
-        return where[1]["numel"] * self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].itemsize
+        return where[1]["numel"] * self._chunk_dtype(f"chunk/{where[1]['chunk']}/{where[2]}").itemsize
 
     def spec_of(self, name: str) -> tuple[tuple, np.dtype]:
         """(shape, dtype) of a tensor, without joining it (for a file header written before its data)."""
@@ -202,7 +202,14 @@ class JoinedState(Mapping):
         if where[0] == "buffer":
             value = self.shards[0][f"model/{where[1]}"]
             return tuple(value.shape), np.dtype(value.dtype)
-        return tuple(where[1]["shape"]), np.dtype(self.shards[0][f"chunk/{where[1]['chunk']}/{where[2]}"].dtype)
+        return tuple(where[1]["shape"]), self._chunk_dtype(f"chunk/{where[1]['chunk']}/{where[2]}")
+
+    def _chunk_dtype(self, key: str) -> np.dtype:
+        """A chunk tensor's dtype, from rank 0's shard without reading the tensor where the shard can
+        say (`dtype_of`: a shard fetched on demand, whose tensors a restoring rank of another slice
+        never reads)."""
+        dtype_of = getattr(self.shards[0], "dtype_of", None)
+        return np.dtype(dtype_of(key) if dtype_of is not None else self.shards[0][key].dtype)
 
     def read_range(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Elements [lo, hi) of a tensor in its flat order, reading only those (a restoring rank
