@@ -104,7 +104,7 @@ def diagnose(cfg: RunConfig) -> DoctorReport:
         group.place(first_try=True)
         group.rendezvous()
         threads = give_ranks_their_threads(group, shape)
-        views = look_from_the_ranks(group, probe_cfg)
+        views = look_from_the_ranks(group, cfg)  # the run's own paths
         facts = group.get_watched([group.call_rank(r, "run_here", host_facts) for r in range(group.world_size)],
                                   "asking the probes about their machines")
         profiles = group.get_watched(group.call("profile", cfg.train.micro_batch), "profiling the probes")

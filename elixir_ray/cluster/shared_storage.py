@@ -70,12 +70,17 @@ def _local_files(cfg: RunConfig) -> dict[str, str]:
     return files
 
 
-def _write_probe(cfg: RunConfig) -> Optional[tuple[str, str]]:
-    """A fresh file in a local checkpoint directory (made if missing), or None for an object store or
-    a directory the driver cannot write (the checkpoint's own write then says why)."""
+def _write_probe(cfg: RunConfig) -> Optional[tuple[str, str, list[str]]]:
+    """A fresh file in a local checkpoint directory, with the directories made for it (deepest first,
+    removed again with the probe), or None for an object store or a directory the driver cannot
+    write (the checkpoint's own write then says why)."""
     path = storage.local_path(cfg.checkpoint_uri)
     if path is None:
         return None
+    made, missing = [], os.path.abspath(path)
+    while not os.path.exists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
     probe = os.path.join(path, f".elixir_ray-probe-{uuid.uuid4().hex}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -83,7 +88,17 @@ def _write_probe(cfg: RunConfig) -> Optional[tuple[str, str]]:
             f.write(probe)
     except OSError:
         return None
-    return probe, probe
+    return probe, probe, made
+
+
+def _remove_probe(probe: tuple[str, str, list[str]]) -> None:
+    """The probe file, and the directories made for it while they are still empty."""
+    try:
+        os.remove(probe[0])
+        for directory in probe[2]:
+            os.rmdir(directory)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -123,14 +138,11 @@ def look_from_the_ranks(group, cfg: RunConfig) -> StorageViews:
         for ranks in (firsts, [rank for rank in range(group.world_size) if rank not in firsts]):
             if ranks:
                 refs = [group.call_rank(rank, "run_here", what_this_rank_sees, paths, cfg.data.cache_dir, builtin,
-                                        probe) for rank in ranks]
+                                        probe and probe[:2]) for rank in ranks]
                 seen.update(zip(ranks, group.get_watched(refs, "checking what the workers read")))
     finally:
         if probe is not None:
-            try:
-                os.remove(probe[0])
-            except OSError:
-                pass
+            _remove_probe(probe)
     return StorageViews(files=files, driver=driver, seen=seen, probed=probe is not None)
 
 
