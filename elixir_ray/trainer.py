@@ -85,6 +85,7 @@ class RankTrainer:
         self.eval_sampler = (BatchSampler(TokenDataset(cfg.eval.path, what="eval.path"), self.seq_len, EVAL_SEED)
                              if cfg.eval.path is not None else None)
         self.state = TrainState()
+        self.stop_agreed = False  # set by step(): some rank asked to stop, and every rank knows it
         torch.manual_seed(cfg.train.seed + 1 + rank)  # dropout streams differ per rank, deterministically
 
     @property
@@ -96,14 +97,20 @@ class RankTrainer:
             self.state.samples_consumed, self.rank, self.plan.micro_batch, self.plan.grad_accum, micro_step
         ).to(self.device, non_blocking=True)
 
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` (any shape, elementwise) over the ranks."""
         if self.world_size > 1:
             value = value.to(self.model.store.comm.device)
             self.model.store.comm.all_reduce_mean(value)
-        return float(value)
+        return value
 
-    def step(self) -> dict:
-        """One optimizer step over this rank's share of the global batch; returns its metrics."""
+    def step(self, *, stop_requested: bool = False) -> dict:
+        """One optimizer step over this rank's share of the global batch; returns its metrics.
+
+        `stop_requested`: this rank was asked to stop. The request rides on the step's loss
+        all-reduce, so after the step every rank has the same `stop_agreed`: all ranks end at the
+        same step, where a rank stopping alone would leave the others waiting in the next step's
+        collectives."""
         start = time.perf_counter()
         lr = lr_at(self.state.step, self.cfg)
         for group in self.optimizer.param_groups:
@@ -115,7 +122,9 @@ class RankTrainer:
             loss_sum += loss.detach().float()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        loss = self._mean_over_ranks(loss_sum / self.plan.grad_accum)
+        reduced = self._mean_over_ranks(torch.stack([loss_sum / self.plan.grad_accum,
+                                                     torch.full((), float(stop_requested), device=self.device)]))
+        loss, self.stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step += 1
@@ -162,7 +171,7 @@ class RankTrainer:
                 self.on_progress()
         finally:
             self.model.train()
-        return self._mean_over_ranks(total) * world / (windows * self.seq_len)
+        return float(self._mean_over_ranks(total)) * world / (windows * self.seq_len)
 
     def state_shard(self, copy: bool = True, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """This rank's part of the training state: its chunk slices, step counts and RNG (views of the

@@ -180,17 +180,18 @@ class RankWorker:
         self._beats += 1
 
     def run(self, num_steps: int) -> int:
-        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`."""
+        """Train num_steps steps, or fewer when a stop is agreed (see `stop`); rank 0 queues each
+        step's metrics for `poll`. Returns the step reached."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
             for _ in range(num_steps):
-                if self._stop.is_set():
-                    break
-                metrics = self.trainer.step()
+                metrics = self.trainer.step(stop_requested=self._stop.is_set())
                 if self.rank == 0:
                     with self._lock:
                         self._metrics.append(metrics)
+                if self.trainer.stop_agreed:
+                    break
         except Exception as exc:
             raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
                             traceback.format_exc()) from exc
@@ -204,6 +205,9 @@ class RankWorker:
         return out, self._beats
 
     def stop(self) -> None:
+        """Ask the group to end `run` after the step under way: every rank learns of it in that
+        step's loss all-reduce, so all of them end at the same step (at most one step later, when
+        the request arrives after this rank's all-reduce)."""
         self._stop.set()
 
     def current_step(self) -> int:
