@@ -28,11 +28,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EVAL_SEED = 0  # the order eval.windows are taken in: fixed, so a held-out set is the same for every run
 
 
+def schedule_steps(cfg: RunConfig) -> int:
+    """The learning-rate schedule's length: optim.schedule_steps, else train.steps."""
+    return cfg.optim.schedule_steps or cfg.train.steps
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step `steps - 1`),
-    also where that step is the only one after the warm-up; a run no longer than its warm-up ends
-    before the decay starts."""
-    o, total = cfg.optim, cfg.train.steps
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the schedule's last step (step
+    `schedule_steps - 1`), also where that step is the only one after the warm-up; a schedule no
+    longer than its warm-up ends before the decay starts, and steps past its end keep its last lr."""
+    o, total = cfg.optim, schedule_steps(cfg)
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     span = total - 1 - o.warmup_steps

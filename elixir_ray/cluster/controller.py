@@ -41,9 +41,9 @@ from elixir_ray import storage
 from elixir_ray.checkpoint import CheckpointError, check_compatible, load_first_valid, load_newest_valid
 from elixir_ray.checkpoint.shards import SHARDS_FORMAT
 from elixir_ray.checkpoint.store import STATE_BYTES_PER_PARAM, abort_checkpoint, begin_checkpoint, commit_checkpoint
-from elixir_ray.cluster.plan_cache import CachedPlan, PlanCache, node_kind, plan_key
 from elixir_ray.cluster.failure import Decision, FailureKind, RestartPolicy, WorkerGroupFailure, step_against_timeout
 from elixir_ray.cluster.placement import PlacementTimeoutError, WorkerShape, cpu_thread_hint, workers_that_fit
+from elixir_ray.cluster.plan_cache import CachedPlan, PlanCache, node_kind, plan_key
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
 from elixir_ray.cluster.worker_group import GivenPlacement, WorkerGroup
 from elixir_ray.cluster.worker_profile import WorkerProfile
@@ -51,6 +51,7 @@ from elixir_ray.config import RunConfig
 from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
+from elixir_ray.trainer import schedule_steps
 
 log = logging.getLogger("elixir_ray")
 
@@ -639,7 +640,7 @@ class TrainController:
                         on_driver_node=self.group.on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
                                "world_size": self.shape.num_workers, "global_batch": self.global_batch,
-                               **self.tokenizer})
+                               "schedule_steps": schedule_steps(self.cfg), **self.tokenizer})
         # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
         # driver's node both would be lost together, so one is enough (a whole state less in memory)
         self.snapshots = [snap] if self.group.on_driver_node else self.snapshots[-1:] + [snap]
@@ -694,7 +695,7 @@ class TrainController:
                 results[0]["layout"], self.shape.num_workers,
                 {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
                  "config": self.cfg.to_dict(), "world_size": self.shape.num_workers,
-                 "global_batch": self.global_batch, **self.tokenizer})
+                 "global_batch": self.global_batch, "schedule_steps": schedule_steps(self.cfg), **self.tokenizer})
         except (OSError, CheckpointError) as exc:
             self.persister.forget_unreadable(step)
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")

@@ -26,6 +26,7 @@ from elixir_ray.run.preflight import (check_checkpoint_space, check_data, check_
                                       check_model_step, check_output_dir, check_resume, warn_if_data_under_one_batch,
                                       warn_of_earlier_checkpoints)
 from elixir_ray.run.resolved import ResolvedRun, as_config, resolve_run
+from elixir_ray.run.schedule import keep_schedule
 
 if TYPE_CHECKING:  # the cluster package imports Ray
     from elixir_ray.cluster.plan_cache import PlanCache
@@ -73,6 +74,8 @@ def checked_and_claimed(config: Union[RunConfig, dict, str], overrides: Optional
     check_checkpoint_space(run)
     if options.placement is None:
         check_local_cluster_shape(run.config)
+    if options.resume is not None:
+        run = keep_schedule(run, options.resume)
     claim = claim_outputs(run.config)
     if options.resume is None:
         warn_of_earlier_checkpoints(run.config)
