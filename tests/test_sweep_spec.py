@@ -1,0 +1,85 @@
+"""A sweep's input refused in one line before Ray starts: the space's keys and domains, the metric,
+the scheduler, trials_per_gpu. No Ray cluster here."""
+
+import pytest
+
+from elixir_ray.cli import main
+from elixir_ray.errors import ConfigError
+from elixir_ray.sweeps.schedulers import make_scheduler, parse_scheduler
+from elixir_ray.sweeps.spec import build_spec, load_sweep_file
+
+
+def _base(tiny_dataset):
+    return {"name": "s", "data": {"path": tiny_dataset}, "model": {"size": "tiny", "n_layers": 2, "seq_len": 64},
+            "train": {"steps": 8, "micro_batch": 4}}
+
+
+@pytest.mark.parametrize("space, needle", [
+    ({"optim.lrr": [1e-3]}, r"space: optim.lrr=0.001: unknown config key 'optim.lrr' \(allowed under 'optim': lr,"),
+    ({"optim.lr": {"logunifrom": [1e-4, 1e-2]}}, r"space: optim.lr: unknown domain 'logunifrom' \(one of loguniform,"),
+    ({"optim.lr": {"loguniform": [1e-4]}}, r"space: optim.lr: loguniform takes \[low, high\] \(numbers\), got \[0.0001\]"),
+    ({"optim.lr": {"loguniform": [0.0, 1e-2]}}, r"loguniform \[0.0, 0.01\] needs a low bound above 0"),
+    ({"optim.lr": {"uniform": [1e-2, 1e-4]}}, r"the low bound must be below the high one"),
+    ({"optim.lr": []}, r"space: optim.lr: an empty list gives no trial"),
+    ({"optim.lr": [1e-3, -1.0]}, r"space: optim.lr=-1.0: optim.lr must be a positive number, got -1.0"),
+    ({"train.micro_batch": {"randint": [0, 4]}}, r"space: train.micro_batch=0: train.micro_batch must be a positive"),
+    ({"cluster.num_workers": [1, 2]}, r"space: cluster.num_workers is set by the sweep for each trial"),
+    ({}, r"space: empty"),
+])
+def test_a_bad_space_is_refused_in_one_line(tiny_dataset, space, needle):
+    with pytest.raises(ConfigError, match=needle) as err:
+        build_spec(_base(tiny_dataset), space)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"metric": "accuracy"}, r"metric 'accuracy' is not one the runs report \(one of loss, eval_loss,"),
+    ({"metric": "eval_loss"}, r"metric eval_loss: the base config has no eval.path"),
+    ({"mode": "lowest"}, r"mode 'lowest': min or max"),
+    ({"trials_per_gpu": 0}, r"trials_per_gpu must be a whole number of at least 1, got 0"),
+    ({"num_samples": 0}, r"num_samples must be a whole number of at least 1, got 0"),
+    ({"scheduler": "hyperband2"}, r"scheduler type 'hyperband2' is not one this sweep runs on Ray Tune \(one of asha,"),
+    ({"scheduler": {"grace_period": 2}}, r"scheduler: give its type"),
+    ({"name": "a/b"}, r"name 'a/b': a sweep's name is letters"),
+])
+def test_bad_sweep_settings_are_refused_in_one_line(tiny_dataset, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_spec(_base(tiny_dataset), {"optim.lr": [1e-3]}, **kwargs)
+
+
+def test_a_scheduler_setting_tune_does_not_take_is_one_line():
+    with pytest.raises(ConfigError, match=r"scheduler asha: .*'grace'.* \(its settings are AsyncHyperBandScheduler's "):
+        make_scheduler(parse_scheduler({"type": "asha", "grace": 2}), steps=8, mutations={}, checkpoint_every=0)
+    asha = make_scheduler(parse_scheduler("asha"), steps=8, mutations={}, checkpoint_every=0)
+    assert type(asha).__name__ == "AsyncHyperBandScheduler" and asha._time_attr == "step" and asha._max_t == 8
+    pbt = make_scheduler(parse_scheduler({"type": "pbt"}), steps=8, mutations={"optim.lr": [1e-3, 1e-2]},
+                         checkpoint_every=4)
+    assert pbt._perturbation_interval == 4 and "optim.lr" in pbt._hyperparam_mutations
+    assert make_scheduler(parse_scheduler("none"), steps=8, mutations={}, checkpoint_every=0) is None
+
+
+def test_the_sweep_file_takes_set_overrides_for_itself_and_for_the_base_config(tiny_dataset, tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: lr\nbase: {{data: {{path: {tiny_dataset}}}}}\nspace:\n  optim.lr: {{loguniform: [1.0e-4, "
+                     f"1.0e-2]}}\nscheduler: {{type: asha, grace_period: 2}}\n")
+    kwargs = load_sweep_file(str(sweep), ["num_samples=3", "scheduler.reduction_factor=3", "train.steps=12",
+                                          "space.optim.weight_decay=[0.0, 0.1]"])
+    assert kwargs["num_samples"] == 3 and kwargs["base_overrides"] == ["train.steps=12"]
+    assert kwargs["scheduler"] == {"type": "asha", "grace_period": 2, "reduction_factor": 3}
+    assert kwargs["space"] == {"optim.lr": {"loguniform": [1e-4, 1e-2]}, "optim.weight_decay": [0.0, 0.1]}
+    sweep.write_text("name: lr\nbase: tiny\nspace: {optim.lr: [1.0e-3]}\nschedular: asha\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'schedular' \(allowed: name, base, space,"):
+        load_sweep_file(str(sweep))
+
+
+def test_the_command_refuses_bad_input_before_starting_ray(tiny_dataset, tmp_path, capsys):
+    import sys
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: lr\nbase: {{data: {{path: {tiny_dataset}}}}}\nspace:\n  optim.lr: {{grid: [1.0e-3]}}\n"
+                     f"metric: perplexity\n")
+    assert main(["sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("elixir-ray: error: metric 'perplexity' is not one the runs report (one of loss, eval_loss, "
+                           "lr, grad_norm, tokens_per_s, step_seconds)")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
