@@ -67,6 +67,10 @@ def test_the_sweep_file_takes_set_overrides_for_itself_and_for_the_base_config(t
     assert kwargs["num_samples"] == 3 and kwargs["base_overrides"] == ["train.steps=12"]
     assert kwargs["scheduler"] == {"type": "asha", "grace_period": 2, "reduction_factor": 3}
     assert kwargs["space"] == {"optim.lr": {"loguniform": [1e-4, 1e-2]}, "optim.weight_decay": [0.0, 0.1]}
+    # YAML reads 1e-4 (no dot) as text: in a domain it is the number
+    spec = build_spec({"data": {"path": tiny_dataset}}, {"optim.lr": {"loguniform": ["1e-4", "1e-2"]},
+                                                        "optim.weight_decay": ["0", "1e-1"]})
+    assert spec.space["optim.lr"].args == (1e-4, 1e-2) and spec.space["optim.weight_decay"].args == ("0", 0.1)
     sweep.write_text("name: lr\nbase: tiny\nspace: {optim.lr: [1.0e-3]}\nschedular: asha\n")
     with pytest.raises(ConfigError, match=r"unknown key 'schedular' \(allowed: name, base, space,"):
         load_sweep_file(str(sweep))

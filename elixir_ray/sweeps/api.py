@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Union
@@ -20,6 +21,7 @@ from elixir_ray.errors import ConfigError
 from elixir_ray.sweeps.results import SweepResult
 
 RESUME_CHOICES = (False, True, "auto")
+TRIAL_ID = re.compile(r"^[0-9a-f]+_\d{5}")  # Tune's trial ids: the experiment's hash, the trial's number
 
 
 def sweep(base: Union[RunConfig, dict, str], space: Mapping[str, Any], *, metric: str = "loss", mode: str = "min",
@@ -147,7 +149,9 @@ def _tuner(spec, resources, scheduler, every: int, restoring: bool, progress: bo
         run_config=tune.RunConfig(
             name=spec.name, storage_path=spec.storage, verbose=1 if progress else 0,
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=spec.base.checkpoint.keep),
+            # every pointer kept (a few bytes each): the experiment state a restored sweep reads may name
+            # one older than the newest few; the checkpoints they name are pruned by the runs themselves
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
             callbacks=[CSVLoggerCallback(), JsonLoggerCallback(), TBXLoggerCallback()]))
 
 
@@ -177,7 +181,7 @@ def collect_results(spec, grid) -> SweepResult:
     keys = list(spec.space)
     rows, curves = [], {}
     for result in grid:
-        trial_id = os.path.basename(str(result.path).rstrip("/"))
+        trial_id = trial_id_of(result)
         values = {k: (result.config or {}).get(k) for k in keys}
         error = error_line(result.error) if result.error is not None else None
         row, curve = trial_row(spec.sweep_dir, trial_id, values, spec.metric, spec.mode, spec.base.train.steps, error)
@@ -192,6 +196,17 @@ def collect_results(spec, grid) -> SweepResult:
     return SweepResult(trials=table, best=best_trial(table, spec.metric, spec.mode, keys), metric=spec.metric,
                        mode=spec.mode, keys=keys, sweep_dir=spec.sweep_dir, trials_uri=trials_uri,
                        chart_uri=chart_uri)
+
+
+def trial_id_of(result) -> str:
+    """A Tune result's trial id: in every row it reported, else in its directory's name (the id, with
+    a suffix where a restored sweep found the directory already made)."""
+    reported = (result.metrics or {}).get("trial_id")
+    if reported:
+        return str(reported)
+    name = os.path.basename(str(result.path).rstrip("/"))
+    match = TRIAL_ID.match(name)
+    return match.group(0) if match else name
 
 
 def error_line(error: BaseException) -> str:

@@ -10,6 +10,7 @@ so a typo or an out-of-range value is one line here instead of a failed trial la
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,6 +22,12 @@ FORMS = {"loguniform": "[low, high]", "uniform": "[low, high]", "randint": "[low
          "grid": "[a, b, ...]"}
 # keys a trial's config gets from the sweep itself: its name, where it writes, how its workers are placed
 SWEEP_OWNED = ("name", "output_dir", "checkpoint.uri", "cluster.")
+# YAML 1.1 reads a number in exponent form without a dot (1e-4) as text: in a domain it is the number
+EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def _number(value: Any) -> Any:
+    return float(value) if isinstance(value, str) and EXPONENT.match(value.strip()) else value
 
 
 @dataclass(frozen=True)
@@ -84,13 +91,13 @@ def parse_domain(key: str, value: Any) -> Domain:
     if isinstance(value, dict) and set(value) == {"grid_search"}:  # tune.grid_search([...])
         if not isinstance(value["grid_search"], (list, tuple)) or not value["grid_search"]:
             raise ConfigError(f"space: {key}: grid_search takes a non-empty list, got {value['grid_search']!r}")
-        return Domain("grid", tuple(value["grid_search"]))
+        return Domain("grid", tuple(_number(v) for v in value["grid_search"]))
     if _is_tune_domain(value):
         return Domain("tune", tune_object=value)
     if isinstance(value, (list, tuple)):
         if not value:
             raise ConfigError(f"space: {key}: an empty list gives no trial; list the values to try")
-        return Domain("grid", tuple(value))
+        return Domain("grid", tuple(_number(v) for v in value))
     if isinstance(value, dict):
         if len(value) != 1:
             raise ConfigError(f"space: {key}: a domain is one of {_forms()} with its arguments, for example "
@@ -100,10 +107,11 @@ def parse_domain(key: str, value: Any) -> Domain:
             raise ConfigError(f"space: {key}: unknown domain {form!r} (one of {_forms()}, or a plain list: a grid)")
         if not isinstance(args, (list, tuple)) or not args:
             raise ConfigError(f"space: {key}: {form} takes {FORMS[form]}, got {args!r}")
+        args = [_number(a) for a in args]
         if form in ("loguniform", "uniform", "randint"):
             _check_range(key, form, args)
         return Domain(form, tuple(args))
-    return Domain("value", (value,))
+    return Domain("value", (_number(value),))
 
 
 def _check_range(key: str, form: str, args) -> None:
