@@ -115,7 +115,8 @@ def train_claimed(run: ResolvedRun, options: RunOptions) -> Result:
             at_checkpoint = bool(every) and m["step"] % every == 0
             saver.save(every_s=0.0 if at_checkpoint else METRICS_SAVE_EVERY_S)
             if options.on_metrics is not None:
-                options.on_metrics(dict(m))
+                plan = controller.outcome.plan
+                options.on_metrics({**m, "predicted_step_seconds": plan.predicted_step_seconds if plan else None})
 
         start = time.monotonic()
         on_note = bar.note if bar else (lambda text: None)
