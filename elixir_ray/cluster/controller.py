@@ -342,10 +342,12 @@ class TrainController:
         if cached is not None and cached.plan.world_size == self.shape.num_workers:
             plan = cached.plan
         else:
+            searched = time.monotonic()
             try:
                 plan = make_run_plan(self.cfg, profiles, global_batch=self.global_batch)
             except ValueError as exc:
                 raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
+            log.info("plan for %d worker(s) searched in %.1fs", plan.world_size, time.monotonic() - searched)
             if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
                 plan.notes.append(self._thread_hint)
             if self._holds_lease:

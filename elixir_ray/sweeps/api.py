@@ -21,6 +21,7 @@ from elixir_ray.errors import ConfigError
 from elixir_ray.sweeps.results import SweepResult
 
 RESUME_CHOICES = (False, True, "auto")
+UNBOUNDED_CPUS = 2**20  # sizing a trial before the local cluster exists: its CPUs are what is being chosen
 TRIAL_ID = re.compile(r"^[0-9a-f]+_\d{5}")  # Tune's trial ids: the experiment's hash, the trial's number
 
 
@@ -113,7 +114,7 @@ def _with_local_cpus(spec, progress: bool) -> RunConfig:
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         return cfg
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    per_trial = trial_resources(cfg, spec.trials_per_gpu, {"CPU": math.inf, "GPU": gpus}).cpus()
+    per_trial = trial_resources(cfg, spec.trials_per_gpu, {"CPU": UNBOUNDED_CPUS, "GPU": gpus}).cpus()
     concurrent = spec.max_concurrent_trials or 1
     cpus = max(local_cpus(cfg), math.ceil(per_trial * concurrent))
     if cpus > local_cpus(cfg) and progress:

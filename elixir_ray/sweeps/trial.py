@@ -87,14 +87,16 @@ class StopsItsRun:
         run = TRIAL_RUNS.get(self.trial_id)
         if run is not None:
             asked = time.time()
-            still_training = not run.done()
             try:
-                run.stop(timeout=STOP_TIMEOUT_S)
+                result = run.stop(timeout=STOP_TIMEOUT_S)
             except BaseException as exc:  # the run's own failure: the function reports it
                 log.warning("trial %s: its run ended with %s", self.trial_id, _first_line(exc))
-            if still_training:
-                log.info("trial %s: Ray Tune stopped it; the run stopped and its workers were killed in %.2fs",
-                         self.trial_id, time.time() - asked)
+                result = None
+            if result is None and not run.done():
+                log.warning("trial %s: its run did not stop within %gs", self.trial_id, STOP_TIMEOUT_S)
+            elif result is not None and result.stopped:  # else it had trained every step already
+                log.info("trial %s: Ray Tune stopped it; the run stopped at step %d and its workers were killed "
+                         "in %.2fs", self.trial_id, result.final_step, time.time() - asked)
                 _write_summary(run, self.trial_id, stop_requested_at=asked, stopped_at=time.time())
         super().cleanup()
 
