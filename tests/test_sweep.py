@@ -92,7 +92,7 @@ def test_an_asha_sweep_stops_weak_trials_promptly_and_later_trials_reuse_the_fir
     measured = [t for t, text in logs.items() if ": profiling (" in text]
     reused = [t for t, text in logs.items() if "profiles and plan reused from" in text]
     assert len(measured) == 1 and len(reused) == 3, logs
-    assert all(f"plan_cache/" in logs[t] and f"measured by the run '{measured[0]}'" in logs[t] for t in reused)
+    assert all("plan_cache/" in logs[t] and f"measured by the run '{measured[0]}'" in logs[t] for t in reused)
     assert all(": profiling (" not in logs[t] for t in reused)
 
 

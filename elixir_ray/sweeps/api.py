@@ -51,8 +51,7 @@ def sweep(base: Union[RunConfig, dict, str], space: Mapping[str, Any], *, metric
 
 
 def run_sweep(spec, *, resume: Union[bool, str], progress: bool) -> SweepResult:
-    from ray import tune
-
+    """Run a checked `spec.SweepSpec` (what `sweep` and `elixir-ray sweep` build)."""
     from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
     from elixir_ray.sweeps.schedulers import make_scheduler, pbt_interval
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from elixir_ray import storage
 from elixir_ray.run.outputs import read_metrics
-from elixir_ray.sweeps.trial import TRIAL_SUMMARY, _newest
+from elixir_ray.sweeps.trial import TRIAL_SUMMARY, newest_checkpoint
 
 TRIALS_FILE = "trials.parquet"
 CHART_FILE = "trials.png"
@@ -95,7 +95,7 @@ def trial_row(sweep_dir: str, trial_id: str, values: dict, metric: str, mode: st
     else:
         status = "finished" if steps >= steps_total else "stopped"
     pick = min if mode == "min" else max
-    newest = _newest(f"{run_dir}/checkpoints")
+    newest = newest_checkpoint(f"{run_dir}/checkpoints")
     return ({"trial_id": trial_id, **values, "status": status, "steps": steps,
              f"final_{metric}": curve[-1][1] if curve else None,
              f"best_{metric}": pick(v for _, v in curve) if curve else None,

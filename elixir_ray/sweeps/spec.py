@@ -161,7 +161,3 @@ def trial_config(spec: SweepSpec, values: Mapping[str, Any], trial_id: str, *, n
     if device_memory is not None:
         data["engine"] = {**data.get("engine", {}), "device_memory": str(device_memory)}
     return config_from_dict(data)
-
-
-def replace(spec: SweepSpec, **changes) -> SweepSpec:
-    return dataclasses.replace(spec, **changes)

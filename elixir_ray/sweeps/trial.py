@@ -214,13 +214,13 @@ def resume_point(cfg, tune_checkpoint, trial_id: str) -> Optional[tuple[str, int
     Tune last recorded (a sweep resumed after its driver was lost continues from there)."""
     pointer = read_pointer(tune_checkpoint)
     if pointer is not None and pointer.get("trial") != trial_id:
-        found = _step_of(pointer["uri"]) or _newest(os.path.dirname(pointer["uri"].rstrip("/")))
+        found = _step_of(pointer["uri"]) or newest_checkpoint(os.path.dirname(pointer["uri"].rstrip("/")))
         if found is not None:
             log.info("trial %s: continues from trial %s's checkpoint %s (exploited by Population Based Training)",
                      trial_id, pointer.get("trial"), found[0])
             return found
         log.warning("trial %s: the checkpoint %s it was given is gone: starting afresh", trial_id, pointer["uri"])
-    own = _newest(cfg.checkpoint_uri)
+    own = newest_checkpoint(cfg.checkpoint_uri)
     if own is not None:
         log.info("trial %s: continues from its own newest checkpoint %s (step %d)", trial_id, own[0], own[1])
     return own
@@ -233,7 +233,7 @@ def _step_of(path: str) -> Optional[tuple[str, int]]:
         return None
 
 
-def _newest(directory: str) -> Optional[tuple[str, int]]:
+def newest_checkpoint(directory: str) -> Optional[tuple[str, int]]:
     """The newest checkpoint in `directory` whose manifest reads (the restore verifies its files)."""
     try:
         paths = list_checkpoints(directory)
