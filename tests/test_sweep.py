@@ -177,3 +177,20 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     steps = [r["step"] for r in pq.read_table(os.path.join(sweep_dir, ids[1], "metrics.parquet")).to_pylist()]
     assert steps == list(range(1, 41)), steps
     assert not _worker_actors(), "workers of the sweep's trials are still alive"
+
+
+def test_more_trials_per_gpu_than_fit_are_refused_before_any_trial_naming_the_most_that_fit(
+        ray_cluster, tiny_dataset, tmp_path):
+    """On a CPU-only cluster trials pack into CPU slots: each rank's budget is the host's free memory
+    over trials_per_gpu, and a share too small for any plan of the model is refused up front."""
+    from elixir_ray import ConfigError, sweep
+
+    base = {"name": "t", "model": {"size": "tiny", "n_layers": 2, "seq_len": 64}, "data": {"path": tiny_dataset},
+            "train": {"steps": 2, "micro_batch": 4}, "cluster": {"num_workers": 2}}
+    with pytest.raises(ConfigError, match=r"^trials_per_gpu=10000: each rank would get .* of the CPU slot \(the "
+                                          r"host's memory\)'s .* free, and the planner finds no plan of this model "
+                                          r"within it: at most trials_per_gpu=(\d+) fits$") as err:
+        sweep(base, {"optim.lr": [1e-3]}, trials_per_gpu=10000, storage=str(tmp_path / "sweeps"), progress=False)
+    most = int(re.search(r"at most trials_per_gpu=(\d+)", str(err.value)).group(1))
+    assert 1 <= most < 10000
+    assert not (tmp_path / "sweeps" / "t-sweep").exists()  # no trial started, nothing written

@@ -87,3 +87,16 @@ def test_the_command_refuses_bad_input_before_starting_ray(tiny_dataset, tmp_pat
     assert err.strip() == ("elixir-ray: error: metric 'perplexity' is not one the runs report (one of loss, eval_loss, "
                            "lr, grad_norm, tokens_per_s, step_seconds)")
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_packed_trials_reserve_shares_ray_can_count(tiny_dataset):
+    from elixir_ray.config import config_from_dict
+    from elixir_ray.sweeps.packing import trial_resources
+
+    cfg = config_from_dict({**_base(tiny_dataset), "cluster": {"num_workers": 2, "cpus_per_worker": 2}})
+    three = trial_resources(cfg, 3, {"CPU": 8})
+    assert three.bundles == [{"CPU": 1.0}, {"CPU": 0.6666}, {"CPU": 0.6666}]  # 3 x 0.6666 fit in 2 CPUs
+    assert trial_resources(cfg, 3, {"CPU": 8, "GPU": 2}).rank_bundle == {"CPU": 2.0, "GPU": 0.3333}
+    with pytest.raises(ConfigError, match=r"trials_per_gpu=10001: Ray reserves a GPU \(or CPU\) in steps of "
+                                          r"1/10000, so at most 10000 trials can share one"):
+        trial_resources(cfg, 10001, {"CPU": 8})

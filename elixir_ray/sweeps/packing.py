@@ -11,6 +11,7 @@ them, and its budget is 1/k of the host memory free.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +20,12 @@ from elixir_ray.errors import ConfigError
 from elixir_ray.units import format_bytes, parse_bytes
 
 TRIAL_DRIVER_CPUS = 1.0  # the trial's driver: Tune's trainable, the controller and its checkpoint writes
+RESOURCE_STEPS = 10_000  # Ray counts a fractional resource in steps of 0.0001
+
+
+def _share(amount: float, k: int) -> float:
+    """amount / k, rounded down to a step Ray can reserve: k of them still fit in `amount`."""
+    return math.floor(amount * RESOURCE_STEPS / k) / RESOURCE_STEPS
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,13 @@ def trial_resources(cfg: RunConfig, trials_per_gpu: int, cluster: dict) -> Trial
 
     shape = resolve_worker_shape(cfg, cluster)
     k = trials_per_gpu
+    if k > RESOURCE_STEPS:
+        raise ConfigError(f"trials_per_gpu={k}: Ray reserves a GPU (or CPU) in steps of 1/{RESOURCE_STEPS}, so at "
+                          f"most {RESOURCE_STEPS} trials can share one")
     if shape.use_gpu:
-        rank = {"CPU": float(cfg.cluster.cpus_per_worker), "GPU": 1.0 / k}
+        rank = {"CPU": float(cfg.cluster.cpus_per_worker), "GPU": _share(1, k)}
     else:
-        rank = {"CPU": cfg.cluster.cpus_per_worker / k}
+        rank = {"CPU": _share(cfg.cluster.cpus_per_worker, k)}
     return TrialResources(num_workers=shape.num_workers, use_gpu=shape.use_gpu, rank_bundle=rank,
                           driver_bundle={"CPU": TRIAL_DRIVER_CPUS}, trials_per_gpu=k)
 
@@ -91,13 +101,12 @@ def packed(cfg: RunConfig, resources: TrialResources, free: int) -> TrialResourc
     from dataclasses import replace
 
     k = resources.trials_per_gpu
-    budget = free // k
-    if cfg.engine.device_memory is not None:
-        budget = min(budget, parse_bytes(cfg.engine.device_memory))
-    if not plan_fits(cfg, budget, resources):
-        fitting = [j for j in range(k - 1, 0, -1) if plan_fits(cfg, free // j, resources)]
+    fits = PlanFit(cfg, resources)
+    budget = _capped(cfg, free // k)
+    if not fits(budget):
+        most = largest_fitting(lambda j: fits(_capped(cfg, free // j)), k)
         device = "GPU" if resources.use_gpu else "CPU slot (the host's memory)"
-        advice = (f"at most trials_per_gpu={fitting[0]} fits" if fitting else
+        advice = (f"at most trials_per_gpu={most} fits" if most else
                   "it does not fit even with the whole device: use a smaller model or micro-batch")
         raise ConfigError(f"trials_per_gpu={k}: each rank would get {format_bytes(budget)} of the {device}'s "
                           f"{format_bytes(free)} free, and the planner finds no plan of this model within it: "
@@ -105,32 +114,63 @@ def packed(cfg: RunConfig, resources: TrialResources, free: int) -> TrialResourc
     return replace(resources, device_memory=budget, device_free=free)
 
 
-def plan_fits(cfg: RunConfig, budget: int, resources: TrialResources) -> bool:
-    """Whether the planner finds a plan of `cfg`'s model within `budget` bytes per rank. Memory alone
-    decides, so the rates are nominal; the host memory is the driver host's, shared by every rank
-    of the trials packed on it."""
-    import torch
+def _capped(cfg: RunConfig, budget: int) -> int:
+    return budget if cfg.engine.device_memory is None else min(budget, parse_bytes(cfg.engine.device_memory))
 
-    from elixir_ray.engine.errors import PlanError
-    from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
-    from elixir_ray.planner.api import default_host_budget, search_module
-    from elixir_ray.planner.hardware import HardwareProfile
-    from elixir_ray.run_plan import resolve_dtype, split_global_batch, updates_in_backward
 
-    world = resources.num_workers
-    device = "cuda" if resources.use_gpu else "cpu"
-    dtype = resolve_dtype(cfg.train.dtype, device)
-    micro, accum = split_global_batch(cfg.train.micro_batch * cfg.train.grad_accum * world, world,
-                                      cfg.train.micro_batch)
-    nominal = HardwareProfile(device=device, h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=1e9,
-                              device_adam_params_per_s=1e10, matmul_tflops=10.0,
-                              cpu_threads=max(1, cfg.cluster.cpus_per_worker))
-    try:
-        search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro), budget, world, nominal,
-                      getattr(torch, dtype), trace_loss(cfg), accum,
-                      default_host_budget(world * resources.trials_per_gpu), cfg.engine.search_checkpointing,
-                      updates_in_backward=updates_in_backward(cfg, dtype), replicate=cfg.engine.replicate,
-                      memory_margin=cfg.engine.memory_margin)
-    except PlanError:
-        return False
-    return True
+def largest_fitting(fits, k: int) -> int:
+    """The largest j below `k` for which `fits(j)` (fitting is monotone: fewer trials per GPU, a
+    larger budget each), or 0 when not even 1 fits: a few planner searches, not one per j."""
+    if not fits(1):
+        return 0
+    low, high = 1, k - 1  # fits(low); the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class PlanFit:
+    """Whether the planner finds a plan of `cfg`'s model within a per-rank budget. The model is
+    traced once (each checkpointing setting the search tries), and each budget is one search.
+    Memory alone decides, so the rates are nominal; the host memory is the driver host's, shared
+    by every rank of the trials packed on it."""
+
+    def __init__(self, cfg: RunConfig, resources: TrialResources):
+        import torch
+
+        from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
+        from elixir_ray.planner.api import default_host_budget
+        from elixir_ray.planner.hardware import HardwareProfile
+        from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
+        from elixir_ray.run_plan import resolve_dtype, split_global_batch, updates_in_backward
+
+        world = self.world = resources.num_workers
+        device = "cuda" if resources.use_gpu else "cpu"
+        self.cfg, self.dtype = cfg, resolve_dtype(cfg.train.dtype, device)
+        micro, self.accum = split_global_batch(cfg.train.micro_batch * cfg.train.grad_accum * world, world,
+                                               cfg.train.micro_batch)
+        self.hardware = HardwareProfile(device=device, h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=1e9,
+                                        device_adam_params_per_s=1e10, matmul_tflops=10.0,
+                                        cpu_threads=max(1, cfg.cluster.cpus_per_worker))
+        self.host_budget = default_host_budget(world * resources.trials_per_gpu)
+        self.in_backward = updates_in_backward(cfg, self.dtype)
+        module, dtype = build_model(cfg, device="meta"), getattr(torch, self.dtype)
+        variants = checkpointing_variants(module) if cfg.engine.search_checkpointing else [None]
+        self.elem = torch.empty(0, dtype=dtype).element_size()
+        self.profiles = [profile_model(module, sample_inputs(cfg, micro), trace_loss(cfg), v, dtype) for v in variants]
+
+    def __call__(self, budget: int) -> bool:
+        from elixir_ray.engine.errors import PlanError
+        from elixir_ray.planner.search import plan_search
+
+        try:
+            plan_search(self.profiles, self.hardware, budget, self.world, self.dtype, self.elem, self.accum,
+                        host_budget=self.host_budget, updates_in_backward=self.in_backward,
+                        replicate=self.cfg.engine.replicate, memory_margin=self.cfg.engine.memory_margin)
+        except PlanError:
+            return False
+        return True
