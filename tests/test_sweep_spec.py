@@ -100,3 +100,33 @@ def test_packed_trials_reserve_shares_ray_can_count(tiny_dataset):
     with pytest.raises(ConfigError, match=r"trials_per_gpu=10001: Ray reserves a GPU \(or CPU\) in steps of "
                                           r"1/10000, so at most 10000 trials can share one"):
         trial_resources(cfg, 10001, {"CPU": 8})
+
+
+def test_a_trial_continues_from_the_checkpoint_its_tune_pointer_names_or_its_own_newest(tiny_dataset, tmp_path):
+    """Population Based Training's exploit gives a trial another trial's pointer: it continues from
+    that checkpoint (that trial's newest when it was pruned since); otherwise from its own newest."""
+    import json
+
+    import numpy as np
+    from ray.tune import Checkpoint
+
+    from elixir_ray.checkpoint import save_checkpoint
+    from elixir_ray.config import config_from_dict
+    from elixir_ray.sweeps.trial import POINTER_FILE, resume_point
+
+    def pointer(uri, step, trial):
+        folder = tmp_path / f"pointer-{trial}-{step}"
+        folder.mkdir()
+        (folder / POINTER_FILE).write_text(json.dumps({"uri": uri, "step": step, "trial": trial}))
+        return Checkpoint.from_directory(str(folder))
+
+    state = {"x": np.zeros(2, np.float32)}
+    donor = [save_checkpoint(str(tmp_path / "sweep" / "a_00000" / "checkpoints"), s, state, {"samples_consumed": 0})
+             for s in (4, 8)]
+    mine = save_checkpoint(str(tmp_path / "sweep" / "a_00001" / "checkpoints"), 12, state, {"samples_consumed": 0})
+    cfg = config_from_dict({"name": "a_00001", "output_dir": str(tmp_path / "sweep"), "data": {"path": tiny_dataset}})
+    assert resume_point(cfg, pointer(donor[0], 4, "a_00000"), "a_00001") == (donor[0], 4)
+    assert resume_point(cfg, pointer(mine, 12, "a_00001"), "a_00001") == (mine, 12)
+    assert resume_point(cfg, None, "a_00001") == (mine, 12)
+    gone = str(tmp_path / "sweep" / "a_00000" / "checkpoints" / "step-00000002")  # pruned by its trial since
+    assert resume_point(cfg, pointer(gone, 2, "a_00000"), "a_00001") == (donor[1], 8)
