@@ -24,13 +24,14 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _sweep_file(path, tiny_dataset, storage, *, name, lrs, scheduler, steps, every, workers, namespace) -> str:
+def _sweep_file(path, tiny_dataset, storage, *, name, lrs, scheduler, steps, every, workers, namespace,
+                trials_per_gpu=1) -> str:
     base = {"name": "t", "model": {"size": "tiny", "n_layers": 2, "seq_len": 64}, "data": {"path": tiny_dataset},
             "train": {"steps": steps, "micro_batch": 4, "log_every": 1}, "optim": {"warmup_steps": 0},
             "cluster": {"num_workers": workers, "namespace": namespace},
             "checkpoint": {"every_steps": every, "keep": 2}}
     spec = {"name": name, "base": base, "space": {"optim.lr": {"grid": lrs}}, "scheduler": scheduler,
-            "max_concurrent_trials": 2, "trials_per_gpu": 2, "storage": str(storage)}
+            "max_concurrent_trials": 2, "trials_per_gpu": trials_per_gpu, "storage": str(storage)}
     path.write_text(json.dumps(spec))  # JSON is YAML
     return str(path)
 
@@ -53,7 +54,7 @@ def test_an_asha_sweep_stops_weak_trials_promptly_and_later_trials_reuse_the_fir
     storage = tmp_path / "sweeps"
     path = _sweep_file(tmp_path / "sweep.yaml", tiny_dataset, storage, name="lr", lrs=[3e-3, 1e-3, 1e-5, 1e-6],
                        scheduler={"type": "asha", "grace_period": 2, "reduction_factor": 2}, steps=8, every=4,
-                       workers=2, namespace="sweep-asha")
+                       workers=1, namespace="sweep-asha")
     start = time.monotonic()
     assert main(["sweep", path, "--quiet"]) == 0
     seconds = time.monotonic() - start
@@ -124,7 +125,8 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     storage = tmp_path / "sweeps"
     namespace = "sweep-resume"
     path = _sweep_file(tmp_path / "sweep.yaml", tiny_dataset, storage, name="resumed", lrs=[2e-3, 2e-3, 1e-4],
-                       scheduler="none", steps=40, every=4, workers=1, namespace=namespace)
+                       scheduler="none", steps=40, every=4, workers=1, namespace=namespace,
+                       trials_per_gpu=2)
     sweep_dir = str(storage / "resumed")
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "PYTHONPATH": REPO}
     driver = subprocess.Popen([sys.executable, "-m", "elixir_ray", "sweep", path, "--quiet"], env=env,
@@ -162,7 +164,7 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     # exactly the configured trials, each finished, none failed, the finished one not run again
     ids = sorted(table)
     assert len(ids) == 3 and ids[:2] == started and ids[2].endswith("_00002"), (started, table)
-    assert all(r["status"] == "finished" and r["steps"] == 30 and not r["error"] for r in table.values()), table
+    assert all(r["status"] == "finished" and r["steps"] == 40 and not r["error"] for r in table.values()), table
     assert os.path.getmtime(first_metrics) == before
     assert _log(first).count("placing (the run starts)") == 1, _log(first)
     # the trial that lost a worker (and then its driver) ends where the undisturbed one did
@@ -194,3 +196,22 @@ def test_more_trials_per_gpu_than_fit_are_refused_before_any_trial_naming_the_mo
     most = int(re.search(r"at most trials_per_gpu=(\d+)", str(err.value)).group(1))
     assert 1 <= most < 10000
     assert not (tmp_path / "sweeps" / "t-sweep").exists()  # no trial started, nothing written
+
+
+def test_a_trial_that_fails_as_a_whole_is_reported_in_one_line(ray_cluster, tiny_dataset, tmp_path, capsys):
+    """A vocabulary smaller than the data's passes the config check but not the run's own checks:
+    the trial fails at once, its error one line in the table, and the sweep still writes it all."""
+    storage = tmp_path / "sweeps"
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps({
+        "name": "fails", "storage": str(storage), "scheduler": "none",
+        "base": {"name": "t", "model": {"size": "tiny", "n_layers": 2, "seq_len": 64}, "data": {"path": tiny_dataset},
+                 "train": {"steps": 2, "micro_batch": 4}, "cluster": {"num_workers": 1}},
+        "space": {"model.vocab_size": [100]}}))
+    assert main(["sweep", str(path), "--quiet"]) == 1  # every trial failed
+    out = capsys.readouterr().out
+    row, = pq.read_table(str(storage / "fails" / "trials.parquet")).to_pylist()
+    assert row["status"] == "error" and row["steps"] == 0, row
+    assert row["error"] == ("ConfigError: model.vocab_size=100 is smaller than the dataset's vocabulary (257): use at "
+                            "least 257"), row
+    assert f"error: {row['trial_id']}: {row['error']}" in out and "best: none" in out
