@@ -22,7 +22,10 @@ $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
 	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
 
+# pip is quiet (-q) and the first install takes about a minute: say so before it starts.
 $(VENV)/.installed: pyproject.toml Makefile $(TORCH_STAMP)
+	@if test -f $@; then echo "updating $(VENV) (pyproject.toml, the Makefile or TORCH_SPEC changed)"; \
+	else echo "installing (first run, about a minute)"; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

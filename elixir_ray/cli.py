@@ -85,7 +85,7 @@ def _cmd_plan(args) -> int:
     import torch
 
     from elixir_ray.config import load_config
-    from elixir_ray.engine import PlanError
+    from elixir_ray.chunk_plan.errors import PlanError
     from elixir_ray.engine.device import resolve_device
     from elixir_ray.model.factory import check_model_step
     from elixir_ray.planner.for_config import comparison_table, plan_config
@@ -169,10 +169,16 @@ def _host_memory_line(args, hardware, host_budget: int) -> str:
     line = f"host RAM for optimizer state: {format_bytes(host_budget)} per rank"
     if args.host_memory:
         return line + " (--host-memory)"
-    line += f" ({HOST_FRACTION:.0%} of this machine's free RAM over {args.world_size} rank(s); --host-memory sets it)"
+    share = f"{HOST_FRACTION:.0%} of"
+    over = f"over {args.world_size} rank(s); --host-memory sets it"
+    if args.hardware and hardware.host_memory_free:  # the profile's record of the host it was measured on
+        recorded = format_bytes(hardware.host_memory_free)
+        return line + f" ({share} the free RAM {args.hardware} records, {recorded}, {over})"
+    line += f" ({share} this machine's free RAM {over})"
     if args.hardware and not device_is_here(hardware):
-        print(f"elixir-ray: warning: the rates are from {hardware.device_name or hardware.device}, but the host RAM "
-              f"limit is this machine's: give --host-memory for the machine the plan is for", file=sys.stderr)
+        print(f"elixir-ray: warning: {args.hardware} records no host memory, so the host RAM limit is this "
+              f"machine's: give --host-memory for the machine the plan is for (a profile written by "
+              f"--save-hardware records its host's)", file=sys.stderr)
     return line
 
 
@@ -248,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="CKPT_URI",
                    help="continue a stopped run from a checkpoint, or from the newest valid one in a directory "
                         "(the highest step there, whichever run wrote it); train.steps must be above its step, "
-                        "and the same global batch (workers x micro_batch x grad_accum) continues it exactly")
+                        "and the same global batch (workers x micro_batch x grad_accum) continues it exactly. "
+                        "auto: this run's newest checkpoint in checkpoint.uri if it has one, else start afresh "
+                        "(a resubmitted job goes on where its lost driver got to; a directory named auto: ./auto)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train, parser=p)
 

@@ -7,6 +7,7 @@ naming the field and what is allowed, before Ray or any worker starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 import warnings
@@ -69,6 +70,8 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     log_every: int = 10
+    # a step whose loss is NaN or infinite ends the run there (no restart: it would repeat it)
+    stop_on_nonfinite: bool = True
 
 
 @dataclass
@@ -237,6 +240,35 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class DuplicateKeyError(ConfigError):
+    """A YAML mapping gives one key twice: YAML's loaders keep the last value without a word."""
+
+    def __init__(self, key, first_line: int, line: int):
+        self.key, self.first_line, self.line = key, first_line, line
+        where = f"line {line}" if line == first_line else f"lines {first_line} and {line}"
+        super().__init__(f"the key {key!r} is given twice in one mapping ({where}): give it once")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping giving one key twice (DuplicateKeyError, naming the key
+    and both lines); a merge (`<<: *base`) may still be overridden by a key of the mapping itself."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_overrides(items: list[str]) -> dict:
     """Turn ['train.steps=50', ...] into a nested dict; values are read as YAML scalars."""
     if isinstance(items, (str, bytes)):  # one string would be read a character at a time
@@ -246,7 +278,11 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, for example train.steps=50")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.load(raw, Loader=UniqueKeyLoader) if raw.strip() else None
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"--set {item!r}: the key {exc.key!r} is given twice: give it once") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -334,7 +370,9 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> RunConfig:
         path = shipped
     with open(path) as f:
         try:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=UniqueKeyLoader)
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"config file {path!r}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
     if data is None:  # an empty file (or only comments): likely not the file meant
@@ -350,6 +388,54 @@ def _positive(path: str, value, allow_none: bool = False) -> None:
         return
     if value is None or value <= 0:
         raise ConfigError(f"{path} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite positive number, got {value!r}")
+
+
+def _finite_at_least_zero(path: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):  # NaN compares false both ways: `value < 0` lets it by
+        raise ConfigError(f"{path} must be a finite number >= 0, got {value!r}")
+
+
+# The URI schemes pyarrow.fs.FileSystem.from_uri makes a filesystem for (besides its in-memory
+# mock://, one process's own): where a path with another scheme is refused before any work starts.
+URI_SCHEMES = ("file", "local", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+# The settings that name a file or directory through pyarrow.fs: a path, or a URI of URI_SCHEMES.
+URI_FIELDS = ("data.path", "eval.path", "checkpoint.uri", "output_dir")
+
+
+def _uri_fields(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """(field, value) of each URI_FIELDS setting that is set (data.path's `builtin` is no path)."""
+    values = {"data.path": cfg.data.path, "eval.path": cfg.eval.path, "checkpoint.uri": cfg.checkpoint.uri,
+              "output_dir": cfg.output_dir}
+    return [(key, values[key]) for key in URI_FIELDS
+            if values[key] is not None and not (key == "data.path" and values[key] == "builtin")]
+
+
+def _check_uri_scheme(key: str, uri: str) -> None:
+    if "://" not in uri:
+        return
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme not in URI_SCHEMES:
+        raise ConfigError(f"{key} {uri!r}: pyarrow has no filesystem for the scheme {scheme + '://'!r} (give a local "
+                          f"path, or a URI of {', '.join(s + '://' for s in URI_SCHEMES)})")
+
+
+def check_storage(cfg: "RunConfig") -> None:
+    """Make the filesystem of each URI setting (`s3://`, `gs://`, `hdfs://`...), as a run will: an
+    object store without a network or credentials, hdfs:// without Java, or a malformed option is
+    refused in one line naming the setting and pyarrow's cause. Contacts the store (an S3 bucket's
+    region is looked up), so it is for the driver before the run starts, not for `validate`."""
+    import pyarrow.fs as pafs
+
+    for key, uri in _uri_fields(cfg):
+        if "://" not in uri or uri.split("://", 1)[0].lower() in ("file", "local"):
+            continue
+        try:
+            pafs.FileSystem.from_uri(uri)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's own errors, of several types
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"{key} {uri!r}: pyarrow cannot open its filesystem: {cause}") from None
 
 
 def validate(cfg: RunConfig) -> None:
@@ -402,6 +488,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(o.betas)}")
     if o.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _finite_at_least_zero("optim.weight_decay", o.weight_decay)
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -439,6 +526,9 @@ def validate(cfg: RunConfig) -> None:
     _positive("fault.detect_timeout_s", f.detect_timeout_s)
     if f.wait_for_resources_s < 0:
         raise ConfigError(f"fault.wait_for_resources_s must be >= 0, got {f.wait_for_resources_s}")
+    _finite_at_least_zero("fault.wait_for_resources_s", f.wait_for_resources_s)
+    for key, uri in _uri_fields(cfg):
+        _check_uri_scheme(key, uri)
 
 
 def _validate_hf(m: ModelConfig) -> None:

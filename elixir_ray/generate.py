@@ -67,7 +67,23 @@ def _load_weights(model: torch.nn.Module, tensors, path: str) -> None:
         done.add(tensor.data_ptr())
 
 
-def _build_model(cfg: RunConfig, tensors, path: str, device: torch.device) -> torch.nn.Module:
+def _check_shapes(cfg: RunConfig, manifest: dict, path: str) -> None:
+    """The model the config builds has the shapes the checkpoint lists (its files were checked against
+    the list when it was opened), compared on the meta device, which takes no memory: a manifest
+    whose config names a larger model than its tensors hold is refused before that model is built."""
+    from elixir_ray.checkpoint import check_compatible
+    from elixir_ray.model.factory import expected_checkpoint_shapes
+
+    try:
+        check_compatible(manifest, expected_checkpoint_shapes(cfg))
+    except CheckpointError as exc:
+        model = "model.hf" if cfg.model.hf is not None else f"model.size {cfg.model.size}"
+        raise CheckpointError(f"checkpoint {path!r} does not hold the model its config ({model}) builds: "
+                              f"{exc}") from None
+
+
+def _build_model(cfg: RunConfig, manifest: dict, tensors, path: str, device: torch.device) -> torch.nn.Module:
+    _check_shapes(cfg, manifest, path)
     model = empty_model(cfg, device)
     # buffers a state dict leaves out (a rotary embedding's frequencies) come from the model's own
     # initialisation; the weights it draws there are then overwritten
@@ -85,7 +101,7 @@ def load_checkpoint_model(ckpt_uri: str, device: torch.device) -> tuple[str, dic
     eval mode on `device`)."""
     path, manifest, tensors = require_newest_valid(ckpt_uri)
     cfg = _model_config(manifest, path)
-    return path, manifest, cfg, _build_model(cfg, tensors, path, device)
+    return path, manifest, cfg, _build_model(cfg, manifest, tensors, path, device)
 
 
 def checkpoint_tokenizer(manifest: dict, tokenizer: Optional[str], eos_token: Optional[str]):
@@ -127,7 +143,7 @@ def sample(ckpt_uri: str, prompt: str = "", max_tokens: int = 200, temperature: 
     path, manifest, tensors = require_newest_valid(ckpt_uri)
     tok = checkpoint_tokenizer(manifest, tokenizer, eos_token)  # a wrong one refused before the model is built
     cfg = _model_config(manifest, path)
-    model = _build_model(cfg, tensors, path, where)
+    model = _build_model(cfg, manifest, tensors, path, where)
     window = resolve_model_shape(cfg.model)["seq_len"]
     context = [tok.eos_id] + _encode(tok, prompt)
     generator = torch.Generator(device=where).manual_seed(seed)

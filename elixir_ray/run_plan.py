@@ -15,6 +15,7 @@ from elixir_ray.units import parse_bytes
 
 if TYPE_CHECKING:  # the profiles come from the workers (cluster/); this module is read by the planner too
     from elixir_ray.cluster.worker_profile import WorkerProfile
+    from elixir_ray.planner.network import Network
 
 PLAN_VERSION = 1
 
@@ -81,8 +82,32 @@ def slowest_kernels(profiles: list[WorkerProfile]) -> Optional[dict]:
     return {k: [max(t[k][0] for t in tables), all(t[k][1] for t in tables)] for k in tables[0]}
 
 
+def node_names(profiles: list[WorkerProfile]) -> tuple[list[int], list[str]]:
+    """(each rank's node number, each node's name): nodes told apart by Ray's node id (by host name
+    for a profile without one), named by host name, with the start of the node id where two nodes
+    share a host name (simulated nodes on one machine)."""
+    keys = [p.node_id or p.hostname for p in profiles]
+    order = list(dict.fromkeys(keys))
+    host = {key: p.hostname for key, p in zip(keys, profiles)}
+    shared = {h for h in host.values() if sum(v == h for v in host.values()) > 1}
+    names = [f"{host[key]}/{key[:8]}" if host[key] in shared and key != host[key] else host[key] for key in order]
+    return [order.index(key) for key in keys], names
+
+
+def rank_network(profiles: list[WorkerProfile]) -> Optional["Network"]:
+    """The ranks' node layout and their collectives' measured rates, each kind of group at its
+    slowest; None for one rank."""
+    from elixir_ray.planner.network import Network
+
+    if len(profiles) < 2:
+        return None
+    node_of_rank, names = node_names(profiles)
+    return Network.from_ranks(node_of_rank, names, [p.network for p in profiles])
+
+
 def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> RunPlan:
-    """Plan for the weakest worker: the smallest free memory and the slowest measured rates.
+    """Plan for the weakest worker: the smallest free memory and the slowest measured rates, each
+    with the node it was measured on, and the collectives at the rates the ranks measured.
 
     `global_batch` (default: micro_batch x grad_accum x workers) stays fixed across restarts.
     The engine plan is searched here, on the driver, from a meta-device trace of the model.
@@ -90,9 +115,9 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     import torch
 
     from elixir_ray.model.factory import build_model, sample_inputs, trace_loss
-    from elixir_ray.planner.api import default_host_budget, search_module
+    from elixir_ray.planner.api import Profiling, default_host_budget, search_module, search_settings
     from elixir_ray.planner.for_config import config_hints
-    from elixir_ray.planner.hardware import HardwareProfile
+    from elixir_ray.planner.hardware import HardwareProfile, slowest_nodes
 
     if not profiles:
         raise ValueError("make_run_plan needs at least one worker profile")
@@ -109,12 +134,18 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)
     kernels = slowest_kernels(profiles)
+    network = rank_network(profiles)
+    node_of_rank, names = node_names(profiles)
+    kernel_totals = [sum(s for s, _ in p.kernel_seconds.values()) for p in profiles] if kernels else None
+    bounds = slowest_nodes([p.rates for p in profiles], [names[n] for n in node_of_rank], kernel_totals)
     with config_hints(cfg):
-        engine_plan, _ = search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro), budget, world,
-                                       rates, getattr(torch, dtype), trace_loss(cfg), accum, host_budget,
-                                       cfg.engine.search_checkpointing,
-                                       updates_in_backward=updates_in_backward(cfg, dtype), kernel_seconds=kernels,
-                                       replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin)
+        settings = search_settings(rates, budget, world, getattr(torch, dtype), grad_accum=accum,
+                                   host_budget=host_budget, updates_in_backward=updates_in_backward(cfg, dtype),
+                                   replicate=cfg.engine.replicate, memory_margin=cfg.engine.memory_margin,
+                                   network=network, slowest_nodes=bounds)
+        profiling = Profiling(loss_fn=trace_loss(cfg), search_checkpointing=cfg.engine.search_checkpointing,
+                              kernel_seconds=kernels)
+        engine_plan, _ = search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro), settings, profiling)
     return RunPlan(
         version=PLAN_VERSION,
         strategy="chunked",

@@ -18,11 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.config import RunConfig, resolve_model_shape
 from elixir_ray.data.dataset import BatchSampler, TokenDataset, resolve_data_uri
-from elixir_ray.engine import EngineShard, Plan, engine_shard, layout_of, load_engine_state, wrap
+from elixir_ray.engine import EngineShard, engine_shard, layout_of, load_engine_state
+from elixir_ray.errors import NonFiniteLossError
 from elixir_ray.model.factory import build_model, init_fn_for, loss_of, sample_inputs, trace_loss
 from elixir_ray.run_plan import RunPlan
+from elixir_ray.wrapping import wrap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_SEED = 0  # the order eval.windows are taken in: fixed, so a held-out set is the same for every run
@@ -130,6 +133,10 @@ class RankTrainer:
         reduced = self._mean_over_ranks(torch.stack([loss_sum / self.plan.grad_accum,
                                                      torch.full((), float(stop_requested), device=self.device)]))
         loss, self.stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
+        if self.cfg.train.stop_on_nonfinite and not math.isfinite(loss):
+            # the mean over the ranks: every rank raises here, at the same step, so none is left
+            # waiting in a collective for the others
+            raise NonFiniteLossError(self.state.step + 1, loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step += 1

@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from elixir_ray import wrap  # noqa: E402
 from elixir_ray.bench.systems import SHAPES, reference_parameters  # noqa: E402
-from elixir_ray.engine import wrap  # noqa: E402
-from elixir_ray.engine.layout import pack  # noqa: E402
-from elixir_ray.engine.plan import Plan  # noqa: E402
+from elixir_ray.chunk_plan.layout import pack  # noqa: E402
+from elixir_ray.chunk_plan.plan import Plan  # noqa: E402
 from elixir_ray.engine.trace import unique_parameters  # noqa: E402
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights  # noqa: E402
 

@@ -41,9 +41,9 @@ import torch  # noqa: E402
 
 from elixir_ray.bench.report import device_lag, step_interval, update_job_rates  # noqa: E402
 from elixir_ray.bench.systems import SHAPES  # noqa: E402
-from elixir_ray.engine.plan import Plan, recomputation  # noqa: E402
+from elixir_ray.chunk_plan.plan import Plan, recomputation  # noqa: E402
 from elixir_ray.model.gpt import build_gpt  # noqa: E402
-from elixir_ray.planner.api import search_module  # noqa: E402
+from elixir_ray.planner.api import Profiling, search_module, search_settings  # noqa: E402
 from elixir_ray.planner.hardware import HardwareProfile  # noqa: E402
 from elixir_ray.planner.model_profile import profile_model  # noqa: E402
 from elixir_ray.planner.op_timing import ComputeTimes  # noqa: E402
@@ -202,10 +202,10 @@ def search_again(model, sample, cap: int, plan: Plan, profile, hw: HardwareProfi
     loop the plan was made for, at `hw` with the matmul rate at which the traced FLOPs of the
     measured plan's setting take its measured `compute` (the other settings have no timed kernels)."""
     effective = profile.trace.flops / compute / 1e12
-    found, _ = search_module(model, (sample,), cap, 1, dataclasses.replace(hw, matmul_tflops=effective), dtype, None,
-                             plan.grad_accum, None, True,
-                             updates_in_backward=updates_in_backward(plan),
-                             memory_margin=plan.memory_margin if margin is None else margin)
+    settings = search_settings(dataclasses.replace(hw, matmul_tflops=effective), cap, 1, dtype,
+                               grad_accum=plan.grad_accum, updates_in_backward=updates_in_backward(plan),
+                               memory_margin=plan.memory_margin if margin is None else margin)
+    found, _ = search_module(model, (sample,), settings, Profiling(search_checkpointing=True))
     return found
 
 

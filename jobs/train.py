@@ -2,7 +2,9 @@
 
 It takes what `elixir-ray train` takes (the config by path or shipped name, `--set`, `--resume`,
 `--quiet`; `--help` prints that command's help), the config also as `--config PATH`. The job
-supervisor sets RAY_ADDRESS, so the run joins the cluster the job was submitted to.
+supervisor sets RAY_ADDRESS, so the run joins the cluster the job was submitted to. With
+`--resume auto` a job submitted again after its driver was lost goes on from the run's newest
+checkpoint (and a first submission starts afresh); the job's log says which.
 """
 
 import os

@@ -5,6 +5,7 @@ activity lands in which category, and that a disabled timer changes nothing.
 """
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -17,7 +18,8 @@ import time
 import pytest
 import torch
 
-from elixir_ray.engine import Plan, manual_plan, wrap
+from elixir_ray import Plan, wrap
+from elixir_ray.engine import manual_plan
 from elixir_ray.engine.timing import BACKGROUND, CATEGORIES, StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -163,8 +165,8 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
 def _engine(base, placements, dos_gap=0):
     sample = (batches(1, 8)[0],)
     plan = manual_plan(base, sample, chunk_size=1024, n_blocks=3)
-    plan.placements = [placements[i % len(placements)] for i in range(plan.n_chunks)]
-    plan.dos_gap = dos_gap
+    plan = dataclasses.replace(plan, placements=[placements[i % len(placements)] for i in range(plan.n_chunks)],
+                               dos_gap=dos_gap)
     opt = torch.optim.AdamW(param_groups(base), lr=1e-2)
     return wrap(base, opt, sample_inputs=sample, plan=plan, max_grad_norm=0.5, device="cpu")
 

@@ -336,6 +336,23 @@ def test_a_checkpoint_the_ranks_write_reads_back_as_whole_tensors(tmp_path):
     assert set(manifest["tensors"]) == set(expected)
 
 
+def test_a_chunk_sharded_within_each_node_is_written_by_the_first_nodes_ranks_and_read_back(tmp_path):
+    """Four ranks on two nodes: a chunk sharded within each node is whole on each node, and only the
+    ranks of rank 0's node (its layout's `shard_ranks`, here 0 and 2) write their halves; a reader
+    joins them, and the manifest's check reads the layout so."""
+    whole = np.arange(8, dtype=np.float32)
+    layout = {"world": 4, "chunks": [{"size": 8, "sharded": True, "shard_ranks": [0, 2]}], "buffers": [],
+              "slots": [{"name": "w", "keys": ["w"], "chunk": 0, "offset": 0, "numel": 8, "shape": [2, 4]}]}
+    shards = [{"slots/step": np.array([1])} for _ in range(4)]
+    for i, rank in enumerate((0, 2)):
+        shards[rank].update({"chunk/0/master": whole[i * 4:(i + 1) * 4].copy(),
+                             "chunk/0/exp_avg": whole[i * 4:(i + 1) * 4] / 10, "chunk/0/exp_avg_sq": whole[:4] * 0})
+    path, files = _ranks_write(str(tmp_path / "ck"), 1, shards, layout)
+    _, back = load_checkpoint(path)
+    np.testing.assert_array_equal(back["model/w"], whole.reshape(2, 4))
+    np.testing.assert_array_equal(back["optim/w/exp_avg"], (whole / 10).reshape(2, 4))
+
+
 def test_a_worker_written_checkpoint_is_refused_when_damaged_or_incomplete(tmp_path):
     """A shard file that does not match its checksum is refused on load; a commit that cannot find a
     rank's file where the driver reads (a rank on another node writing to its own disk) commits

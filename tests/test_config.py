@@ -227,3 +227,92 @@ def test_the_command_prints_its_own_warnings_as_one_line_and_a_librarys_as_pytho
     theirs = os.path.join(os.path.dirname(torch.__file__), "storage.py")
     assert cli._format_warning("deprecated", UserWarning, theirs, 7) == warnings.formatwarning(
         "deprecated", UserWarning, theirs, 7)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=nan", "optim.lr must be a finite positive number, got nan"),
+    ("optim.lr=.inf", "optim.lr must be a finite positive number, got inf"),
+    ("optim.lr=0", "optim.lr must be a positive number, got 0.0"),
+    ("optim.weight_decay=.nan", "optim.weight_decay must be a finite number >= 0, got nan"),
+    ("optim.weight_decay=.inf", "optim.weight_decay must be a finite number >= 0, got inf"),
+    ("optim.max_grad_norm=.nan", "optim.max_grad_norm must be a finite positive number, got nan"),
+    ("optim.max_grad_norm=-1", "optim.max_grad_norm must be a positive number, got -1.0"),
+    ("optim.eps=.nan", "optim.eps must be a finite positive number, got nan"),
+    ("fault.detect_timeout_s=.nan", "fault.detect_timeout_s must be a finite positive number, got nan"),
+    ("fault.detect_timeout_s=.inf", "fault.detect_timeout_s must be a finite positive number, got inf"),
+    ("fault.wait_for_resources_s=.nan", "fault.wait_for_resources_s must be a finite number >= 0, got nan"),
+    ("fault.wait_for_resources_s=.inf", "fault.wait_for_resources_s must be a finite number >= 0, got inf"),
+    ("cluster.placement_timeout_s=.inf", "cluster.placement_timeout_s must be a finite positive number, got inf"),
+    ("cluster.init_timeout_s=.nan", "cluster.init_timeout_s must be a finite positive number, got nan"),
+    ("data.path=foo://x", "data.path 'foo://x': pyarrow has no filesystem for the scheme 'foo://' (give a local "
+                          "path, or a URI of file://"),
+    ("eval.path=foo://x", "eval.path 'foo://x': pyarrow has no filesystem for the scheme 'foo://'"),
+    ("checkpoint.uri=mock://x", "checkpoint.uri 'mock://x': pyarrow has no filesystem for the scheme 'mock://'"),
+    ("output_dir=ftp://host/runs", "output_dir 'ftp://host/runs': pyarrow has no filesystem for the scheme 'ftp://'"),
+])
+def test_values_a_run_cannot_use_are_refused_before_ray_in_one_line_naming_the_field(override, needle):
+    """NaN compares false with everything, so `lr <= 0` let `lr: .nan` by to fail in the workers, and
+    `.inf` trained to a NaN loss; an unknown URI scheme ended in a pyarrow traceback."""
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({}, [override])
+    assert str(exc.value).startswith(needle) and "\n" not in str(exc.value), str(exc.value)
+    assert config_from_dict({}, ["fault.wait_for_resources_s=0", "optim.max_grad_norm=null", "optim.weight_decay=0",
+                                 "checkpoint.uri=s3://bucket/ckpt", "data.path=gs://bucket/data.arrow",
+                                 "eval.path=file:///data/eval.arrow"])
+
+
+def test_a_filesystem_pyarrow_cannot_make_is_refused_naming_the_field_and_the_cause():
+    """`check_storage` makes each URI's filesystem as the run will (an S3 bucket's region is looked
+    up there), so an object store without network or credentials, hdfs:// without Java or a bad
+    option is one line before the run starts; `validate` itself contacts nothing."""
+    from elixir_ray.config import check_storage
+
+    cfg = config_from_dict({"checkpoint": {"uri": "s3://bucket/ckpt?no_such_option=1"}})
+    with pytest.raises(ConfigError) as exc:
+        check_storage(cfg)
+    assert str(exc.value) == ("checkpoint.uri 's3://bucket/ckpt?no_such_option=1': pyarrow cannot open its "
+                              "filesystem: Unexpected query parameter in S3 URI: 'no_such_option'")
+    check_storage(config_from_dict({"data": {"path": "gs://bucket/data.arrow"},
+                                    "eval": {"path": "file:///data/eval.arrow"}, "output_dir": "/data/runs"}))
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it_and_its_lines(tmp_path):
+    """YAML keeps the last of two values silently: `lr` set twice trained at the second."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 1.0e-3\n  weight_decay: 0.1\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(path))
+    assert str(exc.value) == (f"config file '{path}': the key 'lr' is given twice in one mapping (lines 2 and 4): "
+                              f"give it once")
+    path.write_text("train: {steps: 3, steps: 4}\n")
+    with pytest.raises(ConfigError, match=r"the key 'steps' is given twice in one mapping \(line 1\)"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"^--set 'model.hf=\{a: 1, a: 2\}': the key 'a' is given twice: give it once$"):
+        parse_overrides(["model.hf={a: 1, a: 2}"])
+    # a merge may be overridden by the mapping's own key: that is YAML's, not a repeat
+    path.write_text("train:\n  <<: {steps: 3, log_every: 1}\n  steps: 5\n")
+    assert load_config(str(path)).train.steps == 5
+
+
+@pytest.mark.parametrize("override, line", [
+    ("optim.lr=nan", "optim.lr must be a finite positive number, got nan"),
+    # the filesystem pyarrow cannot make, from train()'s own checks, before the dataset is opened
+    ("checkpoint.uri=s3://bucket/ckpt?no_such_option=1", "checkpoint.uri 's3://bucket/ckpt?no_such_option=1': "
+     "pyarrow cannot open its filesystem: Unexpected query parameter in S3 URI: 'no_such_option'"),
+], ids=["lr", "storage"])
+def test_the_command_refuses_a_bad_value_before_ray_starts(override, line):
+    """`elixir-ray train tiny --set optim.lr=nan`: exit 2 with one line, before Ray or a dataset."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "elixir_ray", "train", "tiny", "--set", override], cwd=root,
+                          env={**env, "PYTHONPATH": root}, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == f"elixir-ray: error: {line}\n", proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr and took < 60, took

@@ -116,3 +116,54 @@ def test_a_dataset_smaller_than_one_global_batch_is_warned_of_with_its_sizes(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_data_under_one_batch(run, num_workers=1)  # 7 windows hold a batch of 4
+
+
+def _token_file(path, tokens, vocab_size: int = 257) -> str:
+    """A token dataset whose metadata says `vocab_size`, whatever ids `tokens` hold (a hand-made or
+    edited file)."""
+    from elixir_ray.data.dataset import TokenFileWriter
+
+    writer = TokenFileWriter(str(path), np.uint16)
+    writer.append(np.asarray(tokens, dtype=np.uint16))
+    writer.commit({"tokenizer": "bytes", "tokenizer_file": "bytes", "vocab_size": vocab_size, "documents": 1})
+    return str(path)
+
+
+def test_token_ids_at_or_above_the_models_vocabulary_are_refused_from_the_data_not_its_metadata(tmp_path):
+    """The metadata says 257 and the model has 260; one id of 300 failed inside the workers' embedding,
+    after a restart spent on it."""
+    from elixir_ray.run.preflight import check_data
+    from elixir_ray.run.resolved import as_config, resolve_run
+
+    tokens = np.arange(4000) % 256
+    tokens[1234] = 300
+    bad = _token_file(tmp_path / "bad.arrow", tokens)
+    good = _token_file(tmp_path / "good.arrow", np.arange(4000) % 256)
+    cfg = {"model": {"size": "tiny", "seq_len": 16, "vocab_size": 260}, "data": {"path": bad}}
+    with pytest.raises(ConfigError, match=rf"^data.path '{bad}' holds token id 300, at or above model.vocab_size=260, "
+                                          rf"though its metadata says vocab_size 257: [^\n]*$"):
+        check_data(resolve_run(as_config(cfg)))
+    cfg["data"]["path"], cfg["eval"] = good, {"path": bad, "windows": 1}
+    with pytest.raises(ConfigError, match=r"^eval.path .* holds token id 300, at or above model.vocab_size=260"):
+        check_data(resolve_run(as_config(cfg)))
+    cfg["eval"]["path"] = _token_file(tmp_path / "held-out.arrow", np.arange(2000) % 256)
+    check_data(resolve_run(as_config(cfg)))
+
+
+def test_a_large_token_file_is_scanned_in_evenly_spaced_slices(tmp_path, monkeypatch):
+    from elixir_ray.data import dataset
+
+    tokens = np.arange(200_000) % 250
+    for planted in (0, 199_999, 123_456):  # the first slice, the last token, and between slices
+        tokens[planted] = 260
+    path = _token_file(tmp_path / "d.arrow", tokens)
+    assert TokenDataset(path).largest_id() == (260, True)
+    monkeypatch.setattr(dataset, "SCAN_WHOLE_TOKENS", 10_000)
+    monkeypatch.setattr(dataset, "SCAN_SLICE_TOKENS", 1_000)
+    monkeypatch.setattr(dataset, "SCAN_SLICES", 4)
+    ds = TokenDataset(path)
+    largest, whole = ds.largest_id()
+    assert (largest, whole) == (260, False)
+    ds.tokens = ds.tokens.copy()
+    ds.tokens[[0, 199_999]] = 1  # only the id between the slices is left: a sampled scan need not see it
+    assert ds.largest_id() == (249, False)

@@ -1,6 +1,7 @@
 """The chunk engine against plain torch AdamW, on CPU in fp32, with real gloo groups for several ranks."""
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -12,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from elixir_ray.engine import Plan, PlanError, engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray import Plan, PlanError, wrap
+from elixir_ray.engine import engine_state, load_engine_state, manual_plan
 from elixir_ray.engine.trace import ValueReadError, trace_step
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -347,7 +349,8 @@ def test_a_learned_router_is_traced_with_its_weights_and_trains_like_torch():
     ref_losses, ref_state = reference_run(base, data, 10, 1, MAX_NORM)
     model = copy.deepcopy(base)
     plan = manual_plan(model, (data[0],), chunk_size=600, n_blocks=2)
-    plan.placements = ["host", "device"] * (plan.n_chunks // 2) + ["host"] * (plan.n_chunks % 2)
+    plan = dataclasses.replace(plan, placements=["host", "device"] * (plan.n_chunks // 2)
+                               + ["host"] * (plan.n_chunks % 2))
     model, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=(data[0],), plan=plan,
                       device="cpu", max_grad_norm=MAX_NORM)
     losses = engine_run(model, opt, data, 10, 1)
@@ -599,7 +602,7 @@ def test_host_state_lives_in_one_arena_of_exactly_its_size():
     m = Toy()
     sample = (batches(1, 8)[0],)
     plan = manual_plan(m, sample, chunk_size=1024, n_blocks=3, upload_copies=True)
-    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[("host", "device")[i % 2] for i in range(plan.n_chunks)])
     model, _ = wrap(m, torch.optim.AdamW(m.parameters()), sample_inputs=sample, plan=plan, device="cpu",
                     dtype=torch.bfloat16)
     store = model.store
@@ -757,7 +760,7 @@ def test_a_forward_that_starts_with_device_gradients_alive_is_warned_of_once(lat
     m = _Untied()
     data = batches(4, 8)
     plan = manual_plan(m, (data[0],), chunk_size=2048, n_blocks=2, host_grads_low=True)
-    plan.placements = ["device" if i % 2 else "host" for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=["device" if i % 2 else "host" for i in range(plan.n_chunks)])
     model, opt = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sample_inputs=(data[0],), plan=plan,
                       device="cpu", dtype=torch.bfloat16, accumulation_steps=accumulation_steps)
     assert opt.updates_in_backward == (accumulation_steps == 1)

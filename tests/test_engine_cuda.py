@@ -7,6 +7,7 @@ stream, and the background thread's CPU updates really wait for those copies.
 """
 
 import copy
+import dataclasses
 import os
 import sys
 
@@ -15,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 from elixir_ray.model.gpt import build_gpt, init_gpt_weights
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -42,7 +44,7 @@ def _engine(model, rows, cycle=("host",), dtype=torch.float32, lr=1e-2, chunk_si
     sample = (batches(1, rows)[0],)
     plan_kwargs = {k: kwargs.pop(k) for k in ("dos_gap", "upload_copies") if k in kwargs}
     plan = manual_plan(model, sample, chunk_size=chunk_size, n_blocks=n_blocks, **plan_kwargs)
-    plan.placements = [cycle[i % len(cycle)] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[cycle[i % len(cycle)] for i in range(plan.n_chunks)])
     opt = torch.optim.AdamW(param_groups(model), lr=lr)
     return wrap(model, opt, sample_inputs=sample, plan=plan, device="cuda", dtype=dtype, **kwargs)
 
@@ -150,7 +152,7 @@ def test_bf16_with_upload_copies_tracks_the_fp32_curve():
     m = copy.deepcopy(base)
     plan = manual_plan(m, (data[0],), chunk_size=70_000, n_blocks=3, dos_gap=2, upload_copies=True,
                        host_grads_low=True)  # host gradients cross in bf16, also into the DOS updates
-    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[("host", "device")[i % 2] for i in range(plan.n_chunks)])
     model, opt = wrap(m, torch.optim.AdamW(param_groups(m), lr=1e-3), sample_inputs=(data[0],), plan=plan,
                       device="cuda", dtype=torch.bfloat16, accumulation_steps=1)
     losses = engine_run(model, opt, data, len(data), 1, device="cuda")
@@ -299,7 +301,8 @@ _ON_SECOND_GPU = """
 import sys, threading, torch
 sys.path.insert(0, sys.argv[1])
 from engine_models import Toy, batches
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 def train():
     torch.manual_seed(0)

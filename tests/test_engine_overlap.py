@@ -8,6 +8,7 @@ Each must give exactly what plain torch AdamW gives; the misuses that would brea
 """
 
 import copy
+import dataclasses
 import os
 import sys
 import threading
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elixir_ray.engine import engine_state, load_engine_state, manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import engine_state, load_engine_state, manual_plan
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.timing import StepTimer
 
@@ -39,7 +41,7 @@ def _engine(model, rows, world=1, max_grad_norm=None, accumulation_steps=None, p
     """`cycle`: chunk placements, repeated over the chunks."""
     sample = (batches(1, rows)[0],)
     plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3, world_size=world, **plan_kwargs)
-    plan.placements = [cycle[i % len(cycle)] for i in range(plan.n_chunks)]
+    plan = dataclasses.replace(plan, placements=[cycle[i % len(cycle)] for i in range(plan.n_chunks)])
     opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
     return wrap(model, opt, sample_inputs=sample, plan=plan, max_grad_norm=max_grad_norm, device="cpu",
                 accumulation_steps=accumulation_steps, prefetch=prefetch, dtype=dtype)
@@ -222,8 +224,8 @@ def test_a_plan_that_counted_released_gradients_warns_where_the_wrap_keeps_them(
     model = Toy()
     sample = (batches(1, 8)[0],)
     plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3)
-    plan.placements = [("host", "device")[i % 2] for i in range(plan.n_chunks)]
-    plan.updates_in_backward, plan.grad_accum = True, 1
+    plan = dataclasses.replace(plan, placements=[("host", "device")[i % 2] for i in range(plan.n_chunks)],
+                               updates_in_backward=True, grad_accum=1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sample_inputs=sample, plan=plan, device="cpu",

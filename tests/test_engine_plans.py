@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402

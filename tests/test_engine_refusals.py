@@ -10,14 +10,17 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from elixir_ray.engine import manual_plan, wrap
+import elixir_ray
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 from engine_models import Routed, Toy, batches
 
 
 def _wrapped(module, optimizer, data, **kwargs):
     sample = (data[0],)
-    return wrap(module, optimizer, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu",
+    return wrap(module, optimizer, sample_inputs=sample, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu",
                 **kwargs)
 
 
@@ -270,6 +273,75 @@ def test_a_step_whose_output_holds_no_loss_is_refused_at_wrap_naming_loss_fn():
     loss, _ = model(x)
     loss.backward()
     opt.step()
+
+
+_CPU = elixir_ray.HardwareProfile(device="cpu", h2d_gbps=10.0, d2h_gbps=10.0, cpu_adam_params_per_s=5e8,
+                                  device_adam_params_per_s=5e8, matmul_tflops=0.1, cpu_threads=2)
+
+
+class _NanoGPTLike(torch.nn.Module):
+    """nanoGPT's forward: (logits, loss) with targets, (logits, None) without."""
+
+    def __init__(self, vocab: int = 256, d: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.emb(idx))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_naming_its_shape_before_the_module_is_touched():
+    """loss_fn=lambda out: out[0] on nanoGPT took its [8, 64, 256] logits for the loss: the trace ran
+    backward from them (as from their sum) and wrap planned and trained on that."""
+    torch.manual_seed(0)
+    module = _NanoGPTLike()
+    idx = torch.randint(0, 256, (8, 64))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    opt = torch.optim.AdamW(module.parameters())
+    with pytest.raises(TypeError, match=r"^loss_fn returned a tensor of shape \[8, 64, 256\], not a scalar loss; "
+                                        r"out\[1\] is a scalar tensor: loss_fn=lambda out: out\[1\]$"):
+        wrap(module, opt, sample_inputs=(idx, idx), device_memory="64MiB", device="cpu", loss_fn=lambda out: out[0])
+    with pytest.raises(TypeError, match=r"^loss_fn returned a tensor of shape \[8, 64, 256\], not a scalar loss: "
+                                        r"reduce it"):  # no targets: no element is a scalar
+        wrap(module, opt, sample_inputs=(idx,), device_memory="64MiB", device="cpu", loss_fn=lambda out: out[0])
+    with pytest.raises(TypeError, match=r"shape \[8, 64, 256\], not a scalar loss"):  # the planner traces alike
+        elixir_ray.plan(module, (idx, idx), device_memory="64MiB", loss_fn=lambda out: out[0], hardware=_CPU)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert module.head.weight.untyped_storage().nbytes() > 0 and not opt.state
+
+    class HalfReduced(torch.nn.Module):  # a ModelOutput-like dict whose loss kept its batch dimension
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return {"loss": self.l(x).pow(2).mean(1)}
+
+    half = HalfReduced()
+    with pytest.raises(TypeError, match=r"HalfReduced's forward returned a loss of shape \[4\], not a scalar"):
+        wrap(half, torch.optim.AdamW(half.parameters()), sample_inputs=(torch.randn(4, 8),), device_memory="64MiB",
+             device="cpu")
+    model, opt = wrap(module, opt, sample_inputs=(idx, idx), device_memory="64MiB", device="cpu",
+                      loss_fn=lambda out: out[1])
+    model(idx, idx)[1].backward()
+    opt.step()
+
+
+def test_a_tuple_output_without_loss_fn_names_its_scalar_element_or_says_there_is_none():
+    module = _NanoGPTLike()
+    idx = torch.randint(0, 256, (2, 8))
+    opt = torch.optim.AdamW(module.parameters())
+    with pytest.raises(TypeError, match=r"_NanoGPTLike's forward returned a tuple, and the trace runs one backward "
+                                        r"from the step's loss: pass loss_fn=lambda out: out\[1\] \(out\[1\] is the "
+                                        r"tuple's one scalar tensor\)"):
+        wrap(module, opt, sample_inputs=(idx, idx), device_memory="64MiB", device="cpu")
+    with pytest.raises(TypeError, match=r"pass loss_fn=, a function that computes the loss from it \(none of the "
+                                        r"tuple's 2 elements is a scalar tensor\)") as refused:
+        wrap(module, opt, sample_inputs=(idx,), device_memory="64MiB", device="cpu")
+    assert "out[0]" not in str(refused.value)
 
 
 def test_a_forward_after_the_backward_that_started_the_updates_is_refused_until_the_step():

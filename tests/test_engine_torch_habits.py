@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import Toy, batches, param_groups  # noqa: E402
@@ -33,7 +34,7 @@ def _pair(seed: int = 0):
     reference = copy.deepcopy(module)
     sample = (batches(1, 4)[0],)
     base = torch.optim.AdamW(param_groups(module), lr=1e-2)
-    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu")
+    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu")
     return model, opt, base, reference, torch.optim.AdamW(param_groups(reference), lr=1e-2)
 
 
@@ -247,7 +248,7 @@ def test_loading_state_between_a_backward_that_started_updates_and_the_step_is_r
     module = Toy()
     sample = (batches(1, 4)[0],)
     model, opt = wrap(module, torch.optim.AdamW(param_groups(module), lr=1e-2), sample_inputs=sample,
-                      plan=manual_plan(module, sample, 1024, 2), device="cpu", accumulation_steps=1)
+                      plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu", accumulation_steps=1)
     batch = batches(1, 4, seed=3)[0]
     model(batch).backward()
     opt.step()
@@ -350,7 +351,7 @@ def test_a_loss_term_kept_aside_by_the_forward_trains_like_torch_with_updates_st
     module = KeepsAux()
     reference, xs = copy.deepcopy(module), [torch.randn(4, 16) for _ in range(3)]
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=(xs[0],),
-                      plan=manual_plan(module, (xs[0],), 300, 2), device="cpu", accumulation_steps=1)
+                      plan=manual_plan(module, (xs[0],), chunk_size=300, n_blocks=2), device="cpu", accumulation_steps=1)
     assert [[s.name for s in c.slots] for c in model.store.chunks] == [["router"], ["lin.weight", "lin.bias"]]
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for x in xs:
@@ -378,7 +379,7 @@ def test_a_step_before_the_backward_is_refused_through_a_dataclass_output_too():
     module = ReturnsDataclass()
     sample, loss_fn = (batches(1, 4)[0],), (lambda out: out.loss)
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=sample, device="cpu",
-                      loss_fn=loss_fn, plan=manual_plan(module, sample, 1024, 2, loss_fn=loss_fn))
+                      loss_fn=loss_fn, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2, loss_fn=loss_fn))
     first, second = batches(2, 4, seed=6)
     model(first).loss.backward()
     out = model(second)
@@ -409,7 +410,7 @@ def test_a_zero_dimensional_parameter_takes_moments_saved_with_one_element_as_to
             if entry[kind].dim() == 0:
                 entry[kind] = entry[kind].reshape(1)
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=(x,),
-                      plan=manual_plan(module, (x,), 1024, 2), device="cpu")
+                      plan=manual_plan(module, (x,), chunk_size=1024, n_blocks=2), device="cpu")
     model.load_state_dict(reference.state_dict())
     opt.load_state_dict(saved)
     for m, o in ((model, opt), (reference, ref_opt)):
@@ -507,7 +508,7 @@ def test_a_forward_that_returns_a_parameter_as_is_trains_over_several_steps():
     reference, sample = copy.deepcopy(module), (batches(1, 4)[0],)
     loss_fn = lambda out: out[0] + 0.01 * out[1] ** 2  # noqa: E731
     model, opt = wrap(module, torch.optim.AdamW(param_groups(module), lr=1e-2), sample_inputs=sample, device="cpu",
-                      loss_fn=loss_fn, plan=manual_plan(module, sample, 1024, 2, loss_fn=loss_fn))
+                      loss_fn=loss_fn, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2, loss_fn=loss_fn))
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=1e-2)
     for batch in batches(3, 4, seed=3):
         for m, o in ((model, opt), (reference, ref_opt)):
@@ -538,7 +539,7 @@ def test_a_step_on_other_weights_between_a_forward_and_its_backward_trains_like_
     module = GAN()
     reference, sample, loss_fn = copy.deepcopy(module), (torch.randn(8, 8), "G"), (lambda out: out.sum())
     model, opt = wrap(module, torch.optim.AdamW(module.parameters(), lr=1e-2), sample_inputs=sample, device="cpu",
-                      loss_fn=loss_fn, plan=manual_plan(module, sample, chunk_size, 2, loss_fn=loss_fn))
+                      loss_fn=loss_fn, plan=manual_plan(module, sample, chunk_size=chunk_size, n_blocks=2, loss_fn=loss_fn))
     both = 1393  # G's 816 parameters and D's 577
     assert model.store.chunks[0].size >= both if chunk_size == 4096 else model.store.chunks[0].size < both
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -589,7 +590,7 @@ def test_step_hooks_run_as_torch_runs_them_and_an_ema_of_the_weights_tracks_torc
     module, sample, before = Toy(), (batches(1, 4)[0],), []
     base = torch.optim.AdamW(module.parameters(), lr=1e-2)
     base.register_step_post_hook(lambda o, args, kwargs: before.append(o))
-    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, 1024, 2), device="cpu")
+    model, opt = wrap(module, base, sample_inputs=sample, plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu")
     model(sample[0]).backward()
     opt.step()
     assert before == [opt]
@@ -604,7 +605,7 @@ def test_another_optimizer_over_wrapped_parameters_is_refused_at_its_step():
     vectors = [p for p in module.parameters() if p.dim() < 2]
     matrices = [p for p in module.parameters() if p.dim() >= 2]
     model, opt = wrap(module, torch.optim.AdamW(vectors, lr=1e-2), sample_inputs=sample,
-                      plan=manual_plan(module, sample, 1024, 2), device="cpu")
+                      plan=manual_plan(module, sample, chunk_size=1024, n_blocks=2), device="cpu")
     sgd = torch.optim.SGD(matrices, lr=0.1)
     model(sample[0]).backward()
     opt.step()

@@ -160,12 +160,11 @@ def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, 
     assert steps == ["step-00000002", "step-00000003", "step-00000006"], steps
 
 
-def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_dataset, tmp_path):
-    """torch's TCPStore listens on every interface whatever address it is given: one node's ranks meet
-    through a file instead. (Ray's own worker port is Ray's, open before the group is formed.) The
-    helpers are defined in here so that Ray ships them to the workers by value."""
-    def _listening_addresses() -> set[tuple[str, int]]:
-        """(address, port) of every TCP socket this process listens on, read from /proc."""
+def _listening_probe():
+    """A function that lists the (address, port) of every TCP socket its process listens on, read
+    from /proc (addresses as /proc writes them: hex, in the host's byte order). Made in here, so that
+    Ray ships it to the workers by value."""
+    def listening_addresses() -> set[tuple[str, int]]:
         inodes = set()
         for fd in os.listdir("/proc/self/fd"):
             try:
@@ -184,23 +183,70 @@ def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_datase
                         found.add((address, int(port, 16)))
         return found
 
-    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    return listening_addresses
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def _listeners_of_a_run(tiny_dataset, tmp_path, group_cls=None) -> dict[int, list]:
+    """Train one step with the ranks noting what they listen on once the process group is formed,
+    beyond what their process listened on when the actor started (Ray's own worker port): the
+    rendezvous store and gloo's pairs. {rank: [(address, port), ...]}."""
+    from elixir_ray.cluster.worker import rank_actor
+    from elixir_ray.cluster.worker_group import WorkerGroup
+
+    listening_addresses = _listening_probe()
     out = str(tmp_path)
 
     class Watched(RankWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._listening_before = listening_addresses()
+
         def init_process_group(self, *args, **kwargs):
-            before = _listening_addresses()
             super().init_process_group(*args, **kwargs)
             import json
 
             with open(os.path.join(out, f"rank{self.rank}.json"), "w") as f:
-                json.dump(sorted(_listening_addresses() - before), f)
+                json.dump(sorted(listening_addresses() - self._listening_before), f)
 
-    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False, worker_group_cls=group_of(Watched))
-    opened = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
-    wide = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a not in loopback]
+    group = type("WatchedGroup", (group_cls or WorkerGroup,), {"actor_cls": rank_actor(Watched)})
+    train(tiny_config(tiny_dataset, tmp_path, train={"steps": 1}), progress=False, worker_group_cls=group)
+    return {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
+
+
+def test_a_one_node_run_opens_no_socket_beyond_loopback(ray_cluster, tiny_dataset, tmp_path):
+    """torch's TCPStore listens on every interface whatever address it is given: one node's ranks meet
+    through a file instead. (Ray's own worker port is Ray's, open before the group is formed.)"""
+    opened = _listeners_of_a_run(tiny_dataset, tmp_path)
+    wide = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a not in LOOPBACK]
     assert not wide, f"listening beyond loopback: {wide}"
     assert any(opened.values()), opened  # gloo's own sockets, on loopback: the probe does see sockets
+
+
+def test_across_nodes_the_rendezvous_store_and_gloo_listen_on_the_nodes_address_only(
+        ray_cluster, tiny_dataset, tmp_path):
+    """Across nodes the ranks meet through a TCP store on rank 0, which torch binds to every interface
+    when given an address and port: it is given a socket bound to the node's address instead, and
+    gloo listens on the interface that holds that address. The path is taken here on one node, as
+    if the ranks were on two."""
+    import socket
+
+    from elixir_ray.cluster.worker_group import WorkerGroup
+
+    class AsIfAcrossNodes(WorkerGroup):
+        def _init_method(self, *, one_node: bool, rank0_ip: str) -> str:
+            return super()._init_method(one_node=False, rank0_ip=rank0_ip)
+
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip.startswith("127."):
+        pytest.skip(f"Ray's node address here is loopback ({node_ip}): no other interface to tell apart")
+    ours = socket.inet_aton(node_ip)[::-1].hex().upper()  # /proc's form of the address (x86: little-endian)
+    opened = _listeners_of_a_run(tiny_dataset, tmp_path, AsIfAcrossNodes)
+    elsewhere = [(rank, a, p) for rank, sockets in opened.items() for a, p in sockets if a != ours]
+    assert not elsewhere, f"listening beyond {node_ip}: {elsewhere}"
+    assert len(opened[0]) > len(opened[1]) >= 1, opened  # rank 0: the store too; every rank: gloo's pairs
 
 
 def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():

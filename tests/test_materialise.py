@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from elixir_ray.engine import manual_plan, wrap
+from elixir_ray import wrap
+from elixir_ray.engine import manual_plan
 
 
 class Block(nn.Module):

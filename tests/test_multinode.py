@@ -60,3 +60,21 @@ def test_runs_started_from_threads_share_the_ray_that_train_starts(tiny_dataset,
     assert report["errors"] == {}
     assert report["results"] == {"short": 3, "same-time": 3, "long": 40}
     assert not report["ray_left_running"]  # the last run to end shut it down
+
+
+def test_two_nodes_profile_their_links_and_the_plan_is_made_for_those_nodes(tiny_dataset, tmp_path):
+    """The Ray path fills each rank's node from the workers' node ids, and the ranks' measured rates
+    (within a node, across all ranks, between the nodes) reach the plan and its explanation."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "scripts", "two_nodes_network.py"), tiny_dataset, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["steps"] == [1, 2]
+    assert report["node_of_rank"] == [0, 0, 1, 1]
+    for scope in ("node", "world", "peers"):
+        rates = report["network"][scope]
+        assert rates["all_gather_gbps"] > 0 and rates["reduce_scatter_gbps"] > 0 and rates["latency_s"] > 0, scope
+    assert len(report["network"]["peers"]["nodes"]) == 2 and len(report["network"]["node"]["nodes"]) == 1
+    assert "collectives between nodes: all-gather" in report["explain"]

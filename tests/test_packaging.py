@@ -108,3 +108,23 @@ def test_the_sdist_carries_tests_jobs_and_docs_but_not_the_measured_data(tmp_pat
     assert not [m for m in members if m.startswith(("docs/results/", "tests/data/"))]
     if os.path.isdir(os.path.join(ROOT, ".git")):  # in the repository the data is there to leave out
         assert os.listdir(src / "docs" / "results") and os.listdir(src / "tests" / "data")
+
+
+def test_make_says_it_is_installing_before_the_first_quiet_pip_and_nothing_once_installed(tmp_path):
+    """`make demo` on a fresh machine was silent for about 72 s while pip installed quietly. Here the
+    venv's python is a stand-in that does nothing, so only what make itself says is checked."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\nexit 0\n")
+    python.chmod(0o755)
+
+    def venv() -> list[str]:
+        made = subprocess.run(["make", "-s", "-C", ROOT, "venv", f"VENV={tmp_path / 'venv'}"], capture_output=True,
+                              text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        return made.stdout.splitlines()
+
+    assert venv() == ["installing (first run, about a minute)"]
+    assert venv() == []

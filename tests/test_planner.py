@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import elixir_ray
+from elixir_ray.chunk_plan.layout import pack
+from elixir_ray.chunk_plan.plan import PLAN_VERSION
 from elixir_ray.config import config_from_dict
-from elixir_ray.engine.layout import pack
 from elixir_ray.model.factory import build_model
-from elixir_ray.planner.for_config import plan_config
 from elixir_ray.planner.api import default_host_budget
+from elixir_ray.planner.for_config import plan_config
 from elixir_ray.planner.model_profile import checkpointing_variants, profile_model
-from elixir_ray.planner.search import plan_search
+from elixir_ray.planner.search import SearchSettings, plan_search
 from elixir_ray.units import parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -88,8 +89,8 @@ def test_plan_properties(widths, rows, world, factor, more, in_backward):
     host = default_host_budget(world)
 
     def search(budget: int) -> elixir_ray.Plan:
-        return plan_search(profiles, GPU, budget, world, "bfloat16", 2, host_budget=host,
-                           updates_in_backward=in_backward)
+        return plan_search(profiles, SearchSettings(GPU, budget, world, "bfloat16", 2, host_budget=host,
+                                                    updates_in_backward=in_backward))
 
     with pytest.raises(elixir_ray.PlanError) as err:
         search(1024)
@@ -123,7 +124,7 @@ def test_plan_is_the_search_over_the_traced_settings():
     profiles = [profile_model(model, _sample(4), None, v, torch.bfloat16) for v in checkpointing_variants(model)]
     budget = 3 * _min_budget(model, _sample(4), hardware=GPU, world_size=2)
     host = 2**30
-    assert (plan_search(profiles, GPU, budget, 2, "bfloat16", 2, host_budget=host)
+    assert (plan_search(profiles, SearchSettings(GPU, budget, 2, "bfloat16", 2, host_budget=host))
             == elixir_ray.plan(model, _sample(4), device_memory=budget, hardware=GPU, world_size=2, host_memory=host))
 
 
@@ -170,8 +171,8 @@ def test_too_small_budget_names_the_minimum_and_what_dominates():
     with torch.device("meta"):
         model = Stack([256, 256])
     sample = _sample(64, 65)  # large activations: they dominate
-    with pytest.raises(elixir_ray.PlanError, match=r"too small: the smallest plan needs .*activations at "
-                                                   r"micro-batch 64 need .*even micro-batch 1 needs about"):
+    with pytest.raises(elixir_ray.PlanError, match=r"too small: the smallest plan needs .*\nof which activations at "
+                                                   r"micro-batch 64 need .*\neven micro-batch 1 needs about"):
         elixir_ray.plan(model, sample, device_memory="64KiB", hardware=GPU)
     # a budget some smaller micro-batch fits: the hint estimates one (activations taken as proportional)
     with pytest.raises(elixir_ray.PlanError, match=r"use micro-batch (\d+) or less, an estimate") as refused:
@@ -283,7 +284,7 @@ def test_a_host_limit_that_keeps_state_on_the_device_is_named_when_nothing_fits(
         elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1KiB")
     assert "with room on the host for all of it" in str(err.value)
     # neither would do: the device is named first, and the host's part in it
-    with pytest.raises(elixir_ray.PlanError, match=r"^device_memory .* is too small: .*host memory sets part of "
+    with pytest.raises(elixir_ray.PlanError, match=r"^device_memory .* is too small: .*\nhost memory sets part of "
                                                    r"that: only 1.0 KiB per rank"):
         elixir_ray.plan(model, sample, device_memory=roomy // 2, hardware=GPU, host_memory="1KiB")
     plan = elixir_ray.plan(model, sample, device_memory=(roomy + tight) // 2, hardware=GPU, host_memory="1GiB")
@@ -432,28 +433,31 @@ def test_a_deeper_prefetch_costs_no_load_one_chunk_ahead_does_not(ckpt):
 def test_old_plan_versions_and_unknown_fields_are_refused():
     with torch.device("meta"):
         model = Stack([16])
-    data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU,
-                                      memory_margin=0.2).to_json())
-    with pytest.raises(ValueError, match="version 1 is not supported"):
-        elixir_ray.Plan.from_json(json.dumps({**data, "version": 1}))
+    data = json.loads(elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU).to_json())
+    assert data["version"] == PLAN_VERSION == 6 and data["prefetch_depth"] >= 1
+    for version in (1, 2, 3, 4, 5, 7):  # only this version's format is read: an older plan is made again
+        with pytest.raises(ValueError, match=f"plan version {version} is not supported .*reads version 6.*make the "
+                                             f"plan again"):
+            elixir_ray.Plan.from_json(json.dumps({**data, "version": version}))
     with pytest.raises(ValueError, match="unknown fields"):
         elixir_ray.Plan.from_json(json.dumps({**data, "surprise": 1}))
     with pytest.raises(ValueError, match=r"not a plan \(no version or placements; found \['collective_gbps'"):
         elixir_ray.Plan.from_json(GPU.to_json())  # a hardware profile handed over by mistake
-    # version 2 wrote activation checkpointing as True/False per block, which still means the same
-    old = elixir_ray.Plan.from_json(json.dumps({**data, "version": 2, "activation_checkpointing": [True, False]}))
-    assert old.version == elixir_ray.engine.plan.PLAN_VERSION and old.activation_checkpointing == [True, False]
-    # before version 5 the margin is read off the plan's note (8% or 20%), else 20%
-    older = {k: v for k, v in data.items() if k != "memory_margin"}
-    eight = [n.replace("20% kept back", "8% kept back") for n in data["notes"]]
-    assert any("8% kept back" in n for n in eight)
-    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": eight}).memory_margin == pytest.approx(0.08)
-    assert elixir_ray.Plan.from_dict({**older, "version": 4, "notes": []}).memory_margin == 0.2
-    assert "1 of 2 blocks recomputed whole" in old.explain()
-    # before version 6 the pool loaded one chunk ahead, as such a plan still does
-    assert data["prefetch_depth"] >= 1 and data["version"] == 6
-    v5 = {k: v for k, v in data.items() if k != "prefetch_depth"}
-    assert elixir_ray.Plan.from_dict({**v5, "version": 5}).prefetch_depth == 1
+    # a module's set_checkpointing takes True and False per block too, for "full" and "none"
+    masked = elixir_ray.Plan.from_json(json.dumps({**data, "activation_checkpointing": [True, False]}))
+    assert masked.activation_checkpointing == [True, False]
+    assert "1 of 2 blocks recomputed whole" in masked.explain()
+
+
+def test_a_plan_is_frozen_and_a_variant_is_a_replacement():
+    with torch.device("meta"):
+        model = Stack([16])
+    plan = elixir_ray.plan(model, _sample(), device_memory="8MiB", hardware=GPU)
+    gap = plan.dos_gap
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.dos_gap = gap + 1
+    other = dataclasses.replace(plan, dos_gap=gap + 1)
+    assert other.dos_gap == gap + 1 and plan.dos_gap == gap and other.placements == plan.placements
 
 
 def test_cli_plan_prints_explanation_and_writes_chart_and_json(tmp_path):
@@ -517,7 +521,7 @@ def test_searched_plan_is_what_its_choice_costs():
     from elixir_ray.bench.systems import SHAPES
     from elixir_ray.model.gpt import build_gpt
     from elixir_ray.planner.model_profile import profile_model
-    from elixir_ray.planner.search import Choice, evaluate, make_layout, plan_search
+    from elixir_ray.planner.search import Choice, SearchSettings, evaluate, make_layout, plan_search
 
     hw = elixir_ray.HardwareProfile.from_json(open("jobs/hardware/h100_anchors.json").read())
     shape = SHAPES["gpt-4b"]
@@ -527,8 +531,9 @@ def test_searched_plan_is_what_its_choice_costs():
     uploads = set()
     for in_backward in (False, True):
         for budget in ("24GiB", "40GiB", "70GiB"):
-            plan = plan_search([profile], hw, parse_bytes(budget), 1, "bfloat16", 2, host_budget=parse_bytes("112GiB"),
-                               updates_in_backward=in_backward)
+            plan = plan_search([profile], SearchSettings(hw, parse_bytes(budget), 1, "bfloat16", 2,
+                                                         host_budget=parse_bytes("112GiB"),
+                                                         updates_in_backward=in_backward))
             uploads.add(plan.upload_copies)
             choice = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,
                             np.array([p == "device" for p in plan.placements]), plan.dos_gap, plan.upload_copies,
@@ -553,7 +558,7 @@ def test_gradient_buffers_the_planner_budgets_are_the_ones_the_engine_holds(mode
     import os
 
     from elixir_ray.engine import manual_plan
-    from elixir_ray.engine.layout import open_gradient_chunks
+    from elixir_ray.chunk_plan.layout import open_gradient_chunks
     from elixir_ray.engine.trace import trace_step, unique_parameters
     from elixir_ray.model.gpt import build_gpt
 
@@ -602,7 +607,7 @@ def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step
 
     from elixir_ray.model.gpt import build_gpt
     from elixir_ray.planner.model_profile import profile_model
-    from elixir_ray.planner.search import Choice, evaluate, make_layout, plan_search
+    from elixir_ray.planner.search import Choice, SearchSettings, evaluate, make_layout, plan_search
 
     shape = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=97, seq_len=32)
     model = build_gpt(shape, device="meta")
@@ -615,8 +620,8 @@ def test_host_gradients_take_the_compute_dtype_only_with_bf16_and_one_micro_step
     host_bytes, d2h = {}, {}
     for (accum, dtype, promised), expected in cases.items():
         elem = 4 if dtype == "float32" else 2
-        plan = plan_search([profile], GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum, chunk_sizes=[8192],
-                           low_host_grads=promised)
+        plan = plan_search([profile], SearchSettings(GPU, 3 * 2**20, 1, dtype, elem, grad_accum=accum,
+                                                     low_host_grads=promised), chunk_sizes=[8192])
         assert "host" in plan.placements
         assert plan.host_grads_low == expected, (accum, dtype, promised)
         all_host = Choice(make_layout(profile, plan.chunk_size, 1), plan.n_blocks,

@@ -143,21 +143,22 @@ def test_the_engines_own_kernels_are_costed_by_the_device_memory_they_move():
 
 
 def test_overlap_model_hides_cpu_adam_behind_backward_only_when_updates_start_there():
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
 
     parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.3, cpu_adam=0.5, cpu_wait=0.01)
-    in_backward = overlapped_step(**parts, updates_in_backward=True)
-    at_step = overlapped_step(**parts, updates_in_backward=False)
+    in_backward = overlapped_step(StepParts(**parts, updates_in_backward=True))
+    at_step = overlapped_step(StepParts(**parts, updates_in_backward=False))
     assert in_backward == pytest.approx(0.6 + 0.01)  # 0.45 s of backward and 0.15 s of forward hide it
     assert at_step == pytest.approx(0.6 + (0.5 - 0.15))  # only the next forward hides it
     # bound by the link: 0.9 s of loads, a third of them the forward's (0.15 s of it waited for
     # beyond the forward's compute), the rest beside the 0.45 s of recompute and backward
-    assert overlapped_step(**{**parts, "h2d": 0.9}, updates_in_backward=True, forward_loads=0.3) \
+    assert overlapped_step(StepParts(**{**parts, "h2d": 0.9}, updates_in_backward=True, forward_loads=0.3)) \
         == pytest.approx(0.15 + 0.15 + 0.6)
-    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=False) == pytest.approx(0.6)
+    assert overlapped_step(StepParts(**{**parts, "cpu_adam": 0.0}, updates_in_backward=False)) == pytest.approx(0.6)
     # with 3 micro-steps only the last one's backward (0.2 - 0.15 = 0.05 s) hides updates started in it
     three = dict(parts, compute=0.6, forward=0.15)
-    assert overlapped_step(**three, updates_in_backward=True, micro_steps=3) == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))
+    assert overlapped_step(StepParts(**three, updates_in_backward=True, micro_steps=3)) \
+        == pytest.approx(0.6 + (0.5 - 0.05 - 0.15))
 
 
 def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forward_and_idle_backward_link():
@@ -165,32 +166,33 @@ def test_overlap_model_hides_deep_optimizer_states_copies_behind_the_next_forwar
     length of their copies (both directions at once), and what it does not hide runs beside the CPU
     AdamW's remainder, not after it. Started in the last backward, they first take the link's time
     that backward's own copies leave idle."""
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
 
     parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.1, cpu_adam=0.0, cpu_wait=0.0)
     at_step = dict(parts, updates_in_backward=False)
-    assert overlapped_step(**at_step, dos_in=0.1, dos_out=0.12) == pytest.approx(0.6)  # hidden by the forward
-    assert overlapped_step(**at_step, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
+    assert overlapped_step(StepParts(**at_step, dos_in=0.1, dos_out=0.12)) == pytest.approx(0.6)  # the forward hides it
+    assert overlapped_step(StepParts(**at_step, dos_in=0.3, dos_out=0.2)) == pytest.approx(0.6 + (0.3 - 0.15))
     # the link: 0.45 s of backward's loads and 0.3 s of DOS copies in one direction exceed the
     # compute; the step is the link's 0.75 s, the DOS copies counted once (in the forward's wait)
-    assert overlapped_step(**{**at_step, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
+    assert overlapped_step(StepParts(**{**at_step, "h2d": 0.45}, dos_in=0.3, dos_out=0.0)) == pytest.approx(0.75)
     # the next forward's own loads go up the link beside the DOS copies in: together they exceed it
-    assert overlapped_step(**at_step, dos_in=0.1, dos_out=0.12, forward_loads=0.1) == pytest.approx(0.6 + 0.05)
+    assert overlapped_step(StepParts(**at_step, dos_in=0.1, dos_out=0.12, forward_loads=0.1)) \
+        == pytest.approx(0.6 + 0.05)
     # without DOS, loads shorter than the forward are hidden by it; longer ones are waited for
-    assert overlapped_step(**at_step, forward_loads=0.1) == pytest.approx(0.6)
-    assert overlapped_step(**{**at_step, "h2d": 0.3}, forward_loads=0.2) == pytest.approx(0.6 + 0.05)
+    assert overlapped_step(StepParts(**at_step, forward_loads=0.1)) == pytest.approx(0.6)
+    assert overlapped_step(StepParts(**{**at_step, "h2d": 0.3}, forward_loads=0.2)) == pytest.approx(0.6 + 0.05)
 
     in_backward = dict(parts, updates_in_backward=True)
     # backward (0.45 s) leaves the link idle for 0.25 s going up and 0.35 s coming down: 0.05 s of
     # the copies in are left for the forward, which hides them
-    assert overlapped_step(**in_backward, dos_in=0.3, dos_out=0.2) == pytest.approx(0.6)
-    assert overlapped_step(**in_backward, dos_in=0.55, dos_out=0.2) == pytest.approx(0.6 + (0.3 - 0.15))
+    assert overlapped_step(StepParts(**in_backward, dos_in=0.3, dos_out=0.2)) == pytest.approx(0.6)
+    assert overlapped_step(StepParts(**in_backward, dos_in=0.55, dos_out=0.2)) == pytest.approx(0.6 + (0.3 - 0.15))
     # a backward bound by its own loads leaves no idle link: as from step()
-    assert overlapped_step(**{**in_backward, "h2d": 0.45}, dos_in=0.3, dos_out=0.0) == pytest.approx(0.75)
+    assert overlapped_step(StepParts(**{**in_backward, "h2d": 0.45}, dos_in=0.3, dos_out=0.0)) == pytest.approx(0.75)
     # beside 0.2 s of CPU work left after the forward: the later of the two, not their sum
     cpu = dict(in_backward, cpu_adam=0.45 + 0.35, cpu_wait=0.01)  # 0.45 s hidden by the last backward
-    assert overlapped_step(**cpu, dos_in=0.3, dos_out=0.3) == pytest.approx(0.6 + 0.2)
-    assert overlapped_step(**cpu, dos_in=0.7, dos_out=0.3) == pytest.approx(0.6 + 0.3)
+    assert overlapped_step(StepParts(**cpu, dos_in=0.3, dos_out=0.3)) == pytest.approx(0.6 + 0.2)
+    assert overlapped_step(StepParts(**cpu, dos_in=0.7, dos_out=0.3)) == pytest.approx(0.6 + 0.3)
 
 
 def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_is_through():
@@ -198,35 +200,36 @@ def test_overlap_model_stops_the_forward_at_its_first_dos_chunk_until_the_queue_
     their queue (gradients are final in the reverse order): only the forward's compute before that
     chunk hides the queue, and its loads so far share the link with it; the later loads then
     overlap the later compute."""
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
 
     # started in backward, whose own loads (0.45 s) leave the link going up no idle time: the DOS
     # copies in (0.3 s) are left whole for the forward; those out (0.2 s) go in backward's idle time
     in_backward = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.55, d2h=0.1, cpu_adam=0.0, cpu_wait=0.0,
                        updates_in_backward=True, dos_in=0.3, dos_out=0.2, forward_loads=0.1)
-    whole = overlapped_step(**in_backward)  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
+    whole = overlapped_step(StepParts(**in_backward))  # the whole forward hides the queue: 0.1 + 0.3 - 0.15 exposed
     assert whole == pytest.approx(0.6 + 0.25)
     # the defaults are the whole forward and all its loads: the same step
-    assert overlapped_step(**in_backward, dos_first_at=0.15, loads_to_dos=0.1) == pytest.approx(whole)
+    assert overlapped_step(StepParts(**in_backward, dos_first_at=0.15, loads_to_dos=0.1)) == pytest.approx(whole)
     # a DOS chunk a third of the way in, after 0.04 s of loads: 0.04 + 0.3 - 0.05 exposed there,
     # then 0.06 s of loads beside 0.1 s of compute
-    assert overlapped_step(**in_backward, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(0.6 + 0.29)
+    assert overlapped_step(StepParts(**in_backward, dos_first_at=0.05, loads_to_dos=0.04)) == pytest.approx(0.6 + 0.29)
     # ... or beside 0.02 s of compute when the DOS chunk comes late: 0.04 s of loads wait after it
-    assert overlapped_step(**in_backward, dos_first_at=0.13, loads_to_dos=0.04) == pytest.approx(0.6 + 0.21 + 0.04)
+    assert overlapped_step(StepParts(**in_backward, dos_first_at=0.13, loads_to_dos=0.04)) \
+        == pytest.approx(0.6 + 0.21 + 0.04)
     # a backward with idle link time for the copies in: nothing left to wait for but the loads
     idle = dict(in_backward, h2d=0.2)
-    assert overlapped_step(**idle, dos_first_at=0.0, loads_to_dos=0.01) == pytest.approx(0.6 + 0.01)
+    assert overlapped_step(StepParts(**idle, dos_first_at=0.0, loads_to_dos=0.01)) == pytest.approx(0.6 + 0.01)
     # started at step(), the DOS chunks are queued in the forward's order: its first is first, no stop
     at_step = dict(in_backward, updates_in_backward=False)
-    assert overlapped_step(**at_step, dos_first_at=0.05, loads_to_dos=0.04) == pytest.approx(
-        overlapped_step(**at_step))
+    assert overlapped_step(StepParts(**at_step, dos_first_at=0.05, loads_to_dos=0.04)) == pytest.approx(
+        overlapped_step(StepParts(**at_step)))
 
 
 def test_overlap_model_releases_the_dos_queue_as_its_gradients_are_final():
     """Where DOS updates start in backward, each DOS chunk's copies take backward's idle link only
     after its gradient is final: the copies left for the forward are the most by which any part
     of the queue, from one chunk's gradient on, outlasts the idle link after it."""
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
     from elixir_ray.planner.search import Layout, _dos_queue
 
     # backward 0.45 s with 0.1 s of its own loads and gradient copies: 0.35 s idle each way
@@ -240,8 +243,8 @@ def test_overlap_model_releases_the_dos_queue_as_its_gradients_are_final():
     def step(dos, **kw):
         dos = np.array(dos)
         queue_in, queue_out, after = _dos_queue(lay, dos, dos_in, np.zeros(3))
-        return overlapped_step(**{**idle, **kw}, dos_in=float(dos_in[dos].sum()), dos_out=0.0,
-                               dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after)
+        return overlapped_step(StepParts(**{**idle, **kw}, dos_in=float(dos_in[dos].sum()), dos_out=0.0,
+                                         dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after))
 
     # all three: from chunk 2 on 0.35 - 0.35*0.9 left; from chunk 1 on 0.25 - 0.35*0.5 = 0.075, the
     # most; from chunk 0 0.05 - 0.035: 0.075 left, beside the forward's 0.1 s of loads
@@ -253,16 +256,17 @@ def test_overlap_model_releases_the_dos_queue_as_its_gradients_are_final():
     # the same rows at once (the search's form)
     rows = np.array([[True, True, True], [False, False, True]])
     queue_in, queue_out, after = _dos_queue(lay, rows, dos_in, np.zeros(3))
-    both = overlapped_step(**{**idle, "h2d": np.array([0.2, 0.2])}, dos_in=rows @ dos_in, dos_out=np.zeros(2),
-                           dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after)
+    both = overlapped_step(StepParts(**{**idle, "h2d": np.array([0.2, 0.2])}, dos_in=rows @ dos_in, dos_out=np.zeros(2),
+                                     dos_queue_in=queue_in, dos_queue_out=queue_out, dos_after=after))
     assert both == pytest.approx([step([True, True, True]), 0.6])
     # with no queue given, the whole queue may start as backward does (the earlier model)
-    assert overlapped_step(**idle, dos_in=0.35, dos_out=0.0) == pytest.approx(0.6)
+    assert overlapped_step(StepParts(**idle, dos_in=0.35, dos_out=0.0)) == pytest.approx(0.6)
     # at step(), nothing is in backward: the queue's release times do not matter
     at_step = dict(idle, updates_in_backward=False)
     queue_in, queue_out, after = _dos_queue(lay, np.array([True, True, True]), dos_in, np.zeros(3))
-    assert overlapped_step(**at_step, dos_in=0.35, dos_out=0.0, dos_queue_in=queue_in, dos_queue_out=queue_out,
-                           dos_after=after) == pytest.approx(overlapped_step(**at_step, dos_in=0.35, dos_out=0.0))
+    assert overlapped_step(StepParts(**at_step, dos_in=0.35, dos_out=0.0, dos_queue_in=queue_in,
+                                     dos_queue_out=queue_out, dos_after=after)) \
+        == pytest.approx(overlapped_step(StepParts(**at_step, dos_in=0.35, dos_out=0.0)))
 
 
 def test_a_chunks_gradient_is_final_when_its_last_gradient_arrives_not_at_its_last_read():
@@ -295,17 +299,17 @@ def _three_chunk_layout():
 def test_a_cpu_update_is_waited_for_as_long_as_it_outlasts_its_chunks_time():
     """A chunk's CPU update has from its final gradient to the forward's need for it: a tied
     embedding (final last, needed first) has none, a middle chunk part of backward and forward."""
-    from elixir_ray.planner.search import _cpu_wait
+    from elixir_ray.planner.search import UpdateQueue, _cpu_wait
 
     lay, none = _three_chunk_layout(), np.zeros(3)
     adam = np.array([0.05, 0.05, 0.3])
     plain = np.array([[True, False, False], [False, True, False], [False, False, True], [False] * 3])
     # forward 0.1 s, last backward 0.3 s: chunk 0 has nothing, chunk 1 0.05 + 0.12 s, chunk 2 0.08 + 0.21 s
-    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, True, none) == pytest.approx([0.05, 0.0, 0.01, 0.0])
+    assert _cpu_wait(UpdateQueue(lay, plain, adam, 0.1, True, none), 0.3) == pytest.approx([0.05, 0.0, 0.01, 0.0])
     # updates at step(): only the forward's compute before each chunk
-    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, False, none) == pytest.approx([0.05, 0.0, 0.22, 0.0])
+    assert _cpu_wait(UpdateQueue(lay, plain, adam, 0.1, False, none), 0.3) == pytest.approx([0.05, 0.0, 0.22, 0.0])
     # its load after its update, and its gradient's copy down before it (within backward), are waited for too
-    assert _cpu_wait(lay, plain, adam, 0.1, 0.3, True, np.full(3, 0.01), np.full(3, 0.02)) \
+    assert _cpu_wait(UpdateQueue(lay, plain, adam, 0.1, True, np.full(3, 0.01), np.full(3, 0.02)), 0.3) \
         == pytest.approx([0.06, 0.0, 0.04, 0.0])
 
 
@@ -313,7 +317,7 @@ def test_cpu_updates_queue_on_one_thread_lowest_chunk_first_among_those_ready():
     """The updates run one at a time: one ready while another runs waits for it, so the forward
     waits for the queue, not for the slowest update alone; among those ready the thread takes
     the chunk the forward needs first (`HostUpdates`), not the one ready first."""
-    from elixir_ray.planner.search import _cpu_wait
+    from elixir_ray.planner.search import UpdateQueue, _cpu_wait
 
     lay, none = _three_chunk_layout(), np.zeros(3)
     adam = np.array([0.05, 0.05, 0.3])
@@ -321,12 +325,12 @@ def test_cpu_updates_queue_on_one_thread_lowest_chunk_first_among_those_ready():
     # chunk 2 runs from 0.09 to 0.39 s of the 0.3 s backward; chunks 1 (ready at 0.18) and 0 (at
     # 0.3) wait for it; then chunk 0 (0.39 to 0.44), then 1 (to 0.49): 0.14 s into the forward each,
     # where the forward needs chunk 0 at once and chunk 1 after 0.05 s. Alone, none waits over 0.05 s.
-    assert _cpu_wait(lay, every, adam, 0.1, 0.3, True, none) == pytest.approx([0.14])
-    assert max(_cpu_wait(lay, np.eye(3, dtype=bool), adam, 0.1, 0.3, True, none)) == pytest.approx(0.05)
+    assert _cpu_wait(UpdateQueue(lay, every, adam, 0.1, True, none), 0.3) == pytest.approx([0.14])
+    assert max(_cpu_wait(UpdateQueue(lay, np.eye(3, dtype=bool), adam, 0.1, True, none), 0.3)) == pytest.approx(0.05)
     # a thread that took them as they came (1 before 0) would make the forward wait 0.19 s
     # per row, a backward of its own (the longest of the backward's streams, `overlapped_step`)
     rows = np.array([[True, True, True], [True, False, False]])
-    assert _cpu_wait(lay, rows, adam, 0.1, np.array([0.3, 0.5]), True, none) == pytest.approx([0.14, 0.05])
+    assert _cpu_wait(UpdateQueue(lay, rows, adam, 0.1, True, none), np.array([0.3, 0.5])) == pytest.approx([0.14, 0.05])
 
 
 def test_the_forwards_loads_follow_one_another_one_chunk_ahead_of_its_compute():
@@ -366,26 +370,28 @@ def test_the_forwards_loads_follow_one_another_one_chunk_ahead_of_its_compute():
 def test_a_host_chunk_the_device_updates_is_still_loaded_in_turn():
     """A row whose host chunks the Deep Optimizer States update (no CPU update at all) still waits
     for their loads in the forward, through the queue's function as the search passes it."""
-    from elixir_ray.planner.cost import overlapped_step
-    from elixir_ray.planner.search import _cpu_wait
+    from elixir_ray.planner.cost import StepParts, overlapped_step
+    from elixir_ray.planner.search import UpdateQueue, _cpu_wait
 
     lay, none = _three_chunk_layout(), np.zeros((1, 3), dtype=bool)
     last = np.array([[False, False, True]])  # loaded after chunk 1's compute starts (0.05 s): 0.01 s late
-    assert _cpu_wait(lay, none, np.zeros(3), 0.1, 0.3, True, np.full(3, 0.04), loaded=last) == pytest.approx([0.01])
+    assert _cpu_wait(UpdateQueue(lay, none, np.zeros(3), 0.1, True, np.full(3, 0.04), loaded=last), 0.3) \
+        == pytest.approx([0.01])
     parts = dict(compute=0.6, forward=0.1, on_stream=0.0, h2d=0.0, d2h=0.0, cpu_adam=0.0)
-    queue = partial(_cpu_wait, lay, none[0], np.zeros(3), 0.1, in_backward=True, load=np.full(3, 0.04),
-                    loaded=last[0])
-    assert overlapped_step(**parts, cpu_wait=queue, updates_in_backward=True) == pytest.approx(0.61)
-    assert overlapped_step(**parts, cpu_wait=0.01, updates_in_backward=True) == pytest.approx(0.6)  # a number: CPU's
+    queue = partial(_cpu_wait, UpdateQueue(lay, none[0], np.zeros(3), 0.1, in_backward=True, load=np.full(3, 0.04),
+                                           loaded=last[0]))
+    assert overlapped_step(StepParts(**parts, cpu_wait=queue, updates_in_backward=True)) == pytest.approx(0.61)
+    assert overlapped_step(StepParts(**parts, cpu_wait=0.01, updates_in_backward=True)) \
+        == pytest.approx(0.6)  # a number: CPU's
 
 
 def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
     from elixir_ray.planner.search import critical_path_note
 
     path = {}
     parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.5, cpu_adam=0.7, cpu_wait=0.03)
-    step = overlapped_step(**parts, updates_in_backward=True, forward_loads=0.1, path=path)
+    step = overlapped_step(StepParts(**parts, updates_in_backward=True, forward_loads=0.1), path=path)
     assert step == pytest.approx(path["forward"] + max(path["cpu_wait"], path["link_wait"]) + path["rest"])
     assert path["rest"] == pytest.approx(0.5) and path["rest_d2h"] == pytest.approx(0.5)
     assert path["cpu_wait"] == pytest.approx(0.05)  # 0.2 s of updates left after backward, 0.15 s of forward
@@ -400,7 +406,7 @@ def test_the_critical_path_adds_up_to_the_step_and_is_named_in_a_plans_notes():
 def test_overlap_model_gives_the_cpu_queue_the_backward_it_has():
     """A cpu_wait function is played out over the last backward as long as its longest stream
     (here the copies down, 0.7 s against 0.45 s of compute), or from step() on."""
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
 
     seen = []
 
@@ -409,12 +415,13 @@ def test_overlap_model_gives_the_cpu_queue_the_backward_it_has():
         return 0.02
 
     parts = dict(compute=0.6, forward=0.15, on_stream=0.0, h2d=0.2, d2h=0.7, cpu_adam=0.1, cpu_wait=wait)
-    assert overlapped_step(**parts, updates_in_backward=True) == pytest.approx(0.15 + 0.02 + 0.7)
+    assert overlapped_step(StepParts(**parts, updates_in_backward=True)) == pytest.approx(0.15 + 0.02 + 0.7)
     assert seen == [pytest.approx(0.7)]
     # the function says the forward's wait for its loads too (0 where a row loads nothing), so it
     # counts with no CPU work; a number is the CPU updates' wait alone
-    assert overlapped_step(**{**parts, "cpu_adam": 0.0}, updates_in_backward=True) == pytest.approx(0.15 + 0.02 + 0.7)
-    assert overlapped_step(**{**parts, "cpu_adam": 0.0, "cpu_wait": 0.02}, updates_in_backward=True) \
+    assert overlapped_step(StepParts(**{**parts, "cpu_adam": 0.0}, updates_in_backward=True)) \
+        == pytest.approx(0.15 + 0.02 + 0.7)
+    assert overlapped_step(StepParts(**{**parts, "cpu_adam": 0.0, "cpu_wait": 0.02}, updates_in_backward=True)) \
         == pytest.approx(0.15 + 0.7)
 
 
@@ -430,7 +437,7 @@ def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
     """The forward and the rest of the step each last as long as their longest stream; so the
     step is never shorter than the compute, than either direction's copies, or than the parts of
     one phase, and never longer than every part one after another."""
-    from elixir_ray.planner.cost import overlapped_step
+    from elixir_ray.planner.cost import StepParts, overlapped_step
 
     rng = np.random.default_rng(0)
     for _ in range(2000):
@@ -443,13 +450,14 @@ def test_overlap_model_is_bound_by_each_phase_and_by_the_link_overall():
                   forward_loads=forward_loads)
         first = dict(dos_first_at=forward * rng.uniform(0.0, 1.0), loads_to_dos=forward_loads * rng.uniform(0.0, 1.0))
         for in_backward in (False, True):
-            step = float(overlapped_step(**kw, updates_in_backward=in_backward))
+            step = float(overlapped_step(StepParts(**kw, updates_in_backward=in_backward)))
             assert step >= max(compute + on_stream, h2d + dos_in, d2h + dos_out, forward_loads + dos_in) - 1e-12
             assert step <= compute + on_stream + h2d + d2h + cpu + dos_in + dos_out + 1e-12
             # the wait at the first DOS chunk only adds to that, within the same bound
-            stopped = float(overlapped_step(**kw, **first, updates_in_backward=in_backward))
+            stopped = float(overlapped_step(StepParts(**kw, **first, updates_in_backward=in_backward)))
             assert step - 1e-12 <= stopped <= compute + on_stream + h2d + d2h + cpu + dos_in + dos_out + 1e-12
-        assert overlapped_step(**kw, updates_in_backward=True) <= overlapped_step(**kw, updates_in_backward=False)
+        assert overlapped_step(StepParts(**kw, updates_in_backward=True)) \
+            <= overlapped_step(StepParts(**kw, updates_in_backward=False))
 
 
 def test_checkpointing_variants_step_through_fractions_of_evenly_spread_blocks():
@@ -499,7 +507,7 @@ def test_a_module_with_only_an_on_off_switch_gets_whole_block_fractions():
 @pytest.mark.parametrize("gap, said", [(2, "every 2nd"), (3, "every 3rd"), (4, "every 4th"), (11, "every 11th"),
                                        (12, "every 12th"), (13, "every 13th"), (16, "every 16th")])
 def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(gap, said):
-    from elixir_ray.engine.plan import Plan
+    from elixir_ray.chunk_plan.plan import Plan
 
     plan = Plan(chunk_size=8, n_blocks=2, param_order=["w"], placements=["host"] * 4, sharded=[False] * 4,
                 dos_gap=gap, chunk_numels=[8] * 4)
@@ -511,7 +519,7 @@ def test_a_plans_description_names_its_deep_optimizer_states_gap_as_an_ordinal(g
 def test_gradient_buffer_moments_follow_each_chunk_from_first_gradient_to_hand_off():
     """Chunk 0 holds parameters 0 and 2, chunk 1 parameter 1; backward gives 2, 1, 0. Moments 2k
     are after k gradients, 2k+1 as gradient k arrives (its chunk's buffer open, not handed on)."""
-    from elixir_ray.engine.layout import gradient_buffer_moments, open_gradient_chunks
+    from elixir_ray.chunk_plan.layout import gradient_buffer_moments, open_gradient_chunks
 
     moments, handed_at = gradient_buffer_moments([2, 1, 0], [0, 1, 0])
     assert moments == [(0, 0), (1, 0), (1, 0), (2, 0), (1, 1), (1, 1), (0, 2)]
@@ -563,7 +571,7 @@ def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos, relea
     import numpy as np
 
     from elixir_ray.planner.cost import STATE_BYTES
-    from elixir_ray.planner.search import MAX_REDUCTIONS_IN_FLIGHT, _dos_buffer_bytes, _memory_rows
+    from elixir_ray.planner.search import MAX_REDUCTIONS_IN_FLIGHT, MemorySettings, _dos_buffer_bytes, _memory_rows
 
     profile, lay = _gpt_layout(True, chunk_size=2048)
     rng = np.random.default_rng(seed)
@@ -573,10 +581,10 @@ def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos, relea
     rank_of[ranking] = np.arange(n_chunks)
     prefixes = rank_of[None, :] < np.arange(n_chunks + 1)[:, None]
     args = (lay, 3, 2 if dos else 0, 2, 1, False, 2, freed, released)
-    together = _memory_rows(lay, 3, prefixes, *args[2:], ranking=ranking)
+    together = _memory_rows(lay, 3, prefixes, MemorySettings(*args[2:]), ranking=ranking)
     size = int(lay.sizes.max())
     for k in range(n_chunks + 1):
-        alone = _memory_rows(lay, 3, prefixes[k:k + 1], *args[2:])
+        alone = _memory_rows(lay, 3, prefixes[k:k + 1], MemorySettings(*args[2:]))
         assert {p: float(v[k]) for p, v in together.items()} == pytest.approx({p: float(v[0]) for p, v in alone.items()})
         peak = sum(float(v[k]) for v in together.values())
         device_state = STATE_BYTES * float(lay.shards[prefixes[k]].sum())
@@ -596,12 +604,13 @@ def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budge
     import numpy as np
 
     from elixir_ray.planner.chart import memory_timeline
-    from elixir_ray.planner.search import plan_search
+    from elixir_ray.planner.search import SearchSettings, plan_search
 
     profile, _ = _gpt_layout(True)
     hw = HardwareProfile(device="cuda", h2d_gbps=20, d2h_gbps=20, cpu_adam_params_per_s=1e9,
                          device_adam_params_per_s=5e10, matmul_tflops=100, cpu_threads=8)
-    plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2, updates_in_backward=in_backward)
+    plan = plan_search([profile], SearchSettings(hw, budget_mib * 2**20, 1, "bfloat16", 2,
+                                                 updates_in_backward=in_backward))
     assert plan.updates_in_backward == in_backward
     t = memory_timeline(plan, profile, 2)
     total = t["state"] + t["pool"] + t["buffers"] + t["activations"]
@@ -621,7 +630,7 @@ def test_device_gradients_released_in_backward_never_raise_the_peak(seed, freed,
     import numpy as np
 
     from elixir_ray.planner.cost import STATE_BYTES
-    from elixir_ray.planner.search import _memory_rows, make_layout
+    from elixir_ray.planner.search import MemorySettings, _memory_rows, make_layout
 
     profile, _ = _gpt_layout(True, chunk_size=2048)
     lay = make_layout(profile, 2048, world)
@@ -629,7 +638,8 @@ def test_device_gradients_released_in_backward_never_raise_the_peak(seed, freed,
     device = rng.random((8, len(lay.sizes))) < rng.random((8, 1))
     device[0], device[1] = False, True
     args = (lay, 3, device, 2 if dos else 0, 2, world, False, 2, freed)
-    kept, released = _memory_rows(*args, released=False), _memory_rows(*args, released=True)
+    kept = _memory_rows(*args[:3], MemorySettings(*args[3:], released=False))
+    released = _memory_rows(*args[:3], MemorySettings(*args[3:], released=True))
     peak_kept, peak_released = sum(kept.values()), sum(released.values())
     has_device = device.any(axis=1)
     assert np.all(peak_released <= peak_kept)
@@ -648,7 +658,7 @@ def test_a_plan_whose_updates_start_in_backward_re_costs_to_its_prediction_eithe
     too), so a plan searched either way re-costs to its own peak and step; asked for the updates at
     step(), a plan with device chunks searched for updates in backward needs more (its device
     gradients alive), and the search, given the release, fits at least as fast a step in the budget."""
-    from elixir_ray.planner.search import plan_memory, plan_search, plan_step_seconds
+    from elixir_ray.planner.search import SearchSettings, plan_memory, plan_search, plan_step_seconds
 
     profile, _ = _gpt_layout(True)
     hw = HardwareProfile(device="cuda", h2d_gbps=20, d2h_gbps=20, cpu_adam_params_per_s=1e9,
@@ -656,7 +666,8 @@ def test_a_plan_whose_updates_start_in_backward_re_costs_to_its_prediction_eithe
     for budget_mib in (12, 24, 64):
         plans = {}
         for in_backward in (False, True):
-            plan = plan_search([profile], hw, budget_mib * 2**20, 1, "bfloat16", 2, updates_in_backward=in_backward)
+            plan = plan_search([profile], SearchSettings(hw, budget_mib * 2**20, 1, "bfloat16", 2,
+                                                         updates_in_backward=in_backward))
             assert sum(plan_memory(plan, profile, 2).values()) == plan.predicted_peak_bytes
             assert plan_step_seconds(plan, profile, hw, 2) == pytest.approx(plan.predicted_step_seconds, rel=1e-9)
             plans[in_backward] = plan

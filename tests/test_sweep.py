@@ -171,7 +171,7 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     a, b = (table[i] for i in ids[:2])
     assert b["final_loss"] == pytest.approx(a["final_loss"], abs=1e-6, rel=0), (a, b)
     log = _log(os.path.join(sweep_dir, ids[1]))
-    assert "worker group failed" in log and "restarting (a worker died" in log, log
+    assert "worker group failed" in log and "restarting (worker 0 died" in log, log
     # it goes on from its newest checkpoint (the one seen before the kill, or one written just after)
     assert "continues from its own newest checkpoint" in log, log
     resumed_at = [int(s) for s in re.findall(r"starting at step (\d+) \(from durable\)", log)]

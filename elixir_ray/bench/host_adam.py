@@ -31,8 +31,9 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.engine.adam_step import AdamCall
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
-from elixir_ray.engine.optimizer import AdamCall, TileScratch, grad_tile_elements
+from elixir_ray.engine.optimizer import TileScratch, grad_tile_elements
 from elixir_ray.planner.hardware import HostChunkState, PinnedCopies
 
 

@@ -30,7 +30,7 @@ def main() -> int:
     args = parser.parse_args()
     plan = None
     if args.plan:
-        from elixir_ray.engine.plan import Plan
+        from elixir_ray.chunk_plan.plan import Plan
 
         with open(args.plan) as f:
             plan = Plan.from_json(f.read())

@@ -8,6 +8,7 @@ steps and set the measured step time and peak device memory beside the predictio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from elixir_ray.planner.alternatives import hand_made_plans
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import profile_model
 from elixir_ray.planner.op_timing import device_is_here, time_ops
-from elixir_ray.planner.search import SAFETY, make_layout, plan_search
+from elixir_ray.planner.search import SAFETY, SearchSettings, make_layout, plan_search
 from elixir_ray.units import format_bytes
 
 
@@ -38,11 +39,12 @@ def candidate_plans(shape_name: str, cap_bytes: int, hardware: HardwareProfile, 
     if device_is_here(hardware):
         profile.compute = time_ops(profile.trace.ops, hardware, max_bytes=cap_bytes // 2)
     # the benchmark's loop declares one backward per step and does not clip: CPU updates start in backward
-    searched = plan_search([profile], hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True,
-                           memory_margin=memory_margin)
+    settings = SearchSettings(hardware, cap_bytes, 1, shape.dtype, elem, updates_in_backward=True,
+                              memory_margin=memory_margin)
+    searched = plan_search([profile], settings)
     layout = make_layout(profile, searched.chunk_size, 1)
-    return {"searched": searched, **hand_made_plans(layout, hardware, cap_bytes, 1, shape.dtype, elem,
-                                                    updates_in_backward=True, margin=searched.memory_margin)}
+    return {"searched": searched,
+            **hand_made_plans(layout, dataclasses.replace(settings, memory_margin=searched.memory_margin))}
 
 
 def run_plan_table(shape_name: str, cap_bytes: int, hardware: HardwareProfile, steps: int = 4, warmup: int = 3,

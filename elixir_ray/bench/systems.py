@@ -296,7 +296,7 @@ def _build(system: str, shape: BenchShape, device: torch.device, cap_bytes: Opti
         return step, sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()), None
 
     if system == "elixir_ray":
-        from elixir_ray.engine import wrap
+        from elixir_ray.wrapping import wrap
 
         model = build_gpt(shape.model_shape(), shape.activation_checkpointing, device="meta")
         params = model.num_parameters()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Mapping
 from typing import BinaryIO, Callable, Optional
@@ -53,6 +54,7 @@ def _little_endian(arr: np.ndarray) -> np.ndarray:
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
 
+MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit too
 WRITE_BLOCK = 64 * 2**20  # bytes written (and reported to `on_bytes`) at a time
 
 
@@ -107,9 +109,11 @@ def read_header(read_at: Callable[[int, int], bytes], size: int) -> tuple[dict, 
     (n,) = struct.unpack("<Q", read_at(8, 0))
     if 8 + n > size:
         raise ValueError("truncated safetensors file: header runs past the end")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header of {n} bytes, more than the {MAX_HEADER_BYTES} any reader accepts")
     try:
         header = json.loads(read_at(n, 8))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
         raise ValueError(f"corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise ValueError("corrupt safetensors header: not a JSON object")
@@ -123,18 +127,30 @@ def dtype_of(code: str) -> np.dtype:
     return _FROM_CODE[code]
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_entry(name: str, info: dict, data_len: int) -> np.dtype:
+    """One header entry, checked in Python integers before numpy sees it: a shape of whole numbers
+    >= 0 whose bytes (no overflow: `[2**32, 2**32]` is 2**64 elements here, not 0) are exactly its
+    offsets' range, inside the file's data."""
     try:
         start, end = info["data_offsets"]
         dtype = _FROM_CODE.get(info["dtype"])
-        shape = [int(d) for d in info["shape"]]
+        shape = list(info["shape"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"tensor {name!r} has a malformed header entry") from None
     if dtype is None:
         raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
-    count = int(np.prod(shape)) if shape else 1
-    if not 0 <= start <= end <= data_len or end - start != count * dtype.itemsize:
-        raise ValueError(f"tensor {name!r} has offsets outside the file")
+    if not all(_is_count(d) for d in shape):
+        raise ValueError(f"tensor {name!r} has shape {shape!r} in its header, not whole numbers >= 0")
+    if not (_is_count(start) and _is_count(end)):
+        raise ValueError(f"tensor {name!r} has offsets {[start, end]!r} in its header, not whole numbers >= 0")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not start <= end <= data_len or end - start != nbytes:
+        raise ValueError(f"tensor {name!r} has offsets outside the file: shape {shape} is {nbytes} bytes, its "
+                         f"offsets [{start}, {end}) of {data_len}")
     return dtype
 
 
@@ -147,8 +163,10 @@ def decode(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise ValueError("truncated safetensors file: header runs past the end")
     try:
         header = json.loads(payload[8: 8 + n])
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError("corrupt safetensors header: not a JSON object")
     metadata = header.pop("__metadata__", {}) or {}
     data = memoryview(payload)[8 + n:]
     out = {}

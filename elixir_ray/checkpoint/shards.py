@@ -24,7 +24,9 @@ import numpy as np
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
+from elixir_ray.checkpoint.manifest import confined_path
 from elixir_ray.engine import JoinedState
+from elixir_ray.engine.state import shard_ranks
 
 SHARDS_FORMAT = "elixir_ray.checkpoint/2"  # one checkpoint directory of rank shards plus the layout
 PART_BYTES = 2**30
@@ -90,7 +92,7 @@ class _CheckpointFiles:
             self._fs, self._root = storage.resolve(self.uri)
         f = self._open.get(name)
         if f is None:
-            f = self._open[name] = self._fs.open_input_file(f"{self._root}/{name}")
+            f = self._open[name] = self._fs.open_input_file(confined_path(self._fs, self._root, name))
         return f
 
     def read_at(self, name: str, nbytes: int, offset: int) -> bytes:
@@ -194,7 +196,50 @@ def open_shards(uri: str, manifest: dict, fs=None, root: Optional[str] = None) -
     for rank, shard in enumerate(shards):
         if "slots/step" not in shard:
             raise ValueError(f"rank {rank}'s files hold no step counts (a file is missing from the manifest?)")
+    _check_fits_layout(shards, manifest["shards"]["layout"])
     return join_rank_shards(shards, manifest["shards"]["layout"])
+
+
+def _check_fits_layout(shards: list[dict], layout: dict) -> None:
+    """The ranks' arrays are what the layout (checked itself, `manifest.check_layout`) says: each
+    chunk's tensors one-dimensional, of the chunk's size or one rank's share of it, on every rank
+    that holds a share; a step count per slot and every buffer on rank 0. A join then never reads
+    past an array or misses one."""
+    world = len(shards)
+    for i, chunk in enumerate(layout["chunks"]):
+        holders = shard_ranks(chunk, world)
+        length = chunk["size"] // len(holders)
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            key = f"chunk/{i}/{kind}"
+            if key not in shards[0] and kind != "master":
+                continue  # moments not made yet (no step taken)
+            for rank in holders:
+                value = shards[rank].get(key)
+                if value is None or tuple(value.shape) != (length,):
+                    found = "none" if value is None else f"shape {list(value.shape)}"
+                    raise ValueError(f"rank {rank}'s {key} has {found}, its layout says [{length}]")
+    steps = shards[0]["slots/step"]
+    if steps.shape != (len(layout["slots"]),) or steps.dtype.kind not in "iu":
+        raise ValueError(f"rank 0's step counts are {steps.dtype}{list(steps.shape)}, its layout has "
+                         f"{len(layout['slots'])} slots")
+    missing = [key for key in layout["buffers"] if f"model/{key}" not in shards[0]]
+    if missing:
+        raise ValueError(f"rank 0's files hold no buffer {missing[0]!r} of its layout")
+
+
+def check_listed(joined: Mapping, manifest: dict) -> None:
+    """A worker-written checkpoint's tensors are the ones its manifest lists, with the listed shapes:
+    what a reader checks before building a model is what it then reads."""
+    listed = manifest["tensors"]
+    for name in joined:
+        if name not in listed:
+            raise ValueError(f"the files hold tensor {name!r}, which the manifest does not list")
+        shape = list(joined.spec_of(name)[0])
+        if shape != listed[name]["shape"]:
+            raise ValueError(f"tensor {name!r} has shape {shape} in the files, {listed[name]['shape']} in the manifest")
+    missing = sorted(set(listed) - set(joined))
+    if missing:
+        raise ValueError(f"the manifest lists tensors no file holds: {missing[:3]}")
 
 
 class CheckpointTensors(Mapping):
@@ -232,9 +277,18 @@ def open_tensors(uri: str, manifest: dict, fs=None, root: Optional[str] = None) 
     process opens it) as tensors read lazily. Raises ValueError for files that do not match the manifest."""
     files = _CheckpointFiles(uri, fs, root)
     arrays: dict[str, FileArray] = {}
+    listed = manifest["tensors"]
     for name, info in sorted(manifest["files"].items()):
-        arrays.update(_file_arrays(files, name, info))
-    missing = sorted(set(manifest["tensors"]) - set(arrays))
+        for key, array in _file_arrays(files, name, info):
+            entry = listed.get(key)
+            if entry is None or entry.get("file") != name:
+                raise ValueError(f"{name} holds tensor {key!r}, which the manifest "
+                                 + ("does not list" if entry is None else f"puts in {entry.get('file')!r}"))
+            if list(array.shape) != entry["shape"] or str(array.dtype) != entry["dtype"]:
+                raise ValueError(f"tensor {key!r} is {array.dtype}{list(array.shape)} in {name}, "
+                                 f"{entry['dtype']}{entry['shape']} in the manifest")
+            arrays[key] = array
+    missing = sorted(set(listed) - set(arrays))
     if missing:
         raise ValueError(f"the manifest lists tensors no file holds: {missing[:3]}")
     return CheckpointTensors(arrays)
@@ -256,7 +310,11 @@ def verify_files(fs, root: str, files: dict, block_bytes: int = 64 * 2**20) -> O
     for name, info in sorted(files.items()):
         digest, size = hashlib.sha256(), 0
         try:
-            with fs.open_input_stream(f"{root}/{name}") as f:
+            path = confined_path(fs, root, name)
+        except ValueError as exc:
+            return str(exc)
+        try:
+            with fs.open_input_stream(path) as f:
                 while True:
                     block = f.read(block_bytes)
                     if not block:

@@ -33,8 +33,9 @@ import pyarrow.fs as pafs
 
 from elixir_ray import storage
 from elixir_ray.checkpoint import safetensors_io
-from elixir_ray.checkpoint.shards import (PART_BYTES, SHARDS_FORMAT, open_shards, open_tensors, split_parts,
-                                          tensor_entries, verify_files)
+from elixir_ray.checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, check_manifest, confined_path
+from elixir_ray.checkpoint.shards import (PART_BYTES, SHARDS_FORMAT, check_listed, open_shards, open_tensors,
+                                          split_parts, tensor_entries, verify_files)
 
 FORMAT = "elixir_ray.checkpoint/1"  # whole tensors
 FORMATS = (FORMAT, SHARDS_FORMAT)
@@ -304,18 +305,23 @@ def _finish_interrupted_commits(fs: pafs.FileSystem, root: str, infos: list) -> 
 
 def _list(fs: pafs.FileSystem, root: str) -> list[str]:
     """Committed checkpoints under root, as paths on fs (an interrupted local commit finished first)."""
+    return _step_dirs(fs, root)[0]
+
+
+def _step_dirs(fs: pafs.FileSystem, root: str) -> tuple[list[str], list[str]]:
+    """The `step-*` directories under root, as paths on fs, each sorted: those with a manifest (the
+    committed checkpoints) and those without (a save cut short, or one in progress on an object store)."""
     if fs.get_file_info(root).type != pafs.FileType.Directory:  # missing, or a file (one checkpoint's manifest?)
-        return []
-    found = []
+        return [], []
+    found, unfinished = [], []
     infos = fs.get_file_info(pafs.FileSelector(root))
     if _finish_interrupted_commits(fs, root, infos):
         infos = fs.get_file_info(pafs.FileSelector(root))
     for info in infos:
         name = os.path.basename(info.path)
         if info.type == pafs.FileType.Directory and name.startswith("step-"):
-            if storage.exists(fs, f"{info.path}/manifest.json"):
-                found.append(info.path)
-    return sorted(found)
+            (found if storage.exists(fs, f"{info.path}/{MANIFEST}") else unfinished).append(info.path)
+    return sorted(found), sorted(unfinished)
 
 
 def _as_uri(uri: str, root: str, path: str) -> str:
@@ -333,11 +339,16 @@ def read_manifest(path: str) -> dict:
 
 
 def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
+    """The manifest of the checkpoint at `root`, every field checked (`manifest.check_manifest`)
+    before any file it names is opened; any fault is a CheckpointError in one line."""
     try:
-        with fs.open_input_stream(f"{root}/manifest.json") as f:
-            manifest = json.loads(f.read())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {exc}") from None
+        with fs.open_input_stream(confined_path(fs, root, MANIFEST)) as f:
+            payload = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(payload) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"it is larger than {MAX_MANIFEST_BYTES} bytes, more than any manifest written")
+        manifest = json.loads(payload)
+    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise CheckpointError(f"checkpoint {shown!r} has no readable manifest: {_one_line(exc)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"checkpoint {shown!r} has format {found!r}, expected one of {', '.join(FORMATS)}")
@@ -349,7 +360,16 @@ def _read_manifest(fs: pafs.FileSystem, root: str, shown: str) -> dict:
             isinstance(shards, dict) and isinstance(shards.get("world"), int) and shards["world"] >= 1
             and isinstance(shards.get("layout"), dict)):
         raise CheckpointError(f"checkpoint {shown!r} has a manifest without its shards' world size or layout")
+    try:
+        check_manifest(manifest, shards=manifest["format"] == SHARDS_FORMAT)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {shown!r}: {exc}") from None
     return manifest
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's text on one line (pyarrow's OSErrors carry a detail line)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def load_checkpoint(path: str) -> tuple[dict, Mapping[str, np.ndarray]]:
@@ -369,19 +389,59 @@ def _load_checkpoint(fs: pafs.FileSystem, root: str, shown: str) -> tuple[dict, 
     where = shown if "://" in shown else root  # absolute: the workers that read it have their own cwd
     try:
         if manifest["format"] == SHARDS_FORMAT:
-            return manifest, open_shards(where, manifest, fs, root)
+            joined = open_shards(where, manifest, fs, root)
+            check_listed(joined, manifest)
+            return manifest, joined
         return manifest, open_tensors(where, manifest, fs, root)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a forged or damaged file does, the reader falls back past it
+        raise CheckpointError(f"checkpoint {shown!r}: its files are malformed: {_one_line(exc)}") from None
+
+
+# How many times a reader lists a directory again after the checkpoint it was reading was removed
+# (pruned by a run's `checkpoint.keep` as it saved a newer one): each time there is a newer one.
+RELISTS = 10
 
 
 def load_newest_valid(uri: str, errors: Optional[list] = None) -> Optional[tuple[str, dict, dict[str, np.ndarray]]]:
-    """The newest checkpoint that verifies; a corrupt one is skipped with a warning (and its error
-    appended to `errors`, for a caller that must say why nothing was found)."""
-    candidates = list_checkpoints(uri)
-    if not candidates and storage.exists(*storage.resolve(uri)) and _is_checkpoint(uri):
-        candidates = [uri]  # uri names one checkpoint rather than a directory of them
-    return load_first_valid(reversed(candidates), errors)
+    """The newest checkpoint under `uri` that verifies (or `uri`, when it names one checkpoint).
+
+    A newer one that does not verify, or a newer `step-*` directory without a manifest (a save cut
+    short), is skipped with a warning that says why (and its error appended to `errors`, for a
+    caller that must say why nothing was found). One removed while it was read, as a run's
+    `checkpoint.keep` prunes it after saving a newer one, sends the reader back to the listing
+    for the newest, saying so."""
+    fs, root = storage.resolve(uri)
+    committed, unfinished = _step_dirs(fs, root)
+    if not committed and not unfinished and storage.exists(fs, root) and _is_checkpoint(uri):
+        return load_first_valid([uri], errors)  # uri names one checkpoint rather than a directory of them
+    newest = committed[-1] if committed else ""
+    for path in reversed([p for p in unfinished if p > newest]):
+        exc = CheckpointError(f"checkpoint {_as_uri(uri, root, path)!r} has no {MANIFEST} (a save cut short, or "
+                              f"one still in progress)")
+        if errors is not None:
+            errors.append(exc)
+        if committed:
+            warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
+    tried: set = set()
+    for _ in range(RELISTS + 1):
+        paths = [p for p in reversed(list_checkpoints(uri)) if p not in tried]
+        for i, path in enumerate(paths):
+            try:
+                manifest, tensors = load_checkpoint(path)
+                return path, manifest, tensors
+            except CheckpointError as exc:
+                tried.add(path)
+                if not _is_checkpoint(path):
+                    warnings.warn(f"checkpoint {path!r} was removed while it was read (pruned by a run's "
+                                  f"checkpoint.keep after a newer save?): taking the newest again", stacklevel=2)
+                    break
+                if errors is not None:
+                    errors.append(exc)
+                if i + 1 < len(paths):
+                    warnings.warn(f"skipping checkpoint: {exc}; trying the previous one", stacklevel=2)
+        else:
+            return None
+    return None
 
 
 def require_newest_valid(uri: str) -> tuple[str, dict, dict[str, np.ndarray]]:
@@ -412,7 +472,7 @@ def load_first_valid(paths, errors: Optional[list] = None) -> Optional[tuple[str
 
 def _is_checkpoint(uri: str) -> bool:
     fs, root = storage.resolve(uri)
-    return storage.exists(fs, f"{root}/manifest.json")
+    return storage.exists(fs, f"{root}/{MANIFEST}")
 
 
 def check_compatible(manifest: dict, expected: dict[str, tuple]) -> None:

@@ -69,7 +69,7 @@ WRITES_END_TIMEOUT_S = 10.0  # after a failed write, how long killed ranks' writ
 class RunState(enum.Enum):
     PLACING = "placing"  # reserving the workers' bundles and starting one actor per rank
     RENDEZVOUS = "rendezvous"  # showing each rank its devices and forming the process group
-    PROFILING = "profiling"  # every rank measures its hardware (the first try only)
+    PROFILING = "profiling"  # every rank measures its hardware and links (again on other nodes after a restart)
     PLANNING = "planning"  # the driver searches the plan; every rank builds its engine from it
     RESTORING = "restoring"  # the ranks load the newest snapshot or checkpoint (or start from scratch)
     TRAINING = "training"  # segments of steps, each ending in a snapshot or checkpoint
@@ -269,8 +269,11 @@ class TrainController:
 
     def _rendezvous(self) -> NextState:
         self.group.rendezvous()
-        if self.outcome.profiles:  # restarts reuse the first profiles: the same kind of machines
-            return NextState(RunState.PLANNING, "process group formed; the first try's profiles are reused")
+        if [p.node_id for p in self.outcome.profiles] == self.group.node_ids:
+            # a restart onto the same nodes, rank for rank: their rates and links are the ones measured
+            return NextState(RunState.PLANNING, "process group formed on the profiled nodes; their profiles are reused")
+        if self.outcome.restarts:  # a restart onto other nodes measures them
+            return NextState(RunState.PROFILING, "process group formed")
         self._cached = self._cached_plan()
         if self._cached is not None:
             self.outcome.profiles = list(self._cached.profiles)
@@ -334,17 +337,13 @@ class TrainController:
 
     def _plan(self) -> NextState:
         self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
-        # Restarts reuse the first profiles: the same kind of machines, measured once.
-        profiles = self.outcome.profiles[: self.shape.num_workers]
-        while len(profiles) < self.shape.num_workers:
-            profiles.append(profiles[-1])
         cached = self._cached if not self.outcome.restarts else None  # a restart plans for its own group
         if cached is not None and cached.plan.world_size == self.shape.num_workers:
             plan = cached.plan
         else:
             searched = time.monotonic()
             try:
-                plan = make_run_plan(self.cfg, profiles, global_batch=self.global_batch)
+                plan = make_run_plan(self.cfg, self.outcome.profiles, global_batch=self.global_batch)
             except ValueError as exc:
                 raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
             log.info("plan for %d worker(s) searched in %.1fs", plan.world_size, time.monotonic() - searched)
@@ -601,9 +600,10 @@ class TrainController:
             if self._drain_metrics():
                 last_progress = time.monotonic()
             self.group.check_finished(runs, pending, "training")
+            self.group.watch("training")
             if pending and time.monotonic() - last_progress > self.cfg.fault.detect_timeout_s:
-                raise WorkerGroupFailure("training", f"no step (nor evaluation forward) completed for "
-                                                     f"{self.cfg.fault.detect_timeout_s:g}s", FailureKind.SILENT)
+                raise self.group.silent_failure("training", f"no step (nor evaluation forward) completed for "
+                                                            f"{self.cfg.fault.detect_timeout_s:g}s")
         self.step = self.group.get(runs, "training")[0]
         self._drain_metrics()
 

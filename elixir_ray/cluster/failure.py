@@ -52,7 +52,8 @@ class StepError(RuntimeError):
         self.error = error  # error_line() of the exception the step raised ("" for a collective's)
 
     def __str__(self) -> str:
-        return f"rank {self.rank} failed at step {self.step}: {self.message}\n{self.trace}"
+        head = f"rank {self.rank} failed at step {self.step}: {self.message}"
+        return f"{head}\n{self.trace}" if self.trace else head
 
 
 class WorkerGroupFailure(Exception):

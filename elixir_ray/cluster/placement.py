@@ -6,6 +6,7 @@ hosts the driver comes first so that rank 0 (the rendezvous host) sits beside it
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,10 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from elixir_ray.config import RunConfig
 from elixir_ray.engine.host_updates import update_threads
 from elixir_ray.errors import ClusterError, ConfigError
+
+log = logging.getLogger("elixir_ray")
+
+QUIET_WAIT_S = 1.0  # a reservation that takes longer than this is waiting for resources, and says so
 
 
 @dataclass
@@ -91,8 +96,16 @@ class PlacementTimeoutError(ClusterError):
 
 
 def create_placement_group(shape: WorkerShape, timeout_s: float):
+    """Reserve one bundle per worker, waiting up to `timeout_s` (cluster.placement_timeout_s). A
+    reservation not made at once (another run holds the resources) is said in one line, with how
+    long it will be waited for, rather than waited for in silence."""
     pg = placement_group([shape.bundle] * shape.num_workers, strategy="PACK")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    ready, _ = ray.wait([pg.ready()], timeout=min(QUIET_WAIT_S, timeout_s))
+    if not ready and timeout_s > QUIET_WAIT_S:
+        log.warning("waiting for the cluster to free %d x %s for the workers (free now: %s): up to "
+                    "cluster.placement_timeout_s=%gs", shape.num_workers, shape.bundle, _free(shape.bundle),
+                    timeout_s)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s - QUIET_WAIT_S)
     if not ready:
         table = placement_group_table(pg)
         remove_placement_group(pg)

@@ -9,6 +9,7 @@ device 0, about half a GiB of another rank's GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,16 +26,21 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elixir_ray.cluster.failure import StepError, error_line
+from elixir_ray.cluster.collective_rates import measure_collectives
+from elixir_ray.cluster.failure import StepError, error_line, is_peer_error
 from elixir_ray.cluster.network import interface_with_address, is_loopback
 from elixir_ray.cluster.worker_profile import WorkerProfile, profile_worker
 from elixir_ray.config import RunConfig, config_from_dict
 from elixir_ray.engine.allocator import use_expandable_segments
+from elixir_ray.errors import NonFiniteLossError
 from elixir_ray.run_plan import RunPlan
 from elixir_ray.trainer import DTYPES, RankTrainer
 
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+# elements the profiling round's collectives gather and reduce: a chunk of a model of a few billion
+# parameters on a GPU (32 MiB gathered in bf16); on a CPU, 4 MiB, which gloo moves in milliseconds
+COLLECTIVE_NUMEL = {"cuda": 16 * 2**20, "cpu": 2**20}
 log = logging.getLogger("elixir_ray")
 
 
@@ -49,12 +55,14 @@ class RankWorker:
         self.cfg: RunConfig = config_from_dict(config)
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
+        self.node_of_rank: list[int] = []  # every rank's node, numbered (one node until set_devices says)
         self.trainer: RankTrainer | None = None
         self._metrics: list[dict] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._bytes_written = 0  # by `write_shard`, read by the driver's `write_progress` polls
         self._beats = 0  # forwards of an evaluation under way: progress the driver sees before the step ends
+        self._store_socket: socket.socket | None = None  # rank 0's rendezvous listener, until the store takes it
         torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_worker))
 
     def alive(self) -> bool:
@@ -71,8 +79,10 @@ class RankWorker:
             "hostname": socket.gethostname(),
         }
 
-    def set_devices(self, visible_gpu_ids: list[str], local_rank: int) -> None:
-        """Show every GPU of this node to each of its ranks (so peers can use P2P), then pick ours."""
+    def set_devices(self, visible_gpu_ids: list[str], local_rank: int, node_of_rank: list[int] = ()) -> None:
+        """Show every GPU of this node to each of its ranks (so peers can use P2P), then pick ours;
+        `node_of_rank`: every rank's node, numbered (for the profiling round's collectives)."""
+        self.node_of_rank = list(node_of_rank)
         os.environ["LOCAL_RANK"] = str(local_rank)
         if visible_gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids)
@@ -115,38 +125,54 @@ class RankWorker:
             except FileNotFoundError:
                 pass
 
-    def free_port(self) -> int:
-        """A port free on every interface, as torch's TCP store binds it (all of them, IPv6 too where
-        the host has it): one free only on the address the ranks connect to may be taken on another,
-        and the store then fails to start (a review reproduced it: a port listened on at 127.0.0.1
-        was handed out for another address)."""
-        family_kwargs = {"family": socket.AF_INET6, "dualstack_ipv6": True} if socket.has_dualstack_ipv6() else {}
+    def open_store(self, address: str) -> int:
+        """Listen for the rendezvous on `address` only (this node's address that the other ranks
+        reach, or 127.0.0.1), on a port the kernel picks, and return the port. torch's TCPStore,
+        given an address and a port, listens on every interface; given this socket, it listens
+        where the socket does (`init_process_group` hands it over)."""
+        self._close_store_socket()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            with socket.create_server(("", 0), **family_kwargs) as s:
-                return s.getsockname()[1]
-        except OSError:  # IPv6 present but not usable here (a container without it): IPv4's wildcard
-            with socket.create_server(("", 0)) as s:
-                return s.getsockname()[1]
+            sock.bind((address, 0))
+            sock.listen(max(128, self.world_size))
+        except OSError:
+            sock.close()
+            raise
+        self._store_socket = sock
+        return sock.getsockname()[1]
+
+    def _close_store_socket(self) -> None:
+        if self._store_socket is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
     def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:
-        """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes."""
+        """`init_method`: "file://PATH" on one node, "tcp://ADDR:PORT" across nodes (rank 0 then
+        listens on the socket `open_store` opened)."""
         self._use_device()
         if dist.is_initialized():
             dist.destroy_process_group()
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        host = urlsplit(init_method).hostname
-        if init_method.startswith("file://") or is_loopback(host):
+        url = urlsplit(init_method)
+        if init_method.startswith("file://") or is_loopback(url.hostname):
             # one node: gloo's pairs and NCCL's bootstrap listen where the hostname resolves (the
             # container's or the machine's address) unless told the interface; loopback is enough
             os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         elif backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
             self._gloo_on_node_interface()
+        timeout = timedelta(seconds=timeout_s)
+        rendezvous = {"init_method": init_method}
+        if url.scheme == "tcp":
+            listen_fd = self._store_socket.detach() if self._store_socket is not None else None  # the store's now
+            self._store_socket = None
+            rendezvous = {"store": dist.TCPStore(url.hostname, url.port, self.world_size, self.rank == 0, timeout,
+                                                 master_listen_fd=listen_fd)}
         dist.init_process_group(
-            backend=backend, init_method=init_method, rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
-            device_id=self.device if backend == "nccl" else None,
+            backend=backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
+            device_id=self.device if backend == "nccl" else None, **rendezvous,
         )
 
     def _gloo_on_node_interface(self) -> None:
@@ -164,13 +190,18 @@ class RankWorker:
                         self.rank, node_ip, socket.gethostname())
 
     def profile(self, micro_batch: int) -> WorkerProfile:
-        """Measure this worker's device and rates, and time the model's kernels at `micro_batch` on
-        its device (the driver traces the model too, without weights, and plans)."""
+        """Measure this worker's device and rates, time the model's kernels at `micro_batch` on its
+        device (the driver traces the model too, without weights, and plans), and, with every other
+        rank at once, the collectives within its node, across all ranks and between nodes (the
+        nodes `set_devices` was given)."""
         from elixir_ray.run_plan import resolve_dtype
 
         self._use_device()
-        return profile_worker(self.rank, self.device, DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)],
-                              self.cfg, micro_batch)
+        dtype = DTYPES[resolve_dtype(self.cfg.train.dtype, self.device.type)]
+        profile = profile_worker(self.rank, self.device, dtype, self.cfg, micro_batch)
+        network = measure_collectives(self.node_of_rank, self.device, COLLECTIVE_NUMEL[self.device.type], dtype) \
+            if self.world_size > 1 else {}
+        return dataclasses.replace(profile, node_id=ray.get_runtime_context().get_node_id(), network=network)
 
     def setup(self, plan: RunPlan) -> None:
         self._use_device()
@@ -179,9 +210,13 @@ class RankWorker:
     def _beat(self) -> None:
         self._beats += 1
 
-    def run(self, num_steps: int) -> int:
+    def run(self, num_steps: int) -> int | StepError | NonFiniteLossError:
         """Train num_steps steps, or fewer when a stop is agreed (see `stop`); rank 0 queues each
-        step's metrics for `poll`. Returns the step reached."""
+        step's metrics for `poll`. Returns the step reached, or the error that ended the steps when
+        every rank meets it (a non-finite loss) or when it is a peer's doing (a collective's error
+        after a peer died or stopped): returned rather than raised, so that the result the driver
+        leaves unread, once it has the one that names the cause, is not printed by Ray as an
+        unhandled error, traceback and all. The run's own errors are raised, with their traceback."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
@@ -192,7 +227,11 @@ class RankWorker:
                         self._metrics.append(metrics)
                 if self.trainer.stop_agreed:
                     break
+        except NonFiniteLossError as exc:
+            return exc
         except Exception as exc:
+            if is_peer_error(exc):
+                return StepError(self.rank, self.trainer.state.step, str(exc), "", "")
             raise StepError(self.rank, self.trainer.state.step, str(exc), error_line(exc),
                             traceback.format_exc()) from exc
         return self.trainer.state.step

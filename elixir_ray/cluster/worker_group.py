@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -21,18 +22,23 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elixir_ray.cluster.failure import FailureKind, StepError, WorkerGroupFailure, error_line
+from elixir_ray.cluster.heartbeat import Heartbeats
 from elixir_ray.cluster.placement import WorkerShape, bundle_rank_order, create_placement_group
 from elixir_ray.cluster.worker import TrainWorker, worker_actor_name
 from elixir_ray.config import RunConfig
-from elixir_ray.errors import ClusterError
+from elixir_ray.errors import ClusterError, NonFiniteLossError
 
 log = logging.getLogger("elixir_ray")
 
 NAME_RELEASE_S = 10.0  # how long a restart waits for a killed worker's actor name to be free again
 NAME_GRACE_S = 2.0  # a first try's wait: a resubmitted run's crashed driver may still hold the names
 DEATH_GRACE_S = 5.0  # how long a rank's failure waits for news of a peer's death, to name the dead one
-PING_INTERVAL_S = 5.0  # how often a long call's wait checks that every worker still answers
-RENDEZVOUS_TRIES = 3  # a free port can be taken between probe and bind
+DEATH_NAMING_S = 1.0  # how long a dead call's failure waits for the heartbeats to say whose it was
+# a rank whose ping went unanswered this long before another failure came (a collective's timeout,
+# no step for fault.detect_timeout_s) is the one named: a busy rank answers within milliseconds
+STALL_NAMING_S = 1.0
+HEARTBEAT_POLL_S = 0.2  # how often a long call's wait collects the heartbeats and sends the next
+RENDEZVOUS_TRIES = 3  # each on a fresh file or port: a try can fail on a rank slow to start
 FILES_REMOVE_S = 5.0  # how long a kill waits for a live worker to remove the rendezvous files
 
 
@@ -61,7 +67,9 @@ class WorkerGroup:
         self.placement_group: Optional[PlacementGroup] = None  # one this group reserved (and removes)
         self.on_driver_node = False  # every rank runs on the driver's node (known after the rendezvous)
         self.workers_per_node: dict[str, int] = {}  # node id -> ranks there (known after the rendezvous)
+        self.node_ids: list[str] = []  # per rank, its node's id (known after the rendezvous)
         self._rendezvous_files: list[str] = []  # FileStore files of a one-node group, removed at kill
+        self.heartbeats: Optional[Heartbeats] = None  # every rank's liveness, once placed
 
     @property
     def world_size(self) -> int:
@@ -83,6 +91,7 @@ class WorkerGroup:
         name_wait_s = NAME_GRACE_S if first_try else NAME_RELEASE_S
         for rank, bundle in enumerate(bundles):
             self.actors.append(self._start_actor(config, rank, group, bundle, name_wait_s))
+        self.heartbeats = Heartbeats(self.actors)
 
     def _reserve(self) -> tuple[PlacementGroup, list[int]]:
         """The placement group and the bundle index of each rank, in rank order."""
@@ -127,7 +136,8 @@ class WorkerGroup:
 
     def rendezvous(self) -> None:
         """Show each rank its node's GPUs, then form the process group (NCCL on GPU, gloo on CPU):
-        through a file on one node (no listening socket), else through a TCP store on rank 0."""
+        through a file on one node (no listening socket), else through a TCP store on rank 0 that
+        listens on its node's address only."""
         # the first call each new worker answers: it waits for the worker's process to start, which a
         # liveness ping cannot tell from a hang, so it gets the rendezvous's own limit
         infos = self.get(self.call("node_info"),
@@ -140,11 +150,12 @@ class WorkerGroup:
         for rank, info in enumerate(infos):
             by_node.setdefault(info["node_id"], []).append(rank)
         self.workers_per_node = {node: len(ranks) for node, ranks in by_node.items()}
+        self.node_ids = [info["node_id"] for info in infos]
         calls = []
         for ranks in by_node.values():
             gpus = sorted({g for r in ranks for g in infos[r]["gpu_ids"]}, key=lambda g: int(g) if g.isdigit() else g)
             for local_rank, rank in enumerate(ranks):
-                calls.append(self.actors[rank].set_devices.remote(gpus, local_rank))
+                calls.append(self.actors[rank].set_devices.remote(gpus, local_rank, self.node_of_rank))
         self.get_watched(calls, "setting devices")
         last_error = None
         for _try in range(RENDEZVOUS_TRIES):
@@ -162,17 +173,28 @@ class WorkerGroup:
     def _init_method(self, *, one_node: bool, rank0_ip: str) -> str:
         """A fresh rendezvous address: a new file (or port) for each try."""
         if not one_node:
-            port = self.get_watched([self.call_rank(0, "free_port")], "probing a port")[0]
-            return f"tcp://{rank0_ip}:{port}"
+            return self._tcp_store(rank0_ip)
         path = self.get_watched([self.call_rank(0, "rendezvous_file", self.cfg.name)], "choosing a file")[0]
         self._rendezvous_files.append(path)
         if all(self.get_watched(self.call("sees_file", path), "checking the file")):
             return f"file://{path}"
         # ranks in containers of their own share no temp directory: a TCP store on loopback
-        port = self.get_watched([self.call_rank(0, "free_port")], "probing a port")[0]
-        log.warning("the ranks do not share %s: meeting through a TCP store on 127.0.0.1:%d instead "
-                    "(it listens on every interface)", os.path.dirname(path), port)
-        return f"tcp://127.0.0.1:{port}"
+        init_method = self._tcp_store("127.0.0.1")
+        log.warning("the ranks do not share %s: meeting through a TCP store on %s instead",
+                    os.path.dirname(path), init_method[len("tcp://"):])
+        return init_method
+
+    def _tcp_store(self, address: str) -> str:
+        """A TCP store on rank 0, listening on `address` only (its node's address, or loopback)."""
+        port = self.get_watched([self.call_rank(0, "open_store", address)], "opening the rendezvous store")[0]
+        host = f"[{address}]" if ":" in address else address
+        return f"tcp://{host}:{port}"
+
+    @property
+    def node_of_rank(self) -> list[int]:
+        """Per rank, its node numbered in the order of the nodes' first ranks (after the rendezvous)."""
+        order = list(dict.fromkeys(self.node_ids))
+        return [order.index(node) for node in self.node_ids]
 
     # -- calling and watching ------------------------------------------------------------------
 
@@ -187,42 +209,90 @@ class WorkerGroup:
     def get(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         """The calls' results. A rank that died, raised or timed out is a `WorkerGroupFailure`
         (the group is rebuilt); an error that is a bug rather than a lost worker (ValueError,
-        TypeError, KeyError, AssertionError) is a `ClusterError` (the run ends)."""
+        TypeError, KeyError, AssertionError) is a `ClusterError` (the run ends), as is a
+        non-finite loss (`NonFiniteLossError`). A rank's error may come back as its call's result
+        (`RankWorker.run` returns a peer's doing rather than raise it): read alike."""
         try:
-            return ray.get(refs, timeout=timeout)
+            results = ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupFailure(what, f"timed out after {timeout:g}s", FailureKind.SILENT) from None
+            raise self.silent_failure(what, f"timed out after {timeout:g}s") from None
         except ray.exceptions.RayActorError as exc:
-            raise WorkerGroupFailure(what, f"a worker died: {str(exc).splitlines()[0]}", FailureKind.DIED) from exc
+            raise self._death(what, exc) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
-                raise ClusterError(f"a worker failed while {what}: {cause}") from exc  # a bug, not a lost worker
-            first = (str(cause).splitlines() or [""])[0]
-            error = cause.error if isinstance(cause, StepError) else error_line(cause)
-            failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
-            if isinstance(cause, StepError):
-                failure.step = cause.step
-            raise failure from exc
+            raise self._raised(what, cause) from exc
+        for result in results:
+            if isinstance(result, BaseException):
+                raise self._raised(what, result)
+        return results
+
+    def _raised(self, what: str, cause: BaseException) -> Exception:
+        """What a rank's error is to the driver: the end of the run, or a failure of the group."""
+        if isinstance(cause, NonFiniteLossError):
+            return cause
+        if isinstance(cause, (ValueError, TypeError, KeyError, AssertionError)):
+            return ClusterError(f"a worker failed while {what}: {cause}")  # a bug, not a lost worker
+        first = (str(cause).splitlines() or [""])[0]
+        error = cause.error if isinstance(cause, StepError) else error_line(cause)
+        failure = WorkerGroupFailure(what, f"a worker failed: {first}", FailureKind.RAISED, error=error)
+        if isinstance(cause, StepError):
+            failure.step = cause.step
+        return failure
+
+    def _death(self, what: str, exc: BaseException) -> WorkerGroupFailure:
+        """A call's actor died: named by the heartbeats (a fresh ping to it fails at once, Ray
+        knowing of the death already), else as "a worker"."""
+        line = (str(exc).splitlines() or [""])[0]
+        if self.heartbeats is not None:
+            deadline = time.monotonic() + DEATH_NAMING_S
+            while not self.heartbeats.dead and time.monotonic() < deadline:
+                self.heartbeats.beat()
+                time.sleep(0.02)
+            if self.heartbeats.dead:
+                ranks = sorted(self.heartbeats.dead)
+                return WorkerGroupFailure(what, f"worker {_ranks(ranks)} died: {line}", FailureKind.DIED)
+        return WorkerGroupFailure(what, f"a worker died: {line}", FailureKind.DIED)
+
+    def silent_failure(self, what: str, reason: str) -> WorkerGroupFailure:
+        """A wait that ran out (a call's timeout, no step in `fault.detect_timeout_s`): the ranks that
+        stopped answering their heartbeat, when some did, else `reason`."""
+        if self.heartbeats is not None:
+            self.heartbeats.beat()
+            limit = min(STALL_NAMING_S, self.cfg.fault.detect_timeout_s)
+            silent = self.heartbeats.silent(limit)
+            if silent:
+                seconds = max(self.heartbeats.silent_for(rank) for rank in silent)
+                return WorkerGroupFailure(what, f"{_did_not_answer(silent, round(seconds, 1))}; meanwhile {reason}",
+                                          FailureKind.SILENT)
+        return WorkerGroupFailure(what, reason, FailureKind.SILENT)
+
+    def watch(self, what: str) -> None:
+        """One heartbeat of every rank (never blocking): a rank whose ping failed died, and one that
+        has not answered for fault.detect_timeout_s (stopped, or hung in a driver call) fails the
+        group. Called by every wait that polls."""
+        if self.heartbeats is None:
+            return
+        self.heartbeats.beat()
+        if self.heartbeats.dead:
+            rank, line = min(self.heartbeats.dead.items())
+            raise WorkerGroupFailure(what, f"worker {rank} died: {line}", FailureKind.DIED)
+        limit = self.cfg.fault.detect_timeout_s
+        silent = self.heartbeats.silent(limit)
+        if silent:
+            raise WorkerGroupFailure(what, _did_not_answer(silent, limit, "(fault.detect_timeout_s)"),
+                                     FailureKind.SILENT)
 
     def get_watched(self, refs: list, what: str) -> list:
-        """Wait for calls that take as long as they take (profiling, setting up, restoring), pinging
-        every worker meanwhile: a worker that no longer answers for fault.detect_timeout_s (stopped,
-        hung in a driver call) fails the group, where a bare wait would wait forever. The workers
-        are threaded, so a busy one still answers."""
-        limit = self.cfg.fault.detect_timeout_s
+        """Wait for calls that take as long as they take (profiling, setting up, restoring),
+        watching every worker's heartbeat meanwhile: a worker that no longer answers for
+        fault.detect_timeout_s (stopped, hung in a driver call) fails the group, where a bare wait
+        would wait forever. The workers are threaded, so a busy one still answers."""
         while True:
-            done, pending = ray.wait(refs, num_returns=len(refs), timeout=min(PING_INTERVAL_S, limit))
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=HEARTBEAT_POLL_S)
             if not pending:
                 return self.get(refs, what)
             self.get(done, what)  # a worker that failed or died says so at once
-            pings = self.call("alive")
-            answered, silent = ray.wait(pings, num_returns=len(pings), timeout=limit)
-            if silent:
-                ranks = ", ".join(str(rank) for rank, ping in enumerate(pings) if ping in silent)
-                raise WorkerGroupFailure(what, f"worker(s) {ranks} did not answer for {limit:g}s "
-                                               f"(fault.detect_timeout_s): hung or stopped", FailureKind.SILENT)
-            self.get(answered, what)
+            self.watch(what)
 
     @staticmethod
     def wait(refs: list, timeout_s: float) -> list:
@@ -232,7 +302,8 @@ class WorkerGroup:
 
     def check_finished(self, calls: list, pending: list, what: str) -> None:
         """Raise for a rank whose call (`calls`, one per rank in rank order) ended in an error, at
-        once rather than after the others hang, naming the rank that died where it did."""
+        once rather than after the others hang, naming the rank that died or stopped answering
+        where it did rather than a survivor whose collective failed after it."""
         for rank, ref in enumerate(calls):
             if ref in pending:
                 continue
@@ -242,24 +313,64 @@ class WorkerGroup:
                 if isinstance(failure.__cause__, ray.exceptions.RayActorError):  # this rank itself died
                     raise WorkerGroupFailure(what, f"worker {rank} died: {str(failure.__cause__).splitlines()[0]}",
                                              FailureKind.DIED) from failure.__cause__
-                raise self._dead_peer(calls, rank, what) or failure
+                raise self._culprit(calls, rank, what) or failure
 
-    def _dead_peer(self, calls: list, failed: int, what: str) -> Optional[WorkerGroupFailure]:
-        """When a worker is killed, its peers' collectives fail at once ("connection reset by peer")
-        and Ray reports the death a moment later: wait that moment, so the failure names the worker
-        that died rather than a survivor."""
-        others = [ref for rank, ref in enumerate(calls) if rank != failed]
-        ready, _ = ray.wait(others, num_returns=len(others), timeout=DEATH_GRACE_S)
-        for rank, ref in enumerate(calls):
-            if ref in ready:
+    def _culprit(self, calls: list, failed: int, what: str) -> Optional[WorkerGroupFailure]:
+        """When a worker dies or stops, its peers' collectives fail ("connection closed by peer", a
+        receive that times out), and Ray reports a death a moment later: the failure names the
+        worker that died, or that had stopped answering its heartbeat before the failure came,
+        with the survivors' errors summed up in one line. None when every other rank answers a
+        ping sent after the failure (the error is the failed rank's own)."""
+        since = time.monotonic()
+        deadline = since + DEATH_GRACE_S
+        others = [rank for rank in range(len(calls)) if rank != failed]
+        while True:
+            self.heartbeats.beat()
+            died = dict(self.heartbeats.dead)
+            for rank in others:
                 try:
-                    ray.get(ref, timeout=0)
+                    ray.get(calls[rank], timeout=0)
                 except ray.exceptions.RayActorError as exc:
-                    return WorkerGroupFailure(what, f"worker {rank} died: {str(exc).splitlines()[0]}",
-                                              FailureKind.DIED)
-                except Exception:  # another survivor's error
+                    died[rank] = (str(exc).splitlines() or [""])[0]
+                except Exception:  # still running, or another survivor's error
                     continue
-        return None
+            died.pop(failed, None)
+            if died:
+                rank = min(died)
+                return WorkerGroupFailure(what, f"worker {rank} died: {died[rank]}{self._follow_on(calls, rank)}",
+                                          FailureKind.DIED)
+            waited = time.monotonic() - since
+            # silent since well before the failure came: stopped (a just-killed rank is silent only
+            # since the failure, and its death is reported within the grace below)
+            stalled = [rank for rank in others if self.heartbeats.silent_for(rank) - waited > STALL_NAMING_S]
+            if not stalled and time.monotonic() >= deadline:
+                stalled = [rank for rank in others if self.heartbeats.silent_for(rank) > STALL_NAMING_S]
+            if stalled:
+                seconds = max(self.heartbeats.silent_for(rank) for rank in stalled)
+                return WorkerGroupFailure(what, _did_not_answer(stalled, round(seconds, 1))
+                                          + self._follow_on(calls, *stalled),
+                                          FailureKind.SILENT)
+            if time.monotonic() >= deadline or all(self.heartbeats.answered_since(rank, since) for rank in others):
+                return None
+            time.sleep(0.05)
+
+    @staticmethod
+    def _follow_on(calls: list, *culprits: int) -> str:
+        """The survivors' errors that followed a rank's death or silence, in one line."""
+        errors = {}
+        for rank, ref in enumerate(calls):
+            if rank in culprits:
+                continue
+            try:
+                result = ray.get(ref, timeout=0)
+            except Exception:  # still running, or an error raised: not a peer's doing alone
+                continue
+            if isinstance(result, StepError):
+                errors[rank] = result.message
+        if not errors:
+            return ""
+        first = _short(next(iter(errors.values())))
+        return f" (the collective of worker(s) {_ranks(sorted(errors))} then failed: {first})"
 
     # -- ending --------------------------------------------------------------------------------
 
@@ -267,6 +378,7 @@ class WorkerGroup:
         """Kill, don't drain: a graceful shutdown can hang on a collective whose peer is gone. The
         placement group goes too when this group reserved it; a given one stays reserved."""
         self._remove_rendezvous_files()
+        self.heartbeats = None
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -295,3 +407,18 @@ class WorkerGroup:
             if done:
                 self._rendezvous_files = []
                 return
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
+
+
+def _did_not_answer(ranks: list[int], seconds: float, why: str = "") -> str:
+    return f"worker(s) {_ranks(ranks)} did not answer for {seconds:g}s{' ' + why if why else ''}: hung or stopped"
+
+
+def _short(message: str, limit: int = 120) -> str:
+    """A collective's error in a few words: its first line, without gloo's source-file prefix."""
+    line = (message.splitlines() or [""])[0]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    return line if len(line) <= limit else line[:limit - 3] + "..."

@@ -34,6 +34,9 @@ class WorkerProfile:
     host_memory_free: int = 0  # the host RAM available, shared by the ranks on this host
     hardware: dict = field(default_factory=dict)  # HardwareProfile fields
     kernel_seconds: dict = field(default_factory=dict)  # the model's kernels timed here: {key: [seconds, replayed]}
+    node_id: str = ""  # Ray's id of the node this rank runs on (simulated nodes share a host name)
+    # the collectives this rank timed, per kind of group (cluster.collective_rates; planner.network)
+    network: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,6 +25,11 @@ from elixir_ray.data.tokenizer import load_tokenizer
 from elixir_ray.errors import ConfigError
 
 FORMAT = "elixir_ray.tokens/1"
+# the token-id check before a run (`TokenDataset.largest_id`): a file of up to SCAN_WHOLE_TOKENS is
+# read whole (64M tokens, 128 MiB of uint16, about 0.1 s), a larger one in evenly spaced slices
+SCAN_WHOLE_TOKENS = 64 * 2**20
+SCAN_SLICES = 64
+SCAN_SLICE_TOKENS = 2**16
 
 
 class TokenFileWriter:
@@ -258,6 +263,18 @@ class TokenDataset:
 
     def num_windows(self, seq_len: int) -> int:
         return windows_in(len(self.tokens), seq_len)
+
+    def largest_id(self) -> tuple[int, bool]:
+        """(the largest token id seen, whether every token was read): the whole file up to
+        SCAN_WHOLE_TOKENS, else SCAN_SLICES evenly spaced slices of SCAN_SLICE_TOKENS and the last
+        token (a few MiB of a mapped file). The metadata's vocab_size is what prepare-data wrote;
+        this is what the file holds, which a hand-made or edited file need not match."""
+        tokens = self.tokens
+        if len(tokens) <= SCAN_WHOLE_TOKENS:
+            return int(tokens.max()), True
+        starts = np.linspace(0, len(tokens) - SCAN_SLICE_TOKENS, SCAN_SLICES).astype(np.int64)
+        found = max(int(tokens[a: a + SCAN_SLICE_TOKENS].max()) for a in starts)
+        return max(found, int(tokens[-1])), False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Chunks: flat fp32 master state per chunk, and the compute copy the parameters are views of.
 
-Each chunk holds, for this rank, a shard (or, when replicated, all) of: the fp32 master weights,
+Each chunk holds, for this rank, a shard (split among all ranks, or among the ranks of its node
+when sharded within each node) or, when replicated, all of: the fp32 master weights,
 the fp32 gradient and the AdamW moments, on the device, or on the host as slices of one arena
 (page-locked when a GPU computes; host_memory.py). Its compute copy is one flat tensor in the compute dtype on the compute device; every
 parameter in the chunk is a view of it. Freeing the copy shrinks its storage to zero and
@@ -29,21 +30,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from elixir_ray.engine.comm import Comm
+from elixir_ray.chunk_plan.buffers import MAX_REDUCTIONS_IN_FLIGHT, staged_low
+from elixir_ray.engine.comm import Comm, NodeComms
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import HostUpdates
 from elixir_ray.engine.param_guard import GradReads, guardable, mark_evicted
 from elixir_ray.engine.timing import StepTimer, profiled
-
-MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient chunks on their way to the host at once (CUDA)
-# Deep Optimizer States buffers in use at once: two, so that one tile's state comes back while the
-# next one's goes up (on CUDA a stream each way); the planner budgets this many
-DOS_BUFFERS = 2
-# elements of a host chunk's shard each Deep Optimizer States buffer holds: a chunk goes up, is
-# updated and comes back a tile at a time, so the buffers are small enough to hold through the
-# backward (where updates may start) at 16 bytes an element: 256 MiB for the two, where whole
-# chunks of gpt-4b took 5 GiB; a tile's copies (96 MB each way) still take milliseconds
-DOS_TILE = 1 << 23
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -58,16 +50,6 @@ def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
         swapped = nn.Parameter(view, requires_grad=param.requires_grad)
         swapped.__dict__.update(param.__dict__)  # swap_tensors swaps attribute dicts too: keep the user's tags
         torch.utils.swap_tensors(param, swapped)
-
-
-def staged_low(grads_low: bool, world: int) -> bool:
-    """Whether a host chunk collects its gradients in the compute dtype rather than fp32: where
-    they go down in it (Plan.host_grads_low, one backward per step, a compute dtype narrower than
-    fp32), with one rank. Each gradient was computed in that dtype, so the staging copy loses
-    nothing (a parameter with several gradients in one backward has each sum rounded, as autograd
-    rounds a tied weight's); with several ranks the reduction sums in fp32 first. The planner costs
-    the same rule (`planner.cost.chunk_costs`, `planner.search.flying_bytes`)."""
-    return grads_low and world == 1
 
 
 def device_scope(device: torch.device):
@@ -103,6 +85,8 @@ class Chunk:
     size: int  # padded elements, a multiple of the world size
     sharded: bool
     placement: str  # "host" or "device"
+    # sharded among the ranks of each node only, whole on every node (`NodeComms`); with `sharded`
+    node_sharded: bool = False
     slots: list[ParamSlot] = field(default_factory=list, repr=False)
     shard_start: int = 0  # this rank's first element
     shard_len: int = 0
@@ -165,8 +149,9 @@ class ChunkStore:
     """
 
     def __init__(self, chunks: list[Chunk], comm: Comm, device: torch.device, dtype: torch.dtype,
-                 upload_copies: bool = False, host_grads_low: bool = False):
+                 upload_copies: bool = False, host_grads_low: bool = False, nodes: Optional[NodeComms] = None):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
+        self.nodes = nodes  # the node and peer groups, where some chunk is sharded within each node
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "blocks_over_plan": 0,
                        "untraced_accesses": 0, "prefetch_lead": 0}
         self.timer = StepTimer(device)
@@ -182,8 +167,11 @@ class ChunkStore:
         self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad
         self.grad_reads = GradReads()  # gradients held where a loop may look for them in .grad (param_guard.py)
         for c in chunks:
-            c.shard_len = c.size // comm.world if c.sharded else c.size
-            c.shard_start = comm.rank * c.shard_len if c.sharded else 0
+            if c.node_sharded and nodes is None:
+                raise ValueError(f"chunk {c.index} is sharded within each node, and the store was given no node groups")
+            shard_comm = self.shard_comm(c)
+            c.shard_len = c.size // shard_comm.world if c.sharded else c.size
+            c.shard_start = shard_comm.rank * c.shard_len if c.sharded else 0
         # host chunks' state (master, gradient, two moments, upload copy) in one page-locked arena;
         # the gradient in the compute dtype when the plan says so (see Plan.host_grads_low)
         host = [c for c in chunks if c.placement != "device"]
@@ -214,6 +202,10 @@ class ChunkStore:
             c.guarded = guardable([(s.param, s.name) for s in c.slots], self.grad_reads)
             self._set_resident(c, False)
         self.by_storage = {c.compute.untyped_storage()._cdata: c for c in chunks}
+
+    def shard_comm(self, c: Chunk) -> Comm:
+        """The ranks among which the chunk is split: its node's for a node-sharded chunk, else all."""
+        return self.nodes.node if c.node_sharded else self.comm
 
     @property
     def stats(self) -> dict:
@@ -367,9 +359,9 @@ class ChunkStore:
 
     def _fill(self, c: Chunk) -> None:
         source = c.upload if c.upload is not None else c.master  # the compute dtype when there is one
-        if c.sharded and self.comm.world > 1:
+        if c.sharded and self.shard_comm(c).world > 1:
             shard = source.to(self.device, non_blocking=True).to(self.dtype)
-            self.comm.all_gather(c.compute, shard)
+            self.shard_comm(c).all_gather(c.compute, shard)
         else:
             c.compute.copy_(source, non_blocking=True)
         if self.copy_stream is not None and source.device.type == "cpu":  # on the stream the copy ran on
@@ -470,8 +462,14 @@ class ChunkStore:
 
     def _reduce_into(self, c: Chunk, full: torch.Tensor, where: torch.device) -> None:
         if self.comm.world > 1 and c.sharded:
-            part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
-            self.comm.reduce_scatter_mean(part, full)
+            shard_comm = self.shard_comm(c)
+            if shard_comm.world > 1:
+                part = torch.empty(c.shard_len, dtype=torch.float32, device=self.device)
+                shard_comm.reduce_scatter_mean(part, full)  # the mean over the node's ranks, for a node-sharded chunk
+            else:
+                part = full
+            if c.node_sharded and self.nodes.peers.world > 1:
+                self.nodes.peers.all_reduce_mean(part)  # then over the nodes: the mean over every rank
         else:
             if self.comm.world > 1:
                 self.comm.all_reduce_mean(full)
@@ -504,17 +502,18 @@ class ChunkStore:
     # -- whole tensors for state dicts ----------------------------------------------------------
 
     def full_master(self, c: Chunk) -> torch.Tensor:
-        """The whole chunk's fp32 weights on the host (gathered from all ranks when sharded)."""
+        """The whole chunk's fp32 weights on the host (gathered from the ranks it is split among)."""
         return self.full_of(c, c.master)
 
     def full_of(self, c: Chunk, shard: Optional[torch.Tensor]) -> torch.Tensor:
         self.settle(c)
         if shard is None:
             shard = torch.zeros(c.shard_len, dtype=torch.float32)
-        if not (c.sharded and self.comm.world > 1):
+        comm = self.shard_comm(c)
+        if not (c.sharded and comm.world > 1):
             return shard.detach().to("cpu", copy=True)
-        out = torch.empty(c.size, dtype=torch.float32, device=self.comm.device)
-        self.comm.all_gather(out, shard.to(self.comm.device))
+        out = torch.empty(c.size, dtype=torch.float32, device=comm.device)
+        comm.all_gather(out, shard.to(comm.device))
         return out.cpu()
 
 

@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from elixir_ray.chunk_plan.nodes import NodeLayout
+
 RELEASE_TIMEOUT_S = 10.0  # a gloo thread is never this late; tensors still held then are kept for good
 
 
@@ -44,6 +46,7 @@ class Comm:
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         nccl = group is not None and "nccl" in str(dist.get_backend(group))  # or "cpu:gloo,cuda:nccl"
+        self.compute_device = device
         self.device = device if nccl else torch.device("cpu")  # where small collectives' tensors live
         self._wait_release = not nccl
         self._unreleased: list[torch.Tensor] = []  # what gloo had not let go of after RELEASE_TIMEOUT_S
@@ -111,3 +114,30 @@ class Comm:
         moved = t.to(self.device)
         self._run(dist.all_reduce, moved, op=op)
         return moved.to(t.device)
+
+
+class NodeComms:
+    """A rank's groups for chunks sharded within each node (`Plan.node_sharded`): `node`, the ranks
+    of its node, where such a chunk is gathered and its gradient reduce-scattered; `peers`, the
+    ranks of its local rank on every node, which hold the same shard and all-reduce its gradient.
+
+    `torch.distributed.new_group` is a collective of the whole group: every rank makes every
+    sub-group, in the same order, even those it is not in. Sub-groups are held, as they have no
+    lookup like the default group's; their collectives wait for gloo to let go of the tensors too."""
+
+    def __init__(self, comm: Comm, layout: NodeLayout):
+        if not layout.uniform:
+            sizes = sorted({len(ranks) for ranks in layout.node_ranks})
+            raise ValueError(f"chunks sharded within each node need as many ranks on every node, found nodes of "
+                             f"{sizes} ranks (node_of_rank {list(layout.node_of_rank)})")
+        group = comm.group
+
+        def global_ranks(ranks: list[int]) -> list[int]:
+            return [dist.get_global_rank(group, r) for r in ranks]
+
+        node = [dist.new_group(global_ranks(ranks)) for ranks in layout.node_ranks]
+        peers = [dist.new_group(global_ranks(ranks)) for ranks in layout.peer_groups]
+        self.layout = layout
+        self.local_rank = layout.local_rank(comm.rank)
+        self.node = Comm(node[layout.node_ranks.index(layout.node_group(comm.rank))], comm.compute_device)
+        self.peers = Comm(peers[self.local_rank], comm.compute_device)

@@ -9,7 +9,11 @@ How: the source ships in the package. The first process that needs it compiles i
 compiler (`cc`, or $CC) at -O3 for this CPU (-march=native), into a cache folder keyed by the
 source, the compiler and the CPU's flags ($ELIXIR_RAY_KERNEL_CACHE, else ~/.cache/elixir_ray),
 written under a temporary name and renamed, so concurrent workers never load a half-written file.
-Later processes load the cached library. ctypes drops the GIL for the call, and the C side runs
+Beside it goes its sha256 (`<library>.sha256`, as `sha256sum` writes it); later processes load
+the cached library only when it still matches, and build it again (one warning says why) when it
+does not: a damaged or replaced file is never loaded into a worker. A checksum is not a signature:
+whoever can write the cache folder can write both (docs/security.md), so the folder is made
+private to its user. ctypes drops the GIL for the call, and the C side runs
 its range on POSIX threads, so no OpenMP team spins beside torch's.
 
 Where no compiler works, or with ELIXIR_RAY_HOST_KERNEL=torch, the engine keeps torch's path (one
@@ -31,6 +35,8 @@ import warnings
 from typing import Optional
 
 import torch
+
+from elixir_ray.engine.adam_step import AdamCall, AdamTensors
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_adam.c")
 KERNEL_ENV = "ELIXIR_RAY_HOST_KERNEL"  # "c" (the default) or "torch"
@@ -72,11 +78,11 @@ class HostAdamKernel:
                 and grad.dtype in (torch.bfloat16, torch.float32)
                 and (upload is None or upload.dtype == torch.bfloat16))
 
-    def update(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               upload: Optional[torch.Tensor], segments, step: int, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, decoupled: bool, grad_factor: float, threads: int) -> None:
-        """One Adam(W) step over `segments` ((lo, hi) pairs) of a chunk's shard, 1-D contiguous host
-        tensors of one length; `step` counts this update (1 at the first)."""
+    def update(self, tensors: AdamTensors, call: AdamCall, grad_factor: float, threads: int) -> None:
+        """One Adam(W) step, `call`, over its segments ((lo, hi) pairs) of a chunk's shard, 1-D
+        contiguous host tensors of one length (`call.step` updates before this one)."""
+        master, grad, exp_avg, exp_avg_sq, upload = (tensors.master, tensors.grad, tensors.exp_avg,
+                                                     tensors.exp_avg_sq, tensors.upload)
         n = master.numel()
         for name, t, dtype in (("master", master, torch.float32), ("grad", grad, grad.dtype),
                                ("exp_avg", exp_avg, torch.float32), ("exp_avg_sq", exp_avg_sq, torch.float32),
@@ -85,7 +91,7 @@ class HostAdamKernel:
                                   or t.device.type != "cpu"):
                 raise ValueError(f"host_adam kernel: {name} must be a contiguous {dtype} host tensor of "
                                  f"{n} elements, got {tuple(t.shape)} {t.dtype} on {t.device}")
-        pairs = [(int(lo), int(hi)) for lo, hi in segments if hi > lo]
+        pairs = [(int(lo), int(hi)) for lo, hi in call.segments if hi > lo]
         if any(lo < 0 or hi > n for lo, hi in pairs):
             raise ValueError(f"host_adam kernel: segments {pairs} reach outside the {n} elements")
         if not pairs:
@@ -93,8 +99,8 @@ class HostAdamKernel:
         bounds = (ctypes.c_int64 * (2 * len(pairs)))(*(x for pair in pairs for x in pair))
         self._fn(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), exp_avg.data_ptr(),
                  exp_avg_sq.data_ptr(), upload.data_ptr() if upload is not None else None, bounds, len(pairs),
-                 int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                 int(bool(decoupled)), float(grad_factor), int(threads), self.claim)
+                 int(call.step + 1), float(call.lr), float(call.beta1), float(call.beta2), float(call.eps),
+                 float(call.weight_decay), int(bool(call.decoupled)), float(grad_factor), int(threads), self.claim)
 
     def sum_of_squares(self, x: torch.Tensor, threads: int) -> float:
         """Sum of squares of a contiguous bf16 or fp32 host tensor, each element squared and summed in
@@ -127,8 +133,36 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_path(library: str) -> str:
+    return library + ".sha256"
+
+
+def cached_library_problem(path: str) -> Optional[str]:
+    """Why the cached library at `path` must not be loaded (no checksum beside it, or one it does
+    not match), or None."""
+    try:
+        with open(checksum_path(path)) as f:
+            expected = f.read().split(maxsplit=1)[:1]
+    except OSError:
+        return "has no checksum beside it"
+    try:
+        found = _sha256_file(path)
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    return None if expected == [found] else "does not match its checksum"
+
+
 def build_host_kernel(cc: str) -> str:
-    """Compile host_adam.c for this CPU unless the cache has it; the library's path."""
+    """Compile host_adam.c for this CPU unless the cache has it, with a checksum that matches; the
+    library's path."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -137,18 +171,28 @@ def build_host_kernel(cc: str) -> str:
     folder = _cache_dir()
     path = os.path.join(folder, f"host_adam-{key}.so")
     if os.path.exists(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
+        problem = cached_library_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"elixir_ray: the cached host AdamW kernel {path} {problem}: building it again", RuntimeWarning)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".host_adam-", suffix=".so", dir=folder)
+    os.close(fd)
+    fd, tmp_sum = tempfile.mkstemp(prefix=".host_adam-", suffix=".sha256", dir=folder)
     os.close(fd)
     try:
         out = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"{cc} failed ({out.returncode}): {out.stderr.strip()[-1000:]}")
+        with open(tmp_sum, "w") as f:
+            f.write(f"{_sha256_file(tmp)}  {os.path.basename(path)}\n")
+        # the checksum first, so that a library renamed into place always has one beside it
+        os.replace(tmp_sum, checksum_path(path))
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp_sum):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return path
 
 

@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, Chunk, ChunkStore, ParamSlot
+from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE
+from elixir_ray.engine.adam_step import AdamCall, AdamTensors
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot
 from elixir_ray.engine.host_kernel import HostAdamKernel, host_adam_kernel
 from elixir_ray.engine.optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from elixir_ray.engine.pool import ChunkPool
@@ -102,20 +104,6 @@ class DynamicLossScale:
             self.clean += 1
             if self.clean % self.interval == 0:
                 self.scale *= 2
-
-
-@dataclass(frozen=True)
-class AdamCall:
-    """One fused Adam call over some slices of a chunk's shard, with everything it reads fixed."""
-
-    segments: tuple  # (lo, hi) in shard coordinates
-    step: int  # updates applied so far to these parameters
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
 
 
 # elements of a low-precision gradient widened to fp32 at a time, per intra-op thread of the update
@@ -201,15 +189,16 @@ def _tile_calls(calls: list[AdamCall], lo: int, hi: int) -> list[AdamCall]:
     return out
 
 
-def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload: Optional[torch.Tensor] = None,
-                grad_factor: float = 1.0, scratch: Optional[TileScratch] = None,
-                kernel: Union[HostAdamKernel, None, str] = "auto") -> None:
+def host_update(calls: list[AdamCall], tensors: AdamTensors, grad_factor: float = 1.0,
+                scratch: Optional[TileScratch] = None, kernel: Union[HostAdamKernel, None, str] = "auto") -> None:
     """The background thread's whole job for one host chunk: the update, then the new master cast
-    into its upload copy (`upload`, with a compute dtype narrower than fp32). The hardware profile
-    and the host-adam benchmark time this same function.
+    into its upload copy (`tensors.upload`, with a compute dtype narrower than fp32). The hardware
+    profile and the host-adam benchmark time this same function.
 
     `kernel`: "auto" takes the one-pass C kernel where it builds (host_kernel.py), else torch's
     three passes (`run_adam`, then the cast); None asks for torch's; the benchmark passes either."""
+    master, grad, exp_avg, exp_avg_sq, upload = (tensors.master, tensors.grad, tensors.exp_avg, tensors.exp_avg_sq,
+                                                 tensors.upload)
     if kernel == "auto":
         kernel = host_adam_kernel()
     if kernel is None or not HostAdamKernel.handles(master, grad, upload):
@@ -220,8 +209,7 @@ def host_update(calls: list[AdamCall], master, grad, exp_avg, exp_avg_sq, upload
     _check_grad_factor(master, grad, grad_factor)
     threads = torch.get_num_threads()  # the update thread's intra-op count (HostUpdates sets it)
     for call in calls:
-        kernel.update(master, grad, exp_avg, exp_avg_sq, upload, call.segments, call.step + 1, call.lr, call.beta1,
-                      call.beta2, call.eps, call.weight_decay, call.decoupled, grad_factor, threads)
+        kernel.update(tensors, call, grad_factor, threads)
     if upload is not None:  # what no call updated (padding, parameters without a gradient) is cast as torch's path casts it
         end = 0
         for lo, hi in sorted(seg for call in calls for seg in call.segments) + [(master.numel(), master.numel())]:
@@ -484,17 +472,18 @@ class ChunkedAdam(torch.optim.Optimizer):
                      for g in self.param_groups)
 
     def _grad_norm_sq(self) -> float:
-        """Sum of squared gradients over the whole model: sharded parts add up across ranks.
+        """Sum of squared gradients over the whole model: sharded parts add up across ranks, those of
+        chunks sharded within each node across the node's ranks.
 
         Host gradients are summed in fp64 on the host. Device gradients get one fp32 norm each,
         squared in fp64 and summed on the device, so that a GPU needs no fp64 copy of a chunk and
         the host waits for it once, not once per chunk."""
-        local = [0.0, 0.0]  # sharded, replicated
-        on_device: dict[int, list] = {0: [], 1: []}
+        local = [0.0, 0.0, 0.0]  # sharded, replicated, sharded within each node
+        on_device: dict[int, list] = {0: [], 1: [], 2: []}
         for c in self.store.chunks:
             if c.grad is None:
                 continue
-            k = 0 if c.sharded else 1
+            k = 2 if c.node_sharded else 0 if c.sharded else 1
             if c.grad.device.type == "cpu":
                 local[k] += _host_sum_of_squares(c.grad, self.host_kernel)
             else:
@@ -503,6 +492,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             if norms:
                 local[k] += float(torch.stack(norms).sum())
         total = self.store.comm.all_reduce_sum(torch.tensor([local[0]], dtype=torch.float64))
+        if self.store.nodes is not None:  # every node holds the same gradient of its node-sharded chunks
+            total = total + self.store.nodes.node.all_reduce_sum(torch.tensor([local[2]], dtype=torch.float64))
         return float(total[0] + local[1])  # replicated chunks: every rank holds the same full gradient
 
     def _overflow(self) -> bool:
@@ -650,11 +641,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         if not calls:
             return None
         if self._runs_on_host(c):
-            master, grad, m, v, upload, scratch = c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.upload, self._scratch
-            kernel = self.host_kernel
+            tensors = AdamTensors(c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.upload)
+            scratch, kernel = self._scratch, self.host_kernel
 
             def job():
-                host_update(calls, master, grad, m, v, upload, factor, scratch, kernel)
+                host_update(calls, tensors, factor, scratch, kernel)
 
             # not before the gradient has landed, nor while a fetch still reads the state this job writes
             c.update = self.store.updates.submit(job, [e for e in (c.grad_ready, c.host_read) if e is not None],

@@ -77,3 +77,44 @@ def loss_in(out) -> Optional[torch.Tensor]:
         return out
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def scalar_elements(out) -> list[str]:
+    """How to take each element of a tuple or list output that could be the loss (a tensor of one
+    element that needs a gradient): `out[1]`, say, for a nanoGPT-style `(logits, loss)`."""
+    if not isinstance(out, (tuple, list)):
+        return []
+    return [f"out[{i}]" for i, x in enumerate(out)
+            if isinstance(x, torch.Tensor) and x.numel() == 1 and x.requires_grad]
+
+
+def tuple_hint(out) -> str:
+    """What to pass as loss_fn for a tuple or list output: its scalar element where it has one,
+    else that it has none (the loss is then computed from it)."""
+    found = scalar_elements(out)
+    kind = type(out).__name__
+    if len(found) == 1:
+        return f"loss_fn=lambda out: {found[0]} ({found[0]} is the {kind}'s one scalar tensor)"
+    if found:
+        return f"loss_fn=lambda out: {found[0]}, or whichever of {', '.join(found)} is the loss"
+    return (f"loss_fn=, a function that computes the loss from it (none of the {kind}'s {len(out)} elements is a "
+            f"scalar tensor)")
+
+
+def check_scalar_loss(loss: torch.Tensor, out, loss_fn, module_name: str) -> None:
+    """Refuse a loss of more than one element where one was asked for (`loss_fn`'s, or a
+    ModelOutput's `loss`): the trace's backward from it would run, as if from its sum, and plan a
+    step the loop's `loss.backward()` then refuses, or one that trains on the wrong thing (the
+    logits, taken for the loss). A forward that returns a tensor is traced as its sum: a loop
+    reduces it itself (`model(x).sum().backward()`)."""
+    if loss.numel() == 1 or (loss_fn is None and isinstance(out, torch.Tensor)):
+        return
+    shape = list(loss.shape)
+    if loss_fn is None:
+        raise TypeError(f"{module_name}'s forward returned a loss of shape {shape}, not a scalar: the trace runs one "
+                        f"backward from the step's loss; reduce it in forward (.mean()), or pass loss_fn=")
+    other = scalar_elements(out)
+    hint = (f"; {other[0]} is a scalar tensor: loss_fn=lambda out: {other[0]}" if len(other) == 1 else
+            f"; {', '.join(other)} are scalar tensors" if other else
+            ": reduce it to the loss (its cross-entropy against the targets, or .mean())")
+    raise TypeError(f"loss_fn returned a tensor of shape {shape}, not a scalar loss{hint}")

@@ -31,11 +31,29 @@ def layout_of(model: ChunkedModule) -> dict:
             buffers.append(key)
     return {
         "world": model.store.comm.world,
-        "chunks": [{"size": c.size, "sharded": c.sharded} for c in model.store.chunks],
+        "chunks": [_chunk_entry(c, model.store.nodes) for c in model.store.chunks],
         "slots": [{"name": s.name, "keys": keys_of.get(id(s.param), [s.name]), "chunk": s.chunk,
                    "offset": s.offset, "numel": s.numel, "shape": list(s.shape)} for s in model.slots],
         "buffers": buffers,
     }
+
+
+def _chunk_entry(c, nodes) -> dict:
+    """A chunk's size and sharding; a chunk sharded within each node also names the ranks whose
+    shards a checkpoint joins (`shard_ranks`, in shard order): those of rank 0's node."""
+    entry = {"size": c.size, "sharded": c.sharded}
+    if c.node_sharded:
+        entry["shard_ranks"] = list(nodes.layout.first_node)
+    return entry
+
+
+def shard_ranks(chunk: dict, world: int) -> list[int]:
+    """The ranks whose shards hold a chunk of a layout (`layout_of`), in the order of its elements:
+    every rank for a sharded chunk, those its `shard_ranks` names for one sharded within each node,
+    rank 0 for a replicated chunk."""
+    if not (chunk["sharded"] and world > 1):
+        return [0]
+    return list(chunk.get("shard_ranks", range(world)))
 
 
 def engine_shard(model: ChunkedModule, optimizer: ChunkedAdam, copy: bool = True) -> dict[str, np.ndarray]:
@@ -55,7 +73,8 @@ class EngineShard(Mapping):
     it before training goes on. Entries set on it (random states) are kept as given.
 
     A replicated chunk is whole on every rank; only rank 0 hands it over (the join reads it from
-    rank 0's shard), so several ranks write no copies of it."""
+    rank 0's shard), so several ranks write no copies of it; a chunk sharded within each node is
+    whole on every node, and only the ranks of rank 0's node hand theirs over."""
 
     def __init__(self, model: ChunkedModule, copy: bool = False):
         self.model, self.copy = model, copy
@@ -63,7 +82,10 @@ class EngineShard(Mapping):
             model.store.settle_all()  # updates still running on the background thread finish first
         comm = model.store.comm
         self._tensors: dict[str, torch.Tensor] = {}
+        layout = model.store.nodes.layout if model.store.nodes is not None else None
         for c in model.store.chunks:
+            if c.node_sharded and comm.rank not in layout.first_node:
+                continue
             if comm.rank != 0 and not (c.sharded and comm.world > 1):
                 continue
             self._tensors[f"chunk/{c.index}/master"] = c.master
@@ -200,12 +222,13 @@ class JoinedState(Mapping):
     def _chunk_range(self, chunk: int, kind: str, lo: int, hi: int) -> np.ndarray:
         """Elements [lo, hi) of a whole chunk's tensor, from the ranks whose shards hold them."""
         key = f"chunk/{chunk}/{kind}"
-        info, world = self.layout["chunks"][chunk], self.layout["world"]
-        if not (info["sharded"] and world > 1) or hi == lo:
-            return np.array(self.shards[0][key][lo:hi])
-        n = info["size"] // world  # each rank holds elements [rank * n, (rank + 1) * n)
-        pieces = [self.shards[r][key][max(lo, r * n) - r * n: min(hi, (r + 1) * n) - r * n]
-                  for r in range(lo // n, (hi - 1) // n + 1)]
+        info = self.layout["chunks"][chunk]
+        holders = shard_ranks(info, self.layout["world"])
+        if len(holders) == 1 or hi == lo:
+            return np.array(self.shards[holders[0]][key][lo:hi])
+        n = info["size"] // len(holders)  # the i-th holder has elements [i * n, (i + 1) * n)
+        pieces = [self.shards[holders[i]][key][max(lo, i * n) - i * n: min(hi, (i + 1) * n) - i * n]
+                  for i in range(lo // n, (hi - 1) // n + 1)]
         return np.concatenate(pieces)
 
 

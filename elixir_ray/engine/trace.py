@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from elixir_ray.engine.live_memory import LiveBytes, storage_key
 from elixir_ray.engine.meta_kernels import MetaKernelCache
 from elixir_ray.engine.op_record import OpCall, OpRecorder
-from elixir_ray.engine.sample import SampleInputs, as_sample_inputs, loss_in
+from elixir_ray.engine.sample import SampleInputs, as_sample_inputs, check_scalar_loss, loss_in, tuple_hint
 from elixir_ray.engine.shadow_values import MAX_SHADOW_ELEMENTS, ShadowValues
 
 
@@ -320,10 +320,12 @@ def _forward_on_meta(module: nn.Module, inputs: SampleInputs, loss_fn):
         # a step traced without its backward would plan without gradients, recomputation or backward's
         # order of accesses: refused rather than planned wrong
         what = "a ModelOutput with no loss" if hasattr(out, "loss") else f"a {type(out).__name__}"
+        given = (tuple_hint(out) if isinstance(out, (tuple, list)) else
+                 "loss_fn=, a function from forward's output to the loss")
         raise TypeError(f"{type(module).__name__}'s forward returned {what}, and the trace runs one backward "
-                        f"from the step's loss: pass loss_fn=, a function from forward's output to the loss "
-                        f"(loss_fn=lambda out: out[0], say), or return the loss (a Hugging Face model returns "
+                        f"from the step's loss: pass {given}, or return the loss (a Hugging Face model returns "
                         f"one when labels are among sample_inputs)")
+    check_scalar_loss(loss, out, loss_fn, type(module).__name__)
     return loss
 
 

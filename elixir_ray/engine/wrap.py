@@ -1,9 +1,10 @@
-"""`wrap(module, optimizer, ...)`: train any nn.Module within a device-memory budget.
+"""Building the chunked module from a plan: `check_wrappable`, `resolve_target`, then `build`.
 
-Everything is checked and planned before the module is touched: a bad optimizer or a budget too
-small raises with the module unchanged. Then parameters move into chunks (a module built on the
-meta device is materialised module by module straight into the chunks), hooks are installed, and
-the returned module and optimizer are used like the originals.
+`elixir_ray.wrap` calls these, with a plan searched between the last two when none is given.
+Everything is checked before the module is touched: a bad optimizer or a plan that does not fit
+the module raises with the module unchanged. Then parameters move into chunks (a module built on
+the meta device is materialised module by module straight into the chunks), hooks are installed,
+and the returned module and optimizer are used like the originals.
 """
 
 from __future__ import annotations
@@ -12,31 +13,32 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten
 
-from elixir_ray import storage
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.layout import chunk_events, pack
+from elixir_ray.chunk_plan.nodes import NodeLayout
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.allocator import use_expandable_segments
-from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, device_scope, own_part, write_part
-from elixir_ray.engine.comm import Comm
-from elixir_ray.engine.device import random_state_kept, resolve_device
-from elixir_ray.engine.errors import PlanError
+from elixir_ray.engine.chunks import Chunk, ChunkStore, ParamSlot, own_part, write_part
+from elixir_ray.engine.comm import Comm, NodeComms
+from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.hooks import EngineHooks
-from elixir_ray.engine.layout import chunk_events, pack
 from elixir_ray.engine.materialise import materialise, post_order
 from elixir_ray.engine.optimizer import (ChunkedAdam, DynamicLossScale, check_optimizer, refuse_other_optimizers,
                                          updates_start_in_backward)
-from elixir_ray.engine.plan import Plan
 from elixir_ray.engine.pool import ChunkPool
-from elixir_ray.engine.sample import as_sample_inputs, loss_in
+from elixir_ray.engine.sample import SampleInputs, as_sample_inputs, loss_in
 from elixir_ray.engine.trace import check_not_wrapped, trace_step, unique_parameters
 from elixir_ray.units import format_bytes
 
@@ -322,11 +324,32 @@ def _config_names_fp32(path: str) -> None:
         return
     for key in keys:
         config[key] = "float32"
-    payload = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-    storage.write_bytes_atomic(pafs.LocalFileSystem(), os.path.abspath(path), payload)
+    _write_atomic(path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
+def _write_atomic(path: str, payload: bytes) -> None:
+    """Write under a temporary name in the same directory, synced, then rename over `path`: a crash
+    leaves the old file or the new one, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    folder_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(folder_fd)
+    finally:
+        os.close(folder_fd)
+
+
+def one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
     """Rank 0's searched plan on every rank.
 
     Each rank measuring and searching alone could pick different chunkings (measured rates and
@@ -341,13 +364,15 @@ def _one_plan_for_all_ranks(comm: Comm, search: Callable[[], Plan]) -> Plan:
             text = json.dumps({"plan": search().to_json()})
         except Exception as exc:  # sent on, then raised here too
             error = exc
-            text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "plan_error": isinstance(exc, PlanError)})
+            text = json.dumps({"error": f"{type(exc).__name__}: {exc}", "plan_error": isinstance(exc, PlanError),
+                               "parts": exc.parts() if isinstance(exc, PlanError) else {}})
     message = json.loads(comm.broadcast_text(text))
     if error is not None:
         raise error
     if "error" in message:
-        kind = PlanError if message["plan_error"] else RuntimeError
-        raise kind(f"rank 0 could not plan: {message['error']}")
+        if message["plan_error"]:  # with its attributes: a loop that reads min_bytes reads it on every rank
+            raise PlanError(f"rank 0 could not plan: {message['error']}", **message["parts"])
+        raise RuntimeError(f"rank 0 could not plan: {message['error']}")
     return Plan.from_json(message["plan"])
 
 
@@ -418,53 +443,54 @@ def _check_parameter_dtypes(module: nn.Module) -> None:
                          f"(module.float()), and choose the compute precision with dtype=")
 
 
-def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Union[tuple, dict, None] = None,
-         device_memory: Union[int, str, None] = None, plan: Optional[Plan] = None,
-         process_group: Optional[dist.ProcessGroup] = None, max_grad_norm: Optional[float] = None,
-         dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
-         init_fn: Optional[Callable[[nn.Module], None]] = None, loss_fn: Optional[Callable] = None,
-         accumulation_steps: Optional[int] = None, prefetch: Optional[int] = None,
-         memory_margin: Optional[float] = None):
-    """Returns (model, optimizer) that train `module` chunk by chunk within `device_memory`.
+@dataclass(frozen=True)
+class WrapOptions:
+    """What the engine takes from `elixir_ray.wrap` besides the module, the optimizer and the plan
+    (its docstring says what each does)."""
 
-    `sample_inputs` is one step's inputs, traced to order the chunks: a tuple of forward's positional
-    inputs, or a dict of its keyword inputs (a Hugging Face model's `input_ids` and `labels`). The
-    trace runs backward from the loss: forward's output when it is a tensor, else its `loss` (a
-    ModelOutput's), else what `loss_fn(output)` returns.
-    `accumulation_steps=N` promises `optimizer.step()` after every N backward() calls, which lets
-    host chunks start their CPU update during the N-th backward, and device chunks update there and
-    release their gradients once applied (see docs/engine.md); `prefetch`
-    is how many chunks ahead of the trace the pool loads (0: only on demand; see pool.py; default
-    the plan's `prefetch_depth`).
-    `memory_margin`: the fraction of `device_memory` the plan search keeps back for the allocator
-    (default 0.1 on CUDA, where wrap turns on the allocator's expandable segments unless
-    PYTORCH_CUDA_ALLOC_CONF turns them off, else 0.2: engine/allocator.py; only where wrap searches
-    the plan).
-    """
+    process_group: Optional[dist.ProcessGroup] = None
+    max_grad_norm: Optional[float] = None
+    dtype: Optional[torch.dtype] = None
+    device: Union[torch.device, str, None] = None
+    init_fn: Optional[Callable[[nn.Module], None]] = None
+    loss_fn: Optional[Callable] = None
+    accumulation_steps: Optional[int] = None
+    prefetch: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how a module will train, resolved once before its plan is searched or checked:
+    what the plan search is given and what `build` runs the plan on."""
+
+    sample_inputs: SampleInputs
+    device: torch.device
+    dtype: torch.dtype
+    comm: Comm
+    options: WrapOptions
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether the optimizer's updates start in the last backward (`updates_start_in_backward`)."""
+        return updates_start_in_backward(self.options.accumulation_steps, self.options.max_grad_norm,
+                                         self.dtype == torch.float16)
+
+
+def check_wrappable(module: nn.Module, optimizer: torch.optim.Optimizer, options: WrapOptions) -> None:
+    """What wrap refuses before it resolves, plans or touches anything: an optimizer it cannot run, a
+    module already wrapped, parameters of mixed dtypes, meta weights nothing initialises, and
+    options out of range."""
     check_optimizer(optimizer)
     check_not_wrapped(module)
     _check_parameter_dtypes(module)
-    if init_fn is None:
+    if options.init_fn is None:
         _check_meta_initialisable(module)
-    if accumulation_steps is not None and (not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+    steps = options.accumulation_steps
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ValueError(f"accumulation_steps must be a positive int (backward() calls per optimizer.step()) "
-                         f"or None, got {accumulation_steps!r}")
-    if prefetch is not None:
-        _check_prefetch(prefetch, "prefetch", " or None (the plan's)")
-    if memory_margin is not None:
-        if plan is not None:
-            raise ValueError("memory_margin is the plan search's, and a plan was given: pass it to elixir_ray.plan "
-                             "instead, or drop plan= to let wrap search")
-        from elixir_ray.planner.search import check_margin  # the planner imports the engine: here, when needed
-        check_margin(memory_margin)
-    device = resolve_device(device)
-    use_expandable_segments(device)  # before the engine allocates: its plans' margin assumes them
-    # the engine's device is current while it is set up (the pinned arena's registration, streams,
-    # planning): a CUDA call on another current device would create a context there
-    with device_scope(device):
-        return _wrap(module, optimizer, as_sample_inputs(sample_inputs) if sample_inputs is not None else None,
-                     device_memory, plan, process_group, max_grad_norm, dtype, device, init_fn, loss_fn,
-                     accumulation_steps, prefetch, memory_margin)
+                         f"or None, got {steps!r}")
+    if options.prefetch is not None:
+        _check_prefetch(options.prefetch, "prefetch", " or None (the plan's)")
 
 
 def _check_prefetch(value, what: str, otherwise: str = "") -> None:
@@ -473,40 +499,44 @@ def _check_prefetch(value, what: str, otherwise: str = "") -> None:
         raise ValueError(f"{what} must be an int >= 0 (chunks to load ahead){otherwise}, got {value!r}")
 
 
-def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, max_grad_norm, dtype, device,
-          init_fn, loss_fn, accumulation_steps, prefetch, memory_margin=None):
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+def resolve_target(module: nn.Module, optimizer: torch.optim.Optimizer, sample_inputs: Union[tuple, dict, None],
+                   options: WrapOptions) -> Target:
+    """The device, compute dtype, process group and sample inputs a module trains with. Call it
+    within `device_scope(resolve_device(options.device))`: creating the process group's
+    communicator and planning run on the engine's device."""
+    device = resolve_device(options.device)
+    use_expandable_segments(device)  # before the engine allocates: its plans' default margin assumes them
+    sample = as_sample_inputs(sample_inputs) if sample_inputs is not None else None
+    dtype = options.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    process_group = options.process_group
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     comm = Comm(process_group, device)
-    named = unique_parameters(module)
-    names = [n for n, _ in named]
-    params = [p for _, p in named]
-    in_module = {id(p) for p in params}
+    in_module = {id(p) for _, p in unique_parameters(module)}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in in_module:
                 raise ValueError("the optimizer holds a parameter that is not in the module")
-    if sample_inputs is None:
+    if sample is None:
         raise ValueError("wrap needs sample_inputs=(batch,) (or a dict of forward's keyword inputs) to trace the "
                          "order parameters are used in")
-    if plan is None:  # the planner imports the engine, so it is imported here, when needed
-        from elixir_ray.planner.api import plan as search_plan, quick_hardware
+    return Target(sample_inputs=sample, device=device, dtype=dtype, comm=comm, options=options)
 
-        def search() -> Plan:
-            with random_state_kept(device):
-                return search_plan(
-                    module, sample_inputs, device_memory, comm.world, quick_hardware(device, device_memory),
-                    dtype, loss_fn, grad_accum=accumulation_steps or 1, low_host_grads=accumulation_steps == 1,
-                    updates_in_backward=updates_start_in_backward(accumulation_steps, max_grad_norm,
-                                                                  dtype == torch.float16),
-                    memory_margin=memory_margin)
 
-        plan = _one_plan_for_all_ranks(comm, search)
-    elif plan.world_size != comm.world:
-        raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {comm.world}")
+def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
+          target: Target) -> tuple[ChunkedModule, ChunkedAdam]:
+    """Convert `module` into chunks as `plan` says and return (model, optimizer) used like the
+    originals. Everything about the plan is checked before the module is modified."""
+    if plan.world_size != target.comm.world:
+        raise ValueError(f"the plan was made for {plan.world_size} rank(s), the process group has {target.comm.world}")
+    sample_inputs, device, dtype, comm = target.sample_inputs, target.device, target.dtype, target.comm
+    options = target.options
+    accumulation_steps, loss_fn = options.accumulation_steps, options.loss_fn
+    named = unique_parameters(module)
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
     _check_prefetch(plan.prefetch_depth, "the plan's prefetch_depth")
-    prefetch = plan.prefetch_depth if prefetch is None else prefetch
+    prefetch = plan.prefetch_depth if options.prefetch is None else options.prefetch
     if sorted(plan.param_order) != sorted(names):
         raise ValueError("the plan's param_order does not name exactly this module's parameters")
     if plan.host_grads_low and dtype != torch.bfloat16:
@@ -529,9 +559,10 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     layout, sizes = pack([p.numel() for p in ordered], plan.chunk_size, comm.world)
     if len(plan.placements) != len(sizes) or len(plan.sharded) != len(sizes):
         raise ValueError(f"the plan describes {len(plan.placements)} chunks but packing gives {len(sizes)}")
+    node_sharded = _node_sharded(plan, len(sizes))
     originals = [p.data for p in ordered]
-    chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i])
-              for i, size in enumerate(sizes)]
+    chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i],
+                    node_sharded=node_sharded[i]) for i, size in enumerate(sizes)]
     slots = []
     for p, name, pos in zip(ordered, plan.param_order, layout):
         slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
@@ -543,8 +574,9 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     events, min_blocks = chunk_events(trace.events, trace.phases, chunk_of_param, trace.grad_epochs)
     if any(plan.sharded):
         _check_same_accesses_on_every_rank(comm, events, prefetch)
-    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low)
-    materialise(module, slots, originals, store, init_fn)
+    nodes = NodeComms(comm, NodeLayout.of(plan.node_of_rank, comm.world)) if any(node_sharded) else None
+    store = ChunkStore(chunks, comm, device, dtype, plan.upload_copies, plan.host_grads_low, nodes)
+    materialise(module, slots, originals, store, options.init_fn)
     for c in chunks:
         store.refresh_upload(c)
     pool = ChunkPool(store, max(plan.n_blocks, min(min_blocks, len(chunks))), events,
@@ -553,7 +585,7 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     loss_scale = DynamicLossScale() if dtype == torch.float16 else None
     model = ChunkedModule(module, store, pool, hooks, slots, plan, loss_scale,
                           _input_sizes(sample_inputs.args, sample_inputs.kwargs))
-    chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, max_grad_norm, plan.dos_gap, loss_scale,
+    chunked_optimizer = ChunkedAdam(optimizer, store, pool, slots, options.max_grad_norm, plan.dos_gap, loss_scale,
                                     accumulation_steps)
     hooks.optimizer = chunked_optimizer
     _warn_if_released_gradients_planned(plan, chunked_optimizer)
@@ -567,6 +599,24 @@ def _wrap(module, optimizer, sample_inputs, device_memory, plan, process_group, 
     optimizer.state_dict = chunked_optimizer.state_dict
     optimizer.load_state_dict = chunked_optimizer.load_state_dict
     return model, chunked_optimizer
+
+
+def _node_sharded(plan: Plan, n_chunks: int) -> list[bool]:
+    """The plan's chunks sharded within each node, checked against its other fields (before the
+    module is touched): only sharded chunks, on as many ranks per node (`NodeComms`)."""
+    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)  # a node for each rank
+    if not plan.node_sharded:
+        return [False] * n_chunks
+    if len(plan.node_sharded) != n_chunks:
+        raise ValueError(f"the plan's node_sharded lists {len(plan.node_sharded)} chunks, its placements {n_chunks}")
+    wrong = [i for i, (n, s) in enumerate(zip(plan.node_sharded, plan.sharded)) if n and not s]
+    if wrong:
+        raise ValueError(f"the plan shards chunk(s) {wrong[:4]} within each node but does not shard them "
+                         f"(sharded False): a node-sharded chunk is a sharded one")
+    if any(plan.node_sharded) and not nodes.uniform:
+        raise ValueError(f"the plan shards chunks within each node, which needs as many ranks on every node; its "
+                         f"node_of_rank is {plan.node_of_rank}")
+    return [bool(n) for n in plan.node_sharded]
 
 
 def _warn_if_released_gradients_planned(plan: Plan, optimizer: ChunkedAdam) -> None:
@@ -596,11 +646,14 @@ def _refuse_original_step(optimizer, args, kwargs):
                        f"it reads (learning-rate schedulers may keep using it)")
 
 
-def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size: int, n_blocks: int, world_size: int = 1,
-                placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
+def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_size: int, n_blocks: int,
+                world_size: int = 1, placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
                 dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
-                host_grads_low: bool = False, prefetch_depth: int = 1) -> Plan:
-    """A plan with the given chunk size and pool, packing parameters in traced first-use order."""
+                host_grads_low: bool = False, prefetch_depth: int = 1, node_sharded: Union[bool, list] = False,
+                node_of_rank: Optional[list] = None) -> Plan:
+    """A plan with the given chunk size and pool, packing parameters in traced first-use order.
+    `node_sharded` (a bool, or one per chunk, of the sharded ones): split within each node of
+    `node_of_rank` (each rank's node, numbered) and whole on every node."""
     named = unique_parameters(module)
     trace = trace_step(module, as_sample_inputs(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
@@ -614,5 +667,8 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], chunk_size
         placements=[placements] * n if isinstance(placements, str) else list(placements),
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
         dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, prefetch_depth=prefetch_depth,
+        node_sharded=([] if node_sharded is False else [node_sharded] * n if not isinstance(node_sharded, list)
+                      else list(node_sharded)),
+        node_of_rank=list(node_of_rank or []),
         notes=[f"manual plan: {n} chunks of {chunk_size:,} elements, {n_blocks} blocks"],
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elixir_ray.engine.plan import Plan
+from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.planner.cost import STATE_BYTES, dos_mask
 from elixir_ray.planner.model_profile import ModelProfile
 from elixir_ray.planner.search import plan_buffers_by_sample, plan_layout

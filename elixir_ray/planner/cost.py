@@ -26,19 +26,22 @@ rest, not the sum.
 Rates come from `HardwareProfile`. Compute is the sum of the step's kernels, each timed on the
 device (`op_timing`), or, when the plan is made away from the device, the traced FLOPs at the
 measured matmul rate (which misses memory-bound kernels: on an H100 a third of a GPT's step).
-Collectives are assumed to run at the host-to-device rate unless the profile says otherwise
-(`collective_gbps`).
+Collectives are charged at the rates the ranks measured (`planner.network`: within a node, across
+all ranks, between nodes), each call its latency plus its bytes over its group's rate; where none
+were measured, at `collective_gbps`, or the host-to-device rate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from elixir_ray.engine.chunks import staged_low
+from elixir_ray.chunk_plan.buffers import staged_low
+from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.planner.hardware import HardwareProfile
+from elixir_ray.planner.network import GroupRates, Network
 
 STATE_BYTES = 16  # per element of a chunk's shard: fp32 master, gradient, exp_avg, exp_avg_sq
 
@@ -91,17 +94,72 @@ class ChunkCosts:
     fill_device: np.ndarray  # one load of a chunk whose state is on the device: its master cast into the block
     stage: np.ndarray  # per micro-step, a device chunk: its gradients copied (widened) into its fp32 staging buffer
     # per micro-step, a host chunk: its gradients copied into its staging buffer, in the compute dtype
-    # where they go down in it with one rank (engine.chunks.staged_low), else widened and then cast back
+    # where they go down in it with one rank (chunk_plan.buffers.staged_low), else widened and then cast back
     stage_host: np.ndarray
 
 
-def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
-                hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4) -> ChunkCosts:
-    h2d, d2h = (rate * 1e9 for rate in hw.link_rates())  # as the copies run in training, beside the CPU job
+@dataclass(frozen=True)
+class Link:
+    """One kind of group's collectives as the cost model charges them: bytes per second of bus
+    bandwidth for an all-gather and a reduce-scatter, seconds per call beyond the bytes, and the
+    share of a buffer each rank moves (n - 1) / n over the group's n ranks."""
+
+    gather: float
+    reduce: float
+    latency: float
+    spread: float
+
+    def gather_seconds(self, nbytes):
+        return nbytes * self.spread / self.gather + self.latency
+
+    def reduce_seconds(self, nbytes):
+        return nbytes * self.spread / self.reduce + self.latency
+
+    def all_reduce_seconds(self, nbytes):
+        """A reduce-scatter and an all-gather of the reduced buffer, counted as one call."""
+        return nbytes * self.spread / self.reduce + nbytes * self.spread / self.gather + self.latency
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What collectives cost on a plan's ranks (`collectives`): across all of them (`world`), within
+    a node (`node`, for chunks sharded within each node) and among the ranks of one local rank on
+    every node (`peers`); `ranks_per_node` ranks on each node, the size of a node-sharded chunk's
+    shard group."""
+
+    world: Link
+    node: Link
+    peers: Link
+    ranks_per_node: int
+
+
+def collectives(hw: HardwareProfile, world: int, network: Optional[Network] = None) -> Collectives:
+    """The measured rates of `network` where it has them; a kind of group it lacks is charged as all
+    ranks are, and those, unmeasured, at `collective_gbps` (or the host-to-device rate) with no latency."""
+    layout = network.layout(world) if network is not None else NodeLayout.of((), world)
+    k, n = layout.ranks_per_node, layout.n_nodes
+
+    def link(rates: Optional[GroupRates], ranks: int, otherwise: Link) -> Link:
+        spread = (ranks - 1) / ranks if ranks > 1 else 0.0
+        if rates is None:
+            return Link(otherwise.gather, otherwise.reduce, otherwise.latency, spread)
+        return Link(rates.all_gather_gbps * 1e9, rates.reduce_scatter_gbps * 1e9, rates.latency_s, spread)
+
     coll = (getattr(hw, "collective_gbps", 0.0) or hw.h2d_gbps) * 1e9
-    spread = (world - 1) / world if world > 1 else 0.0
-    gather = np.where(replicated, 0.0, sizes * elem_bytes * spread / coll)
-    reduce_comm = sizes * 4 * spread / coll * np.where(replicated, 2.0, 1.0)  # fp32 gradients
+    everyone = link(network.world if network is not None else None, world, Link(coll, coll, 0.0, 0.0))
+    return Collectives(world=everyone, node=link(network.node if network is not None else None, k, everyone),
+                       peers=link(network.peers if network is not None else None, n, everyone), ranks_per_node=k)
+
+
+def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, world: int, elem_bytes: int,
+                hw: HardwareProfile, upload: bool = False, grad_bytes: int = 4,
+                node_sharded: Optional[np.ndarray] = None, network: Optional[Network] = None) -> ChunkCosts:
+    """`node_sharded` (bool per chunk, where `replicated` is not): sharded within each node and
+    replicated across nodes, its shard gathered within the node and its gradient reduce-scattered
+    there, then all-reduced among the ranks holding the same shard (`network`'s rates)."""
+    h2d, d2h = (rate * 1e9 for rate in hw.link_rates())  # as the copies run in training, beside the CPU job
+    gather, reduce_comm = _collective_seconds(sizes, shards, replicated, node_sharded, world, elem_bytes,
+                                              collectives(hw, world, network))
     dos_in = shards * (DOS_COPY_IN + grad_bytes) / h2d
     dos_out = shards * (DOS_COPY_OUT + (elem_bytes if upload and elem_bytes < 4 else 0)) / d2h
     dos_update = shards / hw.device_adam_params_per_s
@@ -121,6 +179,23 @@ def chunk_costs(sizes: np.ndarray, shards: np.ndarray, replicated: np.ndarray, w
     )
 
 
+def _collective_seconds(sizes, shards, replicated, node_sharded, world: int, elem_bytes: int, coll: Collectives):
+    """Per chunk: (one fetch's all-gather, one micro-step's gradient reduction) in seconds. A
+    sharded chunk gathers its compute copy and reduce-scatters its fp32 gradient across all ranks,
+    a replicated one all-reduces its gradient, a node-sharded one gathers and reduce-scatters
+    within the node, then all-reduces its gradient shard between the nodes."""
+    if world <= 1:
+        return np.zeros(len(sizes)), np.zeros(len(sizes))
+    node = np.zeros(len(sizes), dtype=bool) if node_sharded is None else np.asarray(node_sharded, dtype=bool)
+    gathered, grads = sizes * elem_bytes, sizes * 4
+    gather = np.where(replicated, 0.0, np.where(node, coll.node.gather_seconds(gathered),
+                                                coll.world.gather_seconds(gathered)))
+    node_reduce = coll.node.reduce_seconds(grads) + coll.peers.all_reduce_seconds(shards * 4)
+    reduce_comm = np.where(replicated, coll.world.all_reduce_seconds(grads),
+                           np.where(node, node_reduce, coll.world.reduce_seconds(grads)))
+    return gather, reduce_comm
+
+
 def compute_seconds(flops: int, hw: HardwareProfile) -> float:
     return flops / (hw.matmul_tflops * 1e12)
 
@@ -133,14 +208,35 @@ def micro_step_compute(profile, hw: HardwareProfile) -> tuple[float, float]:
     return compute_seconds(profile.trace.flops, hw), compute_seconds(profile.trace.forward_flops, hw)
 
 
-def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, updates_in_backward: bool,
-                    micro_steps: int = 1, dos_in=0.0, dos_out=0.0, forward_loads=0.0, dos_first_at=None,
-                    loads_to_dos=None, dos_queue_in=None, dos_queue_out=None, dos_after=None,
-                    path: Optional[dict] = None):
+@dataclass(frozen=True)
+class StepParts:
+    """The parts of a step that `overlapped_step` overlaps: floats, or numpy arrays (one entry per
+    candidate) that broadcast together; its docstring says what each is."""
+
+    compute: Any
+    forward: Any
+    on_stream: Any
+    h2d: Any
+    d2h: Any
+    cpu_adam: Any
+    cpu_wait: Any  # seconds, or a function of the last backward's seconds that says them
+    updates_in_backward: bool
+    micro_steps: int = 1
+    dos_in: Any = 0.0
+    dos_out: Any = 0.0
+    forward_loads: Any = 0.0
+    dos_first_at: Any = None
+    loads_to_dos: Any = None
+    dos_queue_in: Any = None
+    dos_queue_out: Any = None
+    dos_after: Any = None
+
+
+def overlapped_step(parts: StepParts, path: Optional[dict] = None):
     """Predicted step seconds from its parts (floats or numpy arrays, broadcast), as the engine overlaps them.
 
-    compute: forward, recompute and backward of every one of `micro_steps` micro-steps; forward: one
-    micro-step's forward (updates start only in the last micro-step's backward);
+    The parts (`StepParts`): compute: forward, recompute and backward of every one of
+    `micro_steps` micro-steps; forward: one micro-step's forward (updates start only in the last micro-step's backward);
     on_stream: other work on the compute stream (collectives, device AdamW, the device updates of
     Deep Optimizer States, the engine's kernels); h2d, d2h: the side streams' copies (loads,
     gradients); cpu_adam: the background thread's CPU AdamW; cpu_wait: how long the next forward
@@ -179,7 +275,11 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
     for the CPU updates and for the link (the longer counts), the rest's length and its three
     streams' (compute and the compute stream's other work; loads; copies down).
     """
-    rest_parts = (compute + on_stream - forward, np.maximum(h2d - forward_loads, 0.0), d2h)
+    compute, forward, h2d, d2h, cpu_adam, cpu_wait = (parts.compute, parts.forward, parts.h2d, parts.d2h,
+                                                      parts.cpu_adam, parts.cpu_wait)
+    updates_in_backward, micro_steps, forward_loads = parts.updates_in_backward, parts.micro_steps, parts.forward_loads
+    dos_in, dos_out, dos_after = parts.dos_in, parts.dos_out, parts.dos_after
+    rest_parts = (compute + parts.on_stream - forward, np.maximum(h2d - forward_loads, 0.0), d2h)
     rest = np.maximum(rest_parts[0], np.maximum(rest_parts[1], rest_parts[2]))
     if updates_in_backward:  # the last backward hides updates; with one micro-step, all of `rest` is it
         last_backward = rest if micro_steps == 1 else np.maximum(compute / micro_steps - forward, 0.0)
@@ -191,8 +291,8 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
             dos_out = np.maximum(dos_out - idle_out, 0.0)
         else:  # each suffix of the queue from its first gradient on: the most that outlasts the idle link
             after = np.asarray(dos_after)
-            dos_in = np.maximum(np.max(dos_queue_in - np.expand_dims(idle_in, -1) * after, axis=-1), 0.0)
-            dos_out = np.maximum(np.max(dos_queue_out - np.expand_dims(idle_out, -1) * after, axis=-1), 0.0)
+            dos_in = np.maximum(np.max(parts.dos_queue_in - np.expand_dims(idle_in, -1) * after, axis=-1), 0.0)
+            dos_out = np.maximum(np.max(parts.dos_queue_out - np.expand_dims(idle_out, -1) * after, axis=-1), 0.0)
     else:
         last_backward = 0.0
     left = np.maximum(cpu_adam - last_backward, 0.0)  # CPU work still to do when backward ends
@@ -203,8 +303,9 @@ def overlapped_step(compute, forward, on_stream, h2d, d2h, cpu_adam, cpu_wait, u
         cpu_wait = np.where(cpu_adam > 0, cpu_wait, 0.0)
     cpu_exposed = np.maximum(left - forward, cpu_wait)
     link_exposed = np.maximum(np.maximum(forward_loads + dos_in, dos_out) - forward, 0.0)
+    dos_first_at = parts.dos_first_at
     if dos_first_at is not None and updates_in_backward:  # it waits at its first DOS chunk for the whole queue
-        loads_to = forward_loads if loads_to_dos is None else loads_to_dos
+        loads_to = forward_loads if parts.loads_to_dos is None else parts.loads_to_dos
         at_first = np.maximum(np.maximum(loads_to + dos_in, dos_out) - dos_first_at, 0.0)
         # then its later loads go on beside its later compute, on a link the queue has left
         after = np.maximum((forward_loads - loads_to) - (forward - dos_first_at), 0.0)

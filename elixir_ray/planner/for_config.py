@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 
+from elixir_ray.chunk_plan.errors import PlanError
+from elixir_ray.chunk_plan.plan import Plan, recomputation
 from elixir_ray.config import RunConfig
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.plan import Plan, recomputation
 from elixir_ray.planner.alternatives import hand_made_plans
-from elixir_ray.planner.api import default_host_budget, planning_budget, search_module
+from elixir_ray.planner.api import Profiling, host_budget, planning_budget, search_module, search_settings
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants
 from elixir_ray.planner.op_timing import device_is_here
 from elixir_ray.planner.search import plan_layout
-from elixir_ray.units import parse_bytes
 
 
 BATCH_HINT = re.compile(r"use micro-batch (\d+) or less, an estimate that takes activations as proportional to the "
@@ -29,34 +28,35 @@ OWN_CHECKPOINTING = re.compile(r"call \w+\.\w+_checkpointing_enable\(\) before p
 
 @contextmanager
 def config_hints(cfg: RunConfig, fits: Optional[Callable[[int], bool]] = None):
-    """A PlanError raised inside names the config keys that act on its advice (the planner itself
+    """A PlanError raised inside names the config keys that act on its remedy (the planner itself
     knows nothing of configs). `fits(micro_batch)`, when given, turns the planner's estimate of a
     micro-batch that fits into one a plan was found for (it tries a few below the estimate)."""
     try:
         yield
     except PlanError as exc:
-        text = str(exc)
+        if exc.remedy is None:
+            raise
+        remedy = exc.remedy
         if cfg.model.hf is not None:  # the model.hf model's own switch is a config key
-            text = OWN_CHECKPOINTING.sub("turn on the model's own activation checkpointing "
-                                         "(--set model.activation_checkpointing=true)", text, count=1)
+            remedy = OWN_CHECKPOINTING.sub("turn on the model's own activation checkpointing "
+                                           "(--set model.activation_checkpointing=true)", remedy, count=1)
         hints = {  # the planner's advice -> the config keys that follow it
             "enable activation checkpointing": "--set engine.search_checkpointing=true lets the planner choose per "
                                                "block, or --set model.activation_checkpointing=full",
             "recompute whole blocks: full activation checkpointing, or let the planner choose per block":
                 "--set model.activation_checkpointing=full, or --set engine.search_checkpointing=true",
         }
-        for advice, keys in hints.items():
-            if advice in text and not cfg.engine.search_checkpointing:
-                raise PlanError(text.replace(advice, f"{advice} ({keys})", 1)) from None
-        batch = BATCH_HINT.search(text)
-        if batch:
-            raise PlanError(text.replace(batch.group(0), _batch_advice(int(batch.group(1)), fits), 1)) from None
-        if "use shorter sequences" in text:
-            raise PlanError(text.replace("use shorter sequences", "use shorter sequences (--set model.seq_len=...)",
-                                         1)) from None
-        if text != str(exc):
-            raise PlanError(text) from None
-        raise
+        advice = next((a for a in hints if a in remedy), None)
+        batch = BATCH_HINT.search(remedy)
+        if advice is not None and not cfg.engine.search_checkpointing:
+            remedy = remedy.replace(advice, f"{advice} ({hints[advice]})", 1)
+        elif batch:
+            remedy = remedy.replace(batch.group(0), _batch_advice(int(batch.group(1)), fits), 1)
+        elif "use shorter sequences" in remedy:
+            remedy = remedy.replace("use shorter sequences", "use shorter sequences (--set model.seq_len=...)", 1)
+        if remedy == exc.remedy:
+            raise
+        raise exc.with_remedy(remedy) from None
 
 
 def _batch_advice(estimate: int, fits: Optional[Callable[[int], bool]]) -> str:
@@ -105,13 +105,18 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
     in_backward = updates_in_backward(cfg, dtype_name)
     memory = device_memory or cfg.engine.device_memory
     budget = planning_budget(memory, hardware)
-    host = parse_bytes(host_memory) if host_memory else default_host_budget(world_size)
+    host, host_from = host_budget(host_memory or None, hardware, world_size, flag="--host-memory")
+
+    settings = search_settings(hardware, budget, world_size, dtype, grad_accum=cfg.train.grad_accum, host_budget=host,
+                               host_budget_from=host_from,
+                               updates_in_backward=in_backward, replicate=cfg.engine.replicate,
+                               memory_margin=cfg.engine.memory_margin)
 
     def search(micro_batch: int, timed: bool, say=None, variants=None):
-        return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), budget, world_size,
-                             hardware, dtype, trace_loss(cfg), cfg.train.grad_accum, host, cfg.engine.search_checkpointing,
-                             in_backward, time_compute=timed, replicate=cfg.engine.replicate, progress=say,
-                             variants=variants, memory_margin=cfg.engine.memory_margin)
+        profiling = Profiling(loss_fn=trace_loss(cfg), search_checkpointing=cfg.engine.search_checkpointing,
+                              variants=variants, time_compute=timed)
+        return search_module(build_model(cfg, device="meta"), sample_inputs(cfg, micro_batch), settings, profiling,
+                             say)
 
     def fits(micro_batch: int) -> bool:
         """Whether some checkpointing setting has a plan at `micro_batch`: memory alone decides (no
@@ -133,8 +138,7 @@ def plan_config(cfg: RunConfig, hardware: HardwareProfile, device_memory: Option
         plan, chosen = search(cfg.train.micro_batch, device_is_here(hardware), progress)
     layout = plan_layout(chosen, plan)
     why_not: dict = {}
-    alternatives = hand_made_plans(layout, hardware, budget, world_size, dtype_name, elem, cfg.train.grad_accum, host,
-                                   in_backward, why_not, margin=plan.memory_margin)
+    alternatives = hand_made_plans(layout, replace(settings, memory_margin=plan.memory_margin), why_not)
     return ConfigPlan(plan=plan, profile=chosen, elem_bytes=elem, alternatives=alternatives, misfits=why_not,
                       host_budget=host)
 

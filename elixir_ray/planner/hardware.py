@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import threading
@@ -17,10 +18,11 @@ from typing import Optional
 
 import torch
 
+from elixir_ray.engine.adam_step import AdamCall, AdamTensors
 from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import update_threads
-from elixir_ray.engine.optimizer import AdamCall, TileScratch, host_update, run_adam
+from elixir_ray.engine.optimizer import TileScratch, host_update, run_adam
 
 
 @dataclass
@@ -48,16 +50,20 @@ class HardwareProfile:
     # updates: the link and the host's memory are shared, so each direction gets less than alone
     # (on the H100 the DOS copies ran at about half the one-way rate inside training); 0: not measured
     copies_beside_cpu_adam_gbps: float = 0.0
+    # the host RAM available where it was measured, bytes: what a plan for that machine bounds its
+    # host-side optimizer state by (HOST_FRACTION of it) unless a host limit is given; 0: not recorded
+    # (a profile from an older version, or written by hand)
+    host_memory_free: int = 0
 
     def __post_init__(self):
         """A profile is often hand-edited JSON: a rate that is not a positive number would plan with a
         zero division or a negative time, so it is refused here, by name."""
         for name in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s", "matmul_tflops",
                      "cpu_threads", "collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
-                     "copies_beside_cpu_adam_gbps"):
+                     "copies_beside_cpu_adam_gbps", "host_memory_free"):
             value = getattr(self, name)
             optional = name in ("collective_gbps", "cpu_adam_low_grad_params_per_s", "cpu_adam_beside_copies",
-                                "copies_beside_cpu_adam_gbps")
+                                "copies_beside_cpu_adam_gbps", "host_memory_free")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not optional):
                 raise ValueError(f"{name} must be a {'non-negative' if optional else 'positive'} number, got {value!r}")
@@ -119,7 +125,25 @@ class HardwareProfile:
             copies_beside_cpu_adam_gbps=min((p.copies_beside_cpu_adam_gbps for p in profiles
                                              if p.copies_beside_cpu_adam_gbps), default=0.0),
             device_name=profiles[0].device_name if len({p.device_name for p in profiles}) == 1 else "",
+            host_memory_free=min((p.host_memory_free for p in profiles if p.host_memory_free), default=0),
         )
+
+
+def slowest_nodes(profiles: list[HardwareProfile], nodes: list[str],
+                  compute_seconds: Optional[list[float]] = None) -> Optional[dict[str, str]]:
+    """Per rate a plan is costed at (`HardwareProfile.slowest`), the node of the rank that measured
+    the slowest (the first such): where the ranks span several nodes, for a plan to name the node
+    that bounds its step (`planner.bounds`); None on one node, and without a rate that is the
+    slowest on every node alike. "compute": the rank whose kernels took longest (`compute_seconds`,
+    per rank), else the one of the lowest matmul rate."""
+    if len(set(nodes)) < 2:
+        return None
+    rates = {rate: [getattr(p, rate) for p in profiles]
+             for rate in ("h2d_gbps", "d2h_gbps", "cpu_adam_params_per_s", "device_adam_params_per_s")}
+    rates["compute"] = ([-s for s in compute_seconds] if compute_seconds
+                        else [p.matmul_tflops for p in profiles])  # lower is slower, as for the rates
+    return {rate: nodes[values.index(min(values))] for rate, values in rates.items()
+            if len({nodes[i] for i, v in enumerate(values) if v == min(values)}) < len(set(nodes))}
 
 
 def device_name(device: torch.device) -> str:
@@ -201,7 +225,7 @@ class HostChunkState:
     def update(self, call: AdamCall, scratch: TileScratch, kernel="auto") -> None:
         """The engine's job over this state (`host_update`; `kernel` as there: the one-pass C kernel
         where it builds, or None for torch's passes)."""
-        host_update([call], self.master, self.grad, self.avg, self.avg_sq, self.upload, scratch=scratch,
+        host_update([call], AdamTensors(self.master, self.grad, self.avg, self.avg_sq, self.upload), scratch=scratch,
                     kernel=kernel)
 
 
@@ -344,4 +368,9 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
                            cpu_threads=torch.get_num_threads(), device_name=device_name(device),
                            cpu_adam_low_grad_params_per_s=cpu_adam_low,
                            cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0,
-                           copies_beside_cpu_adam_gbps=copies_beside)
+                           copies_beside_cpu_adam_gbps=copies_beside, host_memory_free=available_host_bytes())
+
+
+def available_host_bytes() -> int:
+    """The host RAM free now (the page cache not counted)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Optional
 
 import numpy as np
 
+from elixir_ray.chunk_plan.buffers import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
+from elixir_ray.chunk_plan.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
+from elixir_ray.chunk_plan.nodes import NodeLayout
+from elixir_ray.chunk_plan.plan import DEFAULT_MEMORY_MARGIN, Plan
 from elixir_ray.engine.allocator import MARGIN_EXPANDABLE, default_memory_margin
-from elixir_ray.engine.errors import PlanError
-from elixir_ray.engine.chunks import DOS_BUFFERS, DOS_TILE, MAX_REDUCTIONS_IN_FLIGHT, staged_low
-from elixir_ray.engine.layout import chunk_events, chunk_size_candidates, gradient_buffer_moments, pack
-from elixir_ray.engine.plan import DEFAULT_MEMORY_MARGIN, Plan
+from elixir_ray.planner.bounds import bounding_note
 from elixir_ray.planner.cache_sim import loads_per_chunk
-from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, chunk_costs, dos_mask, host_grad_bytes,
+from elixir_ray.planner.cost import (STATE_BYTES, ChunkCosts, StepParts, chunk_costs, dos_mask, host_grad_bytes,
                                      host_grads_low_applies, host_state_bytes, micro_step_compute,
                                      overlapped_step)
 from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.model_profile import ModelProfile
+from elixir_ray.planner.network import Network
 from elixir_ray.units import format_bytes
 
 # Deep Optimizer States gaps (0: off). The gap that wins moves with the budget and with when CPU
@@ -57,6 +59,58 @@ def check_margin(margin: Optional[float], device: str = "cpu") -> float:
 
 
 HOST_FRACTION = 0.8  # of the free host RAM, for optimizer state by default; the rest for the process, data and pinning
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What one plan search is for: the rates, ranks, compute dtype and loop every candidate is
+    costed with, and the limits it must keep within.
+
+    `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
+    all-gather on each fetch, for world-size times their state), "all" replicates every chunk
+    (needed when ranks use different parameters in a step), "none" shards every chunk.
+    `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
+    caller cannot promise one micro-step per step).
+    `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
+    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
+    one micro-step, device chunks' gradients are released once applied (`gradients_released`).
+    `network`: where the ranks are and their collectives' measured rates (None: one node, at
+    `hw.collective_gbps`); with "auto" on several nodes of as many ranks each, the search also tries
+    sharding chunks within each node and replicating them across nodes. `slowest_nodes`: per rate
+    of `hw` (a HardwareProfile field, or "compute"), the node it was measured on, where the ranks'
+    profiles differ (`hardware.slowest_nodes`): the plan names the one that bounds its step.
+    """
+
+    hw: HardwareProfile
+    budget: int  # device bytes, the margin included
+    world_size: int = 1
+    dtype_name: str = "float32"  # the compute dtype
+    elem_bytes: int = 4  # its bytes per element
+    grad_accum: int = 1  # micro-steps per step
+    host_budget: Optional[int] = None  # host bytes per rank for optimizer state (None: no limit)
+    # the option that set host_budget, as a refusal names it ("host_memory", "--host-memory"); None:
+    # HOST_FRACTION of the free host RAM
+    host_budget_from: Optional[str] = None
+    updates_in_backward: bool = False
+    low_host_grads: bool = True
+    replicate: str = "auto"
+    # the share of the budget kept back (None: the allocator's default for hw.device, default_memory_margin)
+    memory_margin: Optional[float] = None
+    network: Optional[Network] = None
+    slowest_nodes: Optional[dict] = None
+
+    @property
+    def nodes(self) -> NodeLayout:
+        return NodeLayout.of(self.network.node_of_rank if self.network is not None else (), self.world_size)
+
+    @property
+    def margin(self) -> float:
+        return check_margin(self.memory_margin, self.hw.device)
+
+    @property
+    def limit(self) -> float:
+        """The device bytes a plan's predicted peak may take: the budget less the margin."""
+        return self.budget * (1 - self.margin)
 
 
 @dataclass
@@ -89,6 +143,9 @@ class Layout:
     # device chunk's gradient then holds that buffer until the step's zero_grad, or, where updates
     # start in backward with one micro-step, until its update right after: `gradients_released`)
     event_handed: Optional[np.ndarray] = None
+    # bool per chunk: sharded within each node of `ranks_per_node` ranks, replicated across nodes
+    node_sharded: Optional[np.ndarray] = None
+    ranks_per_node: int = 1
 
 
 @dataclass
@@ -110,8 +167,11 @@ REPLICATE_CHOICES = ("auto", "all", "none")
 REPLICATED_FRACTIONS = (0.25, 0.5, 0.75)  # "auto": these shares of the chunks replicated, best first
 
 
-def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: Optional[np.ndarray] = None) -> Layout:
-    """`replicated` (bool per chunk; several ranks only): chunks every rank holds whole, default none."""
+def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: Optional[np.ndarray] = None,
+                node_sharded: Optional[np.ndarray] = None, ranks_per_node: int = 1) -> Layout:
+    """`replicated` (bool per chunk; several ranks only): chunks every rank holds whole, default none;
+    `node_sharded` (bool per chunk, of those not replicated): chunks split among the `ranks_per_node`
+    ranks of each node and whole on every node, default none."""
     order = profile.trace.order
     slots, sizes = pack([profile.numels[i] for i in order], chunk_size, world)
     chunk_of_param = [0] * len(profile.numels)
@@ -128,11 +188,14 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
         replicated = np.zeros(len(sizes), dtype=bool)
     else:
         replicated = np.asarray(replicated, dtype=bool)
+    node = (np.zeros(len(sizes), dtype=bool) if node_sharded is None or world == 1
+            else np.asarray(node_sharded, dtype=bool) & ~replicated)
+    shards = np.where(replicated, sizes_arr, np.where(node, sizes_arr // ranks_per_node, sizes_arr // world))
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
     return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
                   backward_final=backward_shares(profile.trace, chunk_of_param, handed_at, len(sizes)),
-                  shards=np.where(replicated, sizes_arr, sizes_arr // world), replicated=replicated,
+                  shards=shards, replicated=replicated, node_sharded=node, ranks_per_node=ranks_per_node,
                   events=events, min_blocks=min(min_blocks, len(sizes)),
                   param_order=[profile.names[i] for i in order],
                   open_grads=max(1, max(opened for opened, _ in moments)),
@@ -264,10 +327,23 @@ def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
 
 # -- one configuration, part by part ---------------------------------------------------------------
 
-def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: float, backward: float,
-              in_backward: bool, load: np.ndarray, copy_down: Optional[np.ndarray] = None,
-              simulate: Optional[np.ndarray] = None, loaded: Optional[np.ndarray] = None,
-              depth: int = 1) -> np.ndarray:
+@dataclass(frozen=True)
+class UpdateQueue:
+    """The host chunks' CPU updates of some rows of one layout, and the forward's loads after them:
+    what `_cpu_wait` plays out, given the last backward's length (its docstring says what each is)."""
+
+    lay: Layout
+    plain: np.ndarray  # per row and chunk: updated by the CPU
+    adam_host: np.ndarray  # per chunk: its CPU update's seconds
+    forward: float  # the forward's compute
+    in_backward: bool  # updates start in the last backward
+    load: np.ndarray  # per chunk: one load's seconds
+    copy_down: Optional[np.ndarray] = None  # per chunk: its gradient's copy down
+    loaded: Optional[np.ndarray] = None  # per row and chunk: loaded by the forward (default `plain`)
+    depth: int = 1  # chunks the pool loads ahead
+
+
+def _cpu_wait(queue: UpdateQueue, backward, simulate: Optional[np.ndarray] = None) -> np.ndarray:
     """Per row of `plain` (host chunks updated by the CPU): how long the next forward waits for
     them and for the loads of `loaded` (default `plain`), from the engine's update queue played out
     (0 where the row loads no chunk).
@@ -295,7 +371,9 @@ def _cpu_wait(lay: Layout, plain: np.ndarray, adam_host: np.ndarray, forward: fl
     `simulate` (per row): the rows to play out; the others get each update as if it ran alone,
     from when it is ready, a lower bound of their wait (for the search to skip rows that
     cannot be the best)."""
-    plain = np.asarray(plain, dtype=bool)
+    lay, adam_host, forward, in_backward = queue.lay, queue.adam_host, queue.forward, queue.in_backward
+    copy_down, loaded, load, depth = queue.copy_down, queue.loaded, queue.load, queue.depth
+    plain = np.asarray(queue.plain, dtype=bool)
     rows = plain.reshape(-1, plain.shape[-1])
     n_rows, n = rows.shape
     start = np.broadcast_to(np.asarray(backward, dtype=np.float64).reshape(-1), (n_rows,))[:, None]
@@ -316,8 +394,9 @@ def _update_queue(lay: Layout, costs, plain: np.ndarray, forward: float, in_back
                   loaded: np.ndarray, depth: int):
     """`_cpu_wait` with one layout's costs bound in, for `overlapped_step` to call with the backward's
     length; each gradient's copy down is what a host chunk's reduction costs beyond a device chunk's."""
-    return partial(_cpu_wait, lay, plain, costs.adam_host, forward, in_backward=in_backward, load=load,
-                   copy_down=costs.reduce_host - costs.reduce_device, loaded=loaded, depth=depth)
+    return partial(_cpu_wait, UpdateQueue(lay, plain, costs.adam_host, forward, in_backward, load,
+                                          copy_down=costs.reduce_host - costs.reduce_device, loaded=loaded,
+                                          depth=depth))
 
 
 def _forward_chain(lay: Layout, loaded: np.ndarray, updated: np.ndarray, load: np.ndarray,
@@ -373,14 +452,16 @@ def _play_queue(rows: np.ndarray, ready: np.ndarray, adam_host: np.ndarray) -> n
 
 
 def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int,
-             updates_in_backward: bool = False, path: Optional[dict] = None) -> tuple[dict, dict, int, float]:
+             updates_in_backward: bool = False, path: Optional[dict] = None,
+             network: Optional[Network] = None) -> tuple[dict, dict, int, float]:
     """(device memory parts in bytes, step time parts in seconds, host bytes, predicted step seconds).
 
     The time parts overlap (`overlapped_step`), so the step is not their sum; `path` (a dict) gets
-    the critical path's pieces."""
+    the critical path's pieces; `network` the collectives' rates (`chunk_costs`)."""
     lay = choice.layout
     grad_bytes = host_grad_bytes(choice.grads_low)
-    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes)
+    costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes,
+                        lay.node_sharded, network)
     loads = loads_at(lay, choice.n_blocks)
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
@@ -405,7 +486,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         "engine kernels": engine_kernels,
     }
     dos_at, loads_to_dos = _dos_first(lay, host, dos, forward, load)
-    seconds = overlapped_step(
+    seconds = overlapped_step(StepParts(
         time["compute"], forward,
         time["all-gather"] + time["gradient reduce"] + time["device AdamW"] + float(costs.dos_update[dos].sum())
         + engine_kernels,
@@ -414,10 +495,11 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
         updates_in_backward, grad_accum,
         float(costs.dos_in[dos].sum()), float(costs.dos_out[dos].sum()),
         float(load[host].sum()), float(dos_at), float(loads_to_dos),
-        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out), path=path)
-    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], choice.dos_gap, elem_bytes, world, choice.upload,
-                        grad_bytes, gradients_freed(choice.grads_low, grad_accum),
-                        released=gradients_released(updates_in_backward, grad_accum))
+        *_dos_queue(lay, dos, costs.dos_in, costs.dos_out)), path=path)
+    held = MemorySettings(choice.dos_gap, elem_bytes, world, choice.upload, grad_bytes,
+                          gradients_freed(choice.grads_low, grad_accum),
+                          gradients_released(updates_in_backward, grad_accum))
+    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], held)
     memory = {part: int(values[0]) for part, values in rows.items()}
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
@@ -447,8 +529,20 @@ MEMORY_PARTS = ("pool blocks", "optimizer state on device", "gradients of device
                 "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
 
 
-def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, elem_bytes: int, world: int,
-                 upload: bool, grad_bytes: int = 4, freed: bool = False, released: bool = False,
+@dataclass(frozen=True)
+class MemorySettings:
+    """How a placement holds its chunks, beside which are on the device: what `_memory_rows` counts by."""
+
+    dos_gap: int  # Deep Optimizer States gap (0: off)
+    elem_bytes: int  # bytes per element of the compute dtype
+    world: int  # ranks
+    upload: bool  # host chunks keep an upload copy in the compute dtype
+    grad_bytes: int = 4  # bytes per element of a host chunk's gradient on its way to the host
+    freed: bool = False  # `gradients_freed`
+    released: bool = False  # `gradients_released`
+
+
+def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySettings,
                  ranking: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
 
@@ -463,6 +557,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, dos_gap: int, e
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
     here by running sums instead of a product per row."""
+    dos_gap, elem_bytes, world, upload = held.dos_gap, held.elem_bytes, held.world, held.upload
+    grad_bytes, freed, released = held.grad_bytes, held.freed, held.released
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
     shards = lay.shards.astype(np.float64)
     timeline = lay.event_activations is not None and lay.event_handed is not None
@@ -592,17 +688,22 @@ def _fetch_buffer(size: int, shard: int, elem_bytes: int, world: int, has_host: 
 
 @dataclass
 class _Best:
+    """What a search found so far: the fastest choice that fits, and (`smallest`) the smallest
+    need of any candidate, for the refusal when none fits."""
+
     seconds: float = float("inf")
     peak: int = 0
     choice: Optional[Choice] = None
+    smallest: dict = field(default_factory=dict)
 
 
-def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int, grad_accum: int, limit: float,
-                   host_budget: Optional[int], best: _Best, smallest: dict, updates_in_backward: bool,
-                   upload: bool, grads_low: bool = False, margin: float = SAFETY) -> None:
-    """Try every pool size, device prefix and DOS gap of one layout; update `best` and `smallest`."""
+def _search_layout(lay: Layout, settings: SearchSettings, best: _Best, upload: bool, grads_low: bool = False) -> None:
+    """Try every pool size, device prefix and DOS gap of one layout; update `best`."""
+    hw, world, elem_bytes, grad_accum = settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum
+    updates_in_backward = settings.updates_in_backward
     grad_bytes = host_grad_bytes(grads_low)
-    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes)
+    costs: ChunkCosts = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, upload, grad_bytes,
+                                    lay.node_sharded, settings.network)
     n_chunks = len(lay.sizes)
     state_bytes = (STATE_BYTES * lay.shards).astype(np.float64)
     host_bytes = (host_state_bytes(elem_bytes, upload, grad_bytes) * lay.shards).astype(np.float64)
@@ -621,8 +722,7 @@ def _search_layout(lay: Layout, hw: HardwareProfile, world: int, elem_bytes: int
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
                              updates_in_backward, upload, grad_accum, grads_low)
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
-            _search_prefixes(lay, n, ranking, host_bytes, costs, parts, elem_bytes, world,
-                             limit, host_budget, best, smallest, margin)
+            _search_prefixes(lay, n, ranking, host_bytes, costs, parts, settings, best)
 
 
 @dataclass
@@ -642,12 +742,11 @@ class _PrefixParts:
     grads_low: bool = False
 
 
-def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray,
-                     costs: ChunkCosts, parts: _PrefixParts, elem_bytes: int, world: int,
-                     limit: float, host_budget: Optional[int], best: _Best, smallest: dict,
-                     margin: float = SAFETY) -> None:
-    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (`margin`: the
-    budget's share kept back, for the smallest need a refusal names)."""
+def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray, costs: ChunkCosts,
+                     parts: _PrefixParts, settings: SearchSettings, best: _Best) -> None:
+    """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (the settings'
+    margin also sets the smallest need a refusal names)."""
+    host_budget, limit, margin, smallest = settings.host_budget, settings.limit, settings.margin, best.smallest
     n_chunks = len(lay.sizes)
     rank_of = np.empty(n_chunks, dtype=np.int64)
     rank_of[ranking] = np.arange(n_chunks)
@@ -667,8 +766,9 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     released = gradients_released(parts.updates_in_backward, parts.micro_steps)
-    peaks_with = {dos: sum(_memory_rows(lay, n, device, 1 if dos else 0, elem_bytes, world, parts.upload, grad_bytes,
-                                        freed, released, ranking).values()) for dos in (False, True)}
+    held = {dos: MemorySettings(1 if dos else 0, settings.elem_bytes, settings.world_size, parts.upload, grad_bytes,
+                                freed, released) for dos in (False, True)}
+    peaks_with = {dos: sum(_memory_rows(lay, n, device, held[dos], ranking).values()) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -692,9 +792,10 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
             _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
 
         def step(cpu_wait):
-            return overlapped_step(parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait,
-                                   parts.updates_in_backward, parts.micro_steps, dosf @ costs.dos_in,
-                                   dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos, *dos_queue)
+            return overlapped_step(StepParts(
+                parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait, parts.updates_in_backward,
+                parts.micro_steps, dosf @ costs.dos_in, dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
+                *dos_queue))
 
         queue = _update_queue(lay, costs, plain, parts.forward, parts.updates_in_backward, load, host,
                               prefetch_depth(n, lay.min_blocks))
@@ -712,60 +813,49 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
             best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low)
 
 
-def plan_search(profiles: list[ModelProfile], hw: HardwareProfile, budget: int, world_size: int = 1,
-                dtype_name: str = "float32", elem_bytes: int = 4, grad_accum: int = 1,
-                host_budget: Optional[int] = None, chunk_sizes: Optional[list[int]] = None,
-                updates_in_backward: bool = False, low_host_grads: bool = True, replicate: str = "auto",
-                memory_margin: Optional[float] = None) -> Plan:
-    """The fastest predicted plan over all profiles (checkpointing settings) that fits `budget` bytes
-    less `memory_margin` of it (kept back for the allocator's fragmentation and short-lived buffers;
-    None: the allocator's default for `hw.device`, `default_memory_margin`).
+def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
+                chunk_sizes: Optional[list[int]] = None) -> Plan:
+    """The fastest predicted plan over all profiles (checkpointing settings) that fits the
+    settings' budget less their memory margin (kept back for the allocator's fragmentation and
+    short-lived buffers). `chunk_sizes`: those to try (default: a few of least waste per profile).
 
-    `replicate` (several ranks): "auto" also tries keeping some chunks whole on every rank (no
-    all-gather on each fetch, for world-size times their state), "all" replicates every chunk
-    (needed when ranks use different parameters in a step), "none" shards every chunk.
-
-    `low_host_grads=False` keeps host gradients in fp32 even where `host_grads_low_applies` (the
-    caller cannot promise one micro-step per step).
-
-    `updates_in_backward`: the training loop lets CPU updates start in the last backward (no
-    clipping, no fp16, accumulation declared; see docs/engine.md), so more of them are hidden; with
-    one micro-step, device chunks' gradients are released once applied (`gradients_released`).
-    Raises PlanError naming the smallest budget any candidate needs, and what dominates it.
+    Raises PlanError (`refusal.too_small`): the smallest budget any candidate needs, what dominates
+    it, and what to change.
     """
-    if replicate not in REPLICATE_CHOICES:
-        raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {replicate!r}")
-    routed = world_size > 1 and replicate == "auto" and any(p.trace.weights_read for p in profiles)
+    if settings.replicate not in REPLICATE_CHOICES:
+        raise ValueError(f"replicate must be one of {', '.join(REPLICATE_CHOICES)}, got {settings.replicate!r}")
+    routed = settings.world_size > 1 and settings.replicate == "auto" and any(p.trace.weights_read for p in profiles)
     if routed:  # which parameters a step uses depends on the weights, so it may differ between ranks
-        replicate = "all"
-    margin = check_margin(memory_margin, hw.device)
-    limit = budget * (1 - margin)
-    best, smallest = _Best(), {}
-    grads_low = host_grads_low_applies(dtype_name, grad_accum, low_host_grads)
+        settings = replace(settings, replicate="all")
+    settings = replace(settings, memory_margin=settings.margin)
+    best = _Best()
+    grads_low = host_grads_low_applies(settings.dtype_name, settings.grad_accum, settings.low_host_grads)
     for profile in profiles:
         ordered = [profile.numels[i] for i in profile.trace.order]
         for cs in chunk_sizes or chunk_size_candidates(ordered):
-            sharded = make_layout(profile, cs, world_size)
-            for lay in replication_layouts(sharded, world_size, elem_bytes, hw, replicate):
-                for upload in (False, True) if elem_bytes < 4 else (False,):  # upload copies: host RAM for PCIe
-                    _search_layout(lay, hw, world_size, elem_bytes, grad_accum, limit, host_budget, best, smallest,
-                                   updates_in_backward, upload, grads_low, margin)
+            sharded = make_layout(profile, cs, settings.world_size)
+            for lay in node_sharding_layouts(replication_layouts(sharded, settings.world_size, settings.elem_bytes,
+                                                                 settings.hw, settings.replicate), settings):
+                uploads = (False, True) if settings.elem_bytes < 4 else (False,)  # upload copies: host RAM for PCIe
+                for upload in uploads:
+                    _search_layout(lay, settings, best, upload, grads_low)
     if best.choice is None:
-        fully = any(_recomputes_every_block(p.checkpointing) for p in profiles)
-        raise PlanError(_too_small_message(budget, smallest, hw, world_size, elem_bytes, grad_accum, host_budget,
-                                           fully, updates_in_backward, margin))
-    found = choice_to_plan(best.choice, hw, world_size, dtype_name, elem_bytes, grad_accum, budget,
-                           note="searched: fastest predicted step within the budget",
-                           updates_in_backward=updates_in_backward, host_budget=host_budget, margin=margin)
+        from elixir_ray.planner.refusal import too_small  # it reads the search's results: imported when needed
+
+        raise too_small(settings, best.smallest, profiles)
+    found = choice_to_plan(best.choice, settings, note="searched: fastest predicted step within the budget")
     if routed:
-        found.notes.append("every chunk replicated: the traced step read values computed from the weights (a "
-                           "learned router, say), so ranks may use different parameters in a step")
+        routed_note = ("every chunk replicated: the traced step read values computed from the weights (a learned "
+                       "router, say), so ranks may use different parameters in a step")
+        found = replace(found, notes=[*found.notes, routed_note])
     return found
 
 
 def plan_layout(profile: ModelProfile, plan: Plan) -> Layout:
-    """The layout a plan was chosen on (its chunk size, ranks and replicated chunks)."""
-    return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool))
+    """The layout a plan was chosen on (its chunk size, ranks, replicated and node-sharded chunks)."""
+    nodes = NodeLayout.of(plan.node_of_rank, plan.world_size)
+    return make_layout(profile, plan.chunk_size, plan.world_size, ~np.array(plan.sharded, dtype=bool),
+                       np.array(plan.node_sharded, dtype=bool) if plan.node_sharded else None, nodes.ranks_per_node)
 
 
 def _plan_loop(plan: Plan, grad_accum: Optional[int], updates_in_backward: Optional[bool]) -> tuple[int, bool]:
@@ -815,8 +905,9 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
-    rows = _memory_rows(lay, plan.n_blocks, device[None, :], plan.dos_gap, elem_bytes, plan.world_size,
-                        plan.upload_copies, host_grad_bytes(plan.host_grads_low), freed, released)
+    held = MemorySettings(plan.dos_gap, elem_bytes, plan.world_size, plan.upload_copies,
+                          host_grad_bytes(plan.host_grads_low), freed, released)
+    rows = _memory_rows(lay, plan.n_blocks, device[None, :], held)
     return {part: int(values[0]) for part, values in rows.items()}
 
 
@@ -832,7 +923,8 @@ def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, el
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low,
                     plan.prefetch_depth)
-    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path)[3]
+    network = Network.from_dict(plan.network) if plan.network else None
+    return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path, network)[3]
 
 
 def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwareProfile, replicate: str) -> list:
@@ -860,11 +952,57 @@ def replication_layouts(lay: Layout, world: int, elem_bytes: int, hw: HardwarePr
     return out
 
 
-def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: str, elem_bytes: int,
-                   grad_accum: int, budget: int, note: str, updates_in_backward: bool = False,
-                   host_budget: Optional[int] = None, margin: float = SAFETY) -> Plan:
+NODE_SHARDED_FRACTIONS = (0.5, 1.0)  # of a layout's sharded chunks, those node sharding saves most on first
+
+
+def node_sharding_applies(settings: SearchSettings) -> bool:
+    """Whether the search tries sharding chunks within each node: "auto", on several nodes of as
+    many ranks each, more than one of them."""
+    nodes = settings.nodes
+    return (settings.replicate == "auto" and settings.world_size > 1 and nodes.n_nodes > 1
+            and nodes.ranks_per_node > 1 and nodes.uniform)
+
+
+def node_sharding_layouts(layouts: list[Layout], settings: SearchSettings) -> list[Layout]:
+    """`layouts` (the first with every chunk sharded across all ranks) and, with "auto" on several
+    nodes of as many ranks each, each of them with some of its sharded chunks sharded within each
+    node instead: gathered among the ranks of a node, with only the gradient shards crossing
+    between nodes, for ranks-per-node times less of the chunk's state on each rank than replicated
+    and world/ranks-per-node times more than sharded. The chunks are taken in the order of the
+    collective time saved per extra byte of state (at the smallest pool, where they are fetched
+    most), half of them and all."""
+    if not node_sharding_applies(settings):
+        return layouts
+    world, lay, k = settings.world_size, layouts[0], settings.nodes.ranks_per_node
+    n = len(lay.sizes)
+    spread, within = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
+
+    def collective(node: np.ndarray) -> np.ndarray:
+        costs = chunk_costs(lay.sizes, np.where(node, lay.sizes // k, lay.shards), spread, world,
+                            settings.elem_bytes, settings.hw, node_sharded=node, network=settings.network)
+        return loads_at(lay, lay.min_blocks) * costs.load_device + costs.reduce_device
+
+    saved = collective(spread) - collective(within)
+    extra = (lay.sizes // k - lay.shards) * STATE_BYTES
+    ranking = np.argsort(-(saved / np.maximum(extra, 1)), kind="stable")
+    out = list(layouts)
+    for base in layouts:
+        free = [c for c in ranking if not base.replicated[c]]
+        for m in sorted({max(1, int(round(f * len(free)))) for f in NODE_SHARDED_FRACTIONS} if free else ()):
+            mask = np.zeros(n, dtype=bool)
+            mask[free[:m]] = True
+            out.append(make_layout(lay.profile, lay.chunk_size, world, base.replicated, mask, k))
+    return out
+
+
+def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
+    """The plan of a choice, with its predictions, their breakdowns and the notes that explain them."""
+    hw, world, dtype_name, elem_bytes = settings.hw, settings.world_size, settings.dtype_name, settings.elem_bytes
+    grad_accum, budget, updates_in_backward = settings.grad_accum, settings.budget, settings.updates_in_backward
+    host_budget, margin = settings.host_budget, settings.margin
     path: dict = {}
-    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path)
+    memory, time, host_bytes, seconds = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward, path,
+                                                 settings.network)
     lay = choice.layout
     start = "from the last backward" if updates_in_backward else "from step()"
     host_limit = f" (of {format_bytes(host_budget)} allowed, host_memory)" if host_budget is not None else ""
@@ -892,10 +1030,21 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
                      f"memory-bound kernels not counted)")
     if lay.profile.checkpointing is not None:
         notes.append(f"activations measured at micro-batch {lay.profile.batch_size}, {grad_accum} micro-step(s) per step")
+    if lay.node_sharded.any():
+        notes.append(_node_sharding_note(choice, settings, seconds))
+    elif node_sharding_applies(settings):
+        notes.append(f"sharding within each node (replicated across the {settings.nodes.n_nodes} nodes) was searched "
+                     f"too and predicted no faster a step within the budget")
+    bound = bounding_note(time, settings.slowest_nodes, settings.network)
+    if bound:
+        notes.append(bound)
     return Plan(
         chunk_size=lay.chunk_size, n_blocks=choice.n_blocks, param_order=list(lay.param_order),
         placements=["device" if d else "host" for d in choice.device],
         sharded=[bool(not r) for r in lay.replicated], dos_gap=choice.dos_gap, upload_copies=choice.upload,
+        node_sharded=[bool(x) for x in lay.node_sharded] if lay.node_sharded.any() else [],
+        node_of_rank=list(settings.network.node_of_rank) if settings.network is not None else [],
+        network=json.loads(json.dumps(settings.network.to_dict())) if settings.network is not None else {},
         host_grads_low=choice.grads_low and not bool(choice.device.all()), prefetch_depth=choice.depth,
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
@@ -904,6 +1053,28 @@ def choice_to_plan(choice: Choice, hw: HardwareProfile, world: int, dtype_name: 
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
         updates_in_backward=updates_in_backward, memory_margin=margin,
     )
+
+
+def _node_sharding_note(choice: Choice, settings: SearchSettings, seconds: float) -> str:
+    """Why some chunks are sharded within each node: the collectives' rates, and the step predicted
+    with those chunks sharded across all ranks instead."""
+    lay, nodes, network = choice.layout, settings.nodes, settings.network
+    spread = make_layout(lay.profile, lay.chunk_size, settings.world_size, lay.replicated)
+    across = replace(choice, layout=spread)
+    alone = evaluate(across, settings.hw, settings.world_size, settings.elem_bytes, settings.grad_accum,
+                     settings.updates_in_backward, network=network)[3]
+    extra = int(((lay.shards - spread.shards) * STATE_BYTES).sum())
+
+    def rate(scope: str) -> str:
+        measured = network.rates(scope) if network is not None else None
+        return f"{measured.all_gather_gbps:.3g} GB/s" if measured is not None else "an unmeasured rate"
+
+    return (f"sharded within each node: {int(lay.node_sharded.sum())} chunk(s) split among the "
+            f"{nodes.ranks_per_node} ranks of a node and whole on each of the {nodes.n_nodes} nodes, gathered within "
+            f"the node (all-gather {rate('node')}) with only their gradient shards all-reduced between nodes "
+            f"({rate('peers')}), where sharding across all ranks gathers at {rate('world')}: sharded so instead, the "
+            f"step is predicted at {alone * 1e3:,.1f} ms, not {seconds * 1e3:,.1f} ms, for "
+            f"{format_bytes(extra)} less state per rank")
 
 
 def forward_wait(path: dict) -> tuple[float, bool]:
@@ -935,63 +1106,3 @@ def critical_path_note(path: dict, grad_accum: int = 1) -> str:
     rest = "recompute, backward and the other micro-steps" if grad_accum > 1 else "recompute and backward"
     return (f"critical path: the forward's compute {ms(path['forward'])}, {wait}, then {rest} {ms(path['rest'])} "
             f"(bound by {bound})")
-
-
-def _smaller_batch_hint(budget: int, need: float, activations: int, batch: int, margin: float = SAFETY) -> str:
-    """The micro-batch that would fit, taking activations as proportional to it (an estimate: the
-    caller's config or loop sets the micro-batch, and only a plan at that size is exact)."""
-    rest = need * (1 - margin) - activations  # what does not shrink with the micro-batch
-    per_row = activations / max(1, batch)
-    fits = int((budget * (1 - margin) - rest) // per_row) if per_row > 0 else 0
-    if fits >= 1 and batch > 1:
-        return (f"use micro-batch {min(fits, batch - 1)} or less, an estimate that takes activations as "
-                f"proportional to the micro-batch")
-    return (f"even micro-batch 1 needs about {format_bytes(int((rest + per_row) / (1 - margin)))}: use shorter "
-            f"sequences or a smaller model, or give the device more memory")
-
-
-def _recomputes_every_block(checkpointing: Optional[list]) -> bool:
-    return checkpointing is not None and all(m in (True, "full") for m in checkpointing)
-
-
-def _too_small_message(budget: int, smallest: dict, hw: HardwareProfile, world: int, elem_bytes: int,
-                       grad_accum: int, host_budget: Optional[int], fully_searched: bool = False,
-                       updates_in_backward: bool = False, margin: float = SAFETY) -> str:
-    """`fully_searched`: a profile that recomputes every block was among those searched, so more
-    checkpointing is no advice to give (that setting needed more than the smallest plan)."""
-    if "choice" not in smallest:
-        return (f"no placement fits the host memory ({format_bytes(host_budget or 0)} per rank for optimizer "
-                f"state): give the device more memory, add ranks, or free host memory")
-    choice: Choice = smallest["choice"]
-    memory, _, _, _ = evaluate(choice, hw, world, elem_bytes, grad_accum, updates_in_backward)
-    part, value = max(memory.items(), key=lambda kv: kv[1])
-    prof = choice.layout.profile
-    if part == "activations":
-        ckpt = prof.checkpointing
-        if ckpt is not None and any(m == "selective" for m in ckpt) and not fully_searched:
-            hint = "recompute whole blocks: full activation checkpointing, or let the planner choose per block"
-        elif ckpt is not None and not _recomputes_every_block(ckpt) and not fully_searched:
-            hint = "enable activation checkpointing"
-        else:
-            hint = _smaller_batch_hint(budget, smallest["need"], value, prof.batch_size, margin)
-            if prof.checkpointing_hint:
-                hint = f"{prof.checkpointing_hint} (activation checkpointing), or {hint}"
-        dominant = f"activations at micro-batch {prof.batch_size} need {format_bytes(value)}: {hint}"
-    elif part == "pool blocks":
-        dominant = (f"the pool needs at least {choice.n_blocks} blocks of {format_bytes(value // choice.n_blocks)} "
-                    f"({format_bytes(value)}): the largest layer or parameter sets the block size")
-    else:
-        dominant = f"{part} needs {format_bytes(value)}"
-    need = format_bytes(int(smallest["need"]))
-    unbounded = smallest.get("unbounded_need", smallest["need"])
-    if host_budget is None or unbounded >= 0.99 * smallest["need"]:
-        return f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}"
-    host = (f"only {format_bytes(host_budget)} per rank may hold optimizer state ({HOST_FRACTION:.0%} of the free "
-            f"host RAM unless host_memory or --host-memory sets it), so the rest stays on the device")
-    if unbounded <= budget:  # the device would do, were the host roomier
-        return (f"host memory is too small for device_memory {format_bytes(budget)}: {host}, and the smallest plan "
-                f"then needs {need} of device memory; with room on the host for all of it, "
-                f"{format_bytes(int(unbounded))} would do: allow more host memory, or give the device more")
-    return (f"device_memory {format_bytes(budget)} is too small: the smallest plan needs {need}, of which {dominant}; "
-            f"host memory sets part of that: {host}; with room on the host for all of it the smallest plan needs "
-            f"{format_bytes(int(unbounded))}")

@@ -77,7 +77,7 @@ def start(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
     options = RunOptions(progress=progress, resume=resume, on_metrics=on_metrics, worker_group_cls=worker_group_cls,
                          placement=placement, stop_requested=threading.Event(), on_checkpoint=on_checkpoint,
                          plan_cache=plan_cache)
-    run, claim = checked_and_claimed(config, overrides, options)
+    run, claim, options = checked_and_claimed(config, overrides, options)
     try:
         return RunHandle(run, claim, options)
     except BaseException:

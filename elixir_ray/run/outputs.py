@@ -247,6 +247,26 @@ def where_to_resume(controller, metrics_uri: str) -> str:
     return "\nno checkpoint was written yet: there is nothing to resume from" + metrics if metrics else ""
 
 
+def after_nonfinite_loss(controller, metrics_uri: str, step: int) -> str:
+    """What a run stopped by a non-finite loss at `step` kept, to follow the error on its line: its
+    last good checkpoint, the newest whose weights still gave a finite loss. That is one of a step
+    before `step - 1`: the checkpoint of step `step - 1` holds the weights that gave the non-finite
+    loss. The one it was resumed from counts too."""
+    metrics = f"\nmetrics so far: {shown(metrics_uri)}" if controller.outcome.metrics else ""
+    persister = controller.persister
+    written = list(persister.committed) if persister is not None else []
+    if controller.resume is not None:
+        written.insert(0, (controller.outcome.start_step, controller.resume.uri))
+    good = [(s, uri) for s, uri in written if s < step - 1]
+    if good:
+        s, uri = good[-1]
+        return (f"; the last good checkpoint is step {s}: fix the cause (optim.lr too high?) and continue with "
+                f"--resume {uri}") + metrics
+    if written:
+        return f"; no checkpoint is good: step {written[-1][0]}'s weights gave that loss" + metrics
+    return "; no checkpoint was written before it" + metrics
+
+
 def write_outputs(run: ResolvedRun, outcome, seconds: float) -> Result:
     """The metrics and the plan, written whole at the run's end, and the run's `Result`."""
     cfg = run.config

@@ -32,6 +32,7 @@ def check_data(run: ResolvedRun) -> None:
     if dataset.vocab_size > shape["vocab_size"]:
         raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than the dataset's vocabulary "
                           f"({dataset.vocab_size}): use at least {dataset.vocab_size}")
+    check_token_ids(dataset, shape["vocab_size"], vocab_key)
     BatchSampler(dataset, shape["seq_len"], cfg.train.seed)  # raises when no full window fits
     if run.eval_uri is not None:
         eval_uri = run.eval_uri
@@ -39,6 +40,7 @@ def check_data(run: ResolvedRun) -> None:
         if held_out.vocab_size > shape["vocab_size"]:
             raise ConfigError(f"{vocab_key}={shape['vocab_size']} is smaller than eval.path's vocabulary "
                               f"({held_out.vocab_size}): use at least {held_out.vocab_size}")
+        check_token_ids(held_out, shape["vocab_size"], vocab_key)
         if held_out.tokenizer != dataset.tokenizer:
             raise ConfigError(f"eval.path {eval_uri!r} was tokenised with "
                               f"{tokenizer_named(held_out.tokenizer, held_out.tokenizer_file)} and data.path with "
@@ -52,6 +54,19 @@ def check_data(run: ResolvedRun) -> None:
         if eval_uri == uri:
             warnings.warn(f"eval.path is data.path ({uri!r}): the 'held-out' loss is measured on training data",
                           stacklevel=3)
+
+
+def check_token_ids(dataset: TokenDataset, vocab_size: int, vocab_key: str) -> None:
+    """Token ids from the data itself, not its metadata (which a hand-made or edited file may get
+    wrong): an id at or above the model's vocabulary fails inside the workers' embedding, after a
+    restart spent on it. A large file is scanned in slices (`TokenDataset.largest_id`)."""
+    largest, whole = dataset.largest_id()
+    if largest >= vocab_size:
+        scan = "" if whole else " (in a sampled scan)"
+        raise ConfigError(f"{dataset.what} {dataset.uri!r} holds token id {largest:,}{scan}, at or above "
+                          f"{vocab_key}={vocab_size:,}, though its metadata says vocab_size {dataset.vocab_size:,}: "
+                          f"give the model a vocabulary above every id, or prepare the data again "
+                          f"(elixir-ray prepare-data)")
 
 
 def check_model_step(run: ResolvedRun) -> None:

@@ -9,19 +9,21 @@ workers against the cluster (or takes the bundles it is given), and hands them t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from elixir_ray.config import RunConfig
-from elixir_ray.errors import ClusterError
+from elixir_ray.config import RunConfig, check_storage
+from elixir_ray.errors import ClusterError, NonFiniteLossError
 from elixir_ray.progress import ProgressBar
+from elixir_ray.run.auto_resume import AUTO, resolve_auto_resume
 from elixir_ray.run.claim import claim_outputs
 from elixir_ray.run.embedded_ray import RAY_STARTED_BY_TRAIN
-from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, earlier_metrics, metrics_uri_of,
-                                    where_to_resume, write_outputs)
+from elixir_ray.run.outputs import (METRICS_SAVE_EVERY_S, MetricsSaver, Result, after_nonfinite_loss, earlier_metrics,
+                                    metrics_uri_of, where_to_resume, write_outputs)
 from elixir_ray.run.preflight import (check_checkpoint_space, check_data, check_local_cluster_shape,
                                       check_model_step, check_output_dir, check_resume, warn_if_data_under_one_batch,
                                       warn_of_earlier_checkpoints)
@@ -50,13 +52,14 @@ class RunOptions:
 def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
           progress: bool = True, resume: Optional[str] = None, *, on_metrics: Optional[Callable[[dict], None]] = None,
           worker_group_cls: Optional[type] = None) -> Result:
-    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from.
+    """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from,
+    or is "auto": this run's newest checkpoint if it has one, else a fresh start (said on stderr).
     `on_metrics` gets each metrics row (a dict: step, loss, lr, tokens_per_s, eval_loss...) as it
     arrives, on the calling thread. `worker_group_cls`: the `cluster.worker_group.WorkerGroup`
     subclass that places and watches the ranks (one that injects faults, in tests); WorkerGroup
     itself when None. `elixir_ray.start()` runs the same in the background, stoppable."""
     options = RunOptions(progress=progress, resume=resume, on_metrics=on_metrics, worker_group_cls=worker_group_cls)
-    run, claim = checked_and_claimed(config, overrides, options)
+    run, claim, options = checked_and_claimed(config, overrides, options)
     try:
         return train_claimed(run, options)
     finally:
@@ -64,10 +67,16 @@ def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = 
 
 
 def checked_and_claimed(config: Union[RunConfig, dict, str], overrides: Optional[list[str]], options: RunOptions):
-    """The resolved run, checked before Ray is touched, and the claim on its directories."""
+    """The resolved run, checked before Ray is touched, and the claim on its directories. A resume
+    of "auto" is resolved here: the options returned name the checkpoint, or none."""
     run = resolve_run(as_config(config, overrides))
+    check_storage(run.config)  # each URI's filesystem, before anything opens one
     check_data(run)
     check_model_step(run)
+    if options.resume == AUTO:
+        resume, line = resolve_auto_resume(run.config)
+        print(line, file=sys.stderr, flush=True)
+        options = dataclasses.replace(options, resume=resume)
     if options.resume is not None:
         check_resume(run, options.resume)
     check_output_dir(run.config)
@@ -79,7 +88,7 @@ def checked_and_claimed(config: Union[RunConfig, dict, str], overrides: Optional
     claim = claim_outputs(run.config)
     if options.resume is None:
         warn_of_earlier_checkpoints(run.config)
-    return run, claim
+    return run, claim, options
 
 
 def _show_step(bar: ProgressBar, m: dict) -> None:
@@ -134,6 +143,8 @@ def train_claimed(run: ResolvedRun, options: RunOptions) -> Result:
             if bar:
                 bar.close()  # the lines below start on a line of their own, not after the bar's
             saver.save()  # a run stopped or failed midway keeps the metrics of what it trained
+            if isinstance(exc, NonFiniteLossError):
+                raise ClusterError(f"{exc}{after_nonfinite_loss(controller, saver.uri, exc.step)}") from exc
             if isinstance(exc, ClusterError):
                 raise ClusterError(f"{exc}{where_to_resume(controller, saver.uri)}") from exc
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # Ctrl-C, `ray job stop`

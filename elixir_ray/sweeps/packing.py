@@ -160,17 +160,21 @@ class PlanFit:
         self.in_backward = updates_in_backward(cfg, self.dtype)
         module, dtype = build_model(cfg, device="meta"), getattr(torch, self.dtype)
         variants = checkpointing_variants(module) if cfg.engine.search_checkpointing else [None]
-        self.elem = torch.empty(0, dtype=dtype).element_size()
         self.profiles = [profile_model(module, sample_inputs(cfg, micro), trace_loss(cfg), v, dtype) for v in variants]
 
     def __call__(self, budget: int) -> bool:
-        from elixir_ray.engine.errors import PlanError
+        import torch
+
+        from elixir_ray.chunk_plan.errors import PlanError
+        from elixir_ray.planner.api import search_settings
         from elixir_ray.planner.search import plan_search
 
+        settings = search_settings(self.hardware, budget, self.world, getattr(torch, self.dtype),
+                                   grad_accum=self.accum, host_budget=self.host_budget,
+                                   updates_in_backward=self.in_backward, replicate=self.cfg.engine.replicate,
+                                   memory_margin=self.cfg.engine.memory_margin)
         try:
-            plan_search(self.profiles, self.hardware, budget, self.world, self.dtype, self.elem, self.accum,
-                        host_budget=self.host_budget, updates_in_backward=self.in_backward,
-                        replicate=self.cfg.engine.replicate, memory_margin=self.cfg.engine.memory_margin)
+            plan_search(self.profiles, settings)
         except PlanError:
             return False
         return True

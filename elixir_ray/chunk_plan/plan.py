@@ -9,38 +9,28 @@ check the prediction against what the run measures.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
-# 3: activation checkpointing per block by mode name (version 2's True/False still read); 4: the
-# hardware rates and the forward's compute the predictions rest on (empty when read from 2 or 3);
-# 5: the memory margin the plan was searched with (read from 2 to 4 off their "kept back" note,
-# 8% or 20%); 6: how many chunks ahead the pool loads
-# (1, as the engine did, when read from 2 to 5)
+# 6: activation checkpointing per block by mode name, the hardware rates and the forward's compute
+# the predictions rest on, the memory margin the plan was searched with, and how many chunks ahead
+# the pool loads; and, empty in a plan for one node, the node of each rank, the chunks sharded
+# within each node and the collectives' rates. Only this version is read: a plan of another is made again.
 PLAN_VERSION = 6
-READABLE_VERSIONS = (2, 3, 4, 5, 6)
 # the share of the budget a plan keeps back for the allocator unless asked otherwise (planner.search.SAFETY)
 DEFAULT_MEMORY_MARGIN = 0.20
 
 
-def _margin_of(notes: list) -> float:
-    """The margin an older plan (before version 5) was searched with, from its note "device memory
-    usable: ... (N% kept back ...)"; 20% (the default margin) where no note says."""
-    for note in notes:
-        found = re.search(r"\((\d+(?:\.\d+)?)% kept back", str(note))
-        if found:
-            return float(found.group(1)) / 100
-    return 0.20  # what such plans were searched with, whatever the default is now
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """Frozen: a plan is made once (by the planner, `manual_plan` or `from_json`) and read by every
+    rank; a variant of it is `dataclasses.replace(plan, ...)`."""
+
     chunk_size: int  # elements per chunk (a parameter larger than this gets a chunk of its own size)
     n_blocks: int  # compute blocks in the device pool
-    param_order: list  # parameter names in first-use order; the packing order
-    placements: list  # per chunk: "host" or "device" (fp32 master, gradient shard and AdamW states)
-    sharded: list  # per chunk: True to shard across ranks (all-gathered on fetch), False to replicate
+    param_order: list[str]  # parameter names in first-use order; the packing order
+    placements: list[str]  # per chunk: "host" or "device" (fp32 master, gradient shard and AdamW states)
+    sharded: list[bool]  # per chunk: True to shard across ranks (all-gathered on fetch), False to replicate
     dos_gap: int = 0  # Deep Optimizer States: update every dos_gap-th host chunk on the device (0: off)
     # host chunks keep their master cast to the compute dtype too (pinned, 2 bytes per parameter with
     # bf16): uploads move half the bytes; off when host RAM is what limits the plan
@@ -49,17 +39,17 @@ class Plan:
     # RAM and PCIe); the search sets it with bf16 compute and one micro-step per step, where each
     # gradient was computed in bf16 anyway and nothing accumulates on the host
     host_grads_low: bool = False
-    # per checkpointable block, when the module has them: "none", "selective" or "full" (True and
-    # False, as version 2 wrote them, mean "full" and "none")
-    activation_checkpointing: Optional[list] = None
+    # per checkpointable block, when the module has them: "none", "selective" or "full" (a module's
+    # set_checkpointing also takes True and False, for "full" and "none")
+    activation_checkpointing: Optional[list[Union[str, bool]]] = None
     world_size: int = 1
     dtype: str = ""  # compute dtype the plan was made for, e.g. "bfloat16"
     budget_bytes: int = 0  # device_memory the plan was made for (0: not planned against a budget)
-    chunk_numels: list = field(default_factory=list)  # per chunk: parameter elements it holds (no padding)
+    chunk_numels: list[int] = field(default_factory=list)  # per chunk: parameter elements it holds (no padding)
     predicted_peak_bytes: int = 0
     predicted_step_seconds: float = 0.0
-    memory: dict = field(default_factory=dict)  # predicted peak, by part, in bytes
-    time: dict = field(default_factory=dict)  # predicted step time, by part, in seconds
+    memory: dict[str, int] = field(default_factory=dict)  # predicted peak, by part, in bytes
+    time: dict[str, float] = field(default_factory=dict)  # predicted step time, by part, in seconds
     # what the predictions rest on, so that a plan measured later can be re-costed by a newer model
     # (jobs/bench_repredict.py): the HardwareProfile's fields, the forward's share of
     # time["compute"] in seconds (one micro-step's), the micro-steps per step and whether the
@@ -68,18 +58,34 @@ class Plan:
     forward_compute_seconds: float = 0.0
     grad_accum: int = 1
     updates_in_backward: bool = False
-    # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked;
-    # from an older plan, what its notes say, `_margin_of`)
+    # the fraction of budget_bytes kept back for the allocator (planner.search.SAFETY unless asked)
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     # how many chunks ahead of the trace the pool loads (wrap's `prefetch` unless given there): the
     # planner takes as many as the pool's blocks allow (planner.search.prefetch_depth)
     prefetch_depth: int = 1
+    # per chunk (empty: none): True where a sharded chunk is split among the ranks of each node
+    # only and whole on every node (gathered within the node; its gradient reduce-scattered there,
+    # then all-reduced among the ranks holding the same shard on the other nodes)
+    node_sharded: list[bool] = field(default_factory=list)
+    # per rank: the number of the node it runs on (empty: every rank on one node); node-sharded
+    # chunks need as many ranks on every node
+    node_of_rank: list[int] = field(default_factory=list)
+    # the collectives' rates the predictions rest on and the nodes they were measured on
+    # (planner.network.Network's fields; empty where none were measured)
+    network: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def n_chunks(self) -> int:
         return len(self.placements)
+
+    @property
+    def sharding(self) -> list[str]:
+        """Per chunk: "sharded" (across all ranks), "node_sharded" (within each node, replicated
+        across nodes) or "replicated"."""
+        node = self.node_sharded or [False] * self.n_chunks
+        return ["replicated" if not s else "node_sharded" if n else "sharded" for s, n in zip(self.sharded, node)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -93,17 +99,13 @@ class Plan:
             keys = sorted(data)[:6] if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a plan (no version or placements; found {keys}): write one with "
                              f"`elixir-ray plan CONFIG --json FILE` or Plan.to_json()")
-        if data.get("version") not in READABLE_VERSIONS:
-            raise ValueError(f"plan version {data.get('version')} is not supported (this build reads "
-                             f"{', '.join(map(str, READABLE_VERSIONS))}); "
-                             f"make the plan again with this version of elixir_ray")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        if data["version"] != PLAN_VERSION:
+            raise ValueError(f"plan version {data['version']} is not supported (this build reads version "
+                             f"{PLAN_VERSION}); make the plan again with this version of elixir_ray")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"plan has unknown fields {unknown}")
-        if "memory_margin" not in data:
-            data = {**data, "memory_margin": _margin_of(data.get("notes") or [])}
-        return cls(**{**data, "version": PLAN_VERSION})  # an older version's fields mean the same here
+        return cls(**data)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -129,7 +131,12 @@ class Plan:
                      + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else "")
                      + ("; host gradients in the compute dtype" if self.host_grads_low else ""))
         if self.world_size > 1:
-            lines.append(f"  across ranks: {n - replicated} chunk(s) sharded, {replicated} replicated")
+            within = self.sharding.count("node_sharded")
+            nodes = len(set(self.node_of_rank)) or 1
+            lines.append(f"  across ranks: {n - replicated - within} chunk(s) sharded, "
+                         + (f"{within} sharded within each node ({self.world_size // nodes} ranks) and replicated "
+                            f"across the {nodes} nodes, " if within else "")
+                         + f"{replicated} replicated")
         if self.activation_checkpointing is not None:
             modes = self.activation_checkpointing
             whole, selective = recomputation(modes)
@@ -137,6 +144,11 @@ class Plan:
                          + (f", {selective} selectively (layer norms and GELU)" if selective else ""))
         if n:
             lines.append("  chunks: " + _placement_strip(self.placements, self.sharded, self.world_size))
+        if any(self.node_sharded):
+            lines.append("  sharding: " + "".join({"sharded": "S", "node_sharded": "N", "replicated": "R"}[m]
+                                                  for m in self.sharding)
+                         + "   (S across all ranks, N within each node, R replicated)")
+        lines.extend(f"  collectives {line}" for line in network_lines(self.network))
         if self.memory:
             budget = f" of {format_bytes(self.budget_bytes)} budget" if self.budget_bytes else ""
             lines.append(f"  predicted peak device memory: {format_bytes(self.predicted_peak_bytes)}{budget}")
@@ -150,6 +162,21 @@ class Plan:
                     lines.append(f"    {part:<24} {value * 1e3:>10,.1f} ms")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+NETWORK_SCOPES = {"node": "within a node", "world": "across all ranks", "peers": "between nodes"}
+
+
+def network_lines(network: dict) -> list[str]:
+    """Each kind of group's measured rates in a plan's `network`, and the nodes it was measured on."""
+    out = []
+    for scope, words in NETWORK_SCOPES.items():
+        rates = network.get(scope) if network else None
+        if rates:
+            out.append(f"{words}: all-gather {rates['all_gather_gbps']:.3g} GB/s, reduce-scatter "
+                       f"{rates['reduce_scatter_gbps']:.3g} GB/s, {rates.get('latency_s', 0) * 1e6:,.0f} us a call "
+                       f"(measured on {'-'.join(rates.get('nodes') or ['?'])})")
+    return out
 
 
 def ordinal(n: int) -> str:
