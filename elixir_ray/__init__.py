@@ -5,7 +5,9 @@ Three layers, usable separately:
   module chunk by chunk within a device-memory budget (no Ray involved);
 - the planner: `profile_hardware()` and `plan(module, sample_inputs, ...)` find the fastest
   placement that fits, and `Plan.explain()` says why;
-- the cluster: `train(config)` runs a `RunConfig` as a fault-tolerant Ray job.
+- the cluster: `train(config)` runs a `RunConfig` as a fault-tolerant Ray job, `start(config)`
+  the same in the background (`run.stop()` ends it with a checkpoint), and `sweep(base, space)`
+  many runs of it as Ray Tune trials.
 Each public name is imported when first used (`_PUBLIC`), so that `import elixir_ray.engine` does
 not import Ray, pyarrow, the data or the checkpoint packages.
 """
@@ -22,12 +24,16 @@ _PUBLIC = {  # public name -> the module that defines it
     "PlanError": "elixir_ray.chunk_plan.errors",
     "Result": "elixir_ray.run.outputs",
     "RunConfig": "elixir_ray.config",
+    "RunHandle": "elixir_ray.run.handle",
     "RunPlan": "elixir_ray.run_plan",
     "SampleInputs": "elixir_ray.engine.sample",
+    "SweepResult": "elixir_ray.sweeps.results",
     "config_from_dict": "elixir_ray.config",
     "load_config": "elixir_ray.config",
     "plan": "elixir_ray.planner.api",
     "profile_hardware": "elixir_ray.planner.hardware",
+    "start": "elixir_ray.run.handle",
+    "sweep": "elixir_ray.sweeps.api",
     "train": "elixir_ray.run.train",
     "wrap": "elixir_ray.wrapping",
 }

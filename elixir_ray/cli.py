@@ -24,6 +24,24 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from elixir_ray.run.resolved import as_config
+    from elixir_ray.sweeps.api import run_sweep
+    from elixir_ray.sweeps.spec import build_spec, load_sweep_file
+
+    kwargs = load_sweep_file(args.sweep_file, args.set)
+    base = kwargs.pop("base")
+    if base is None:
+        raise ConfigError(f"sweep file {args.sweep_file!r}: give the base config (base: tiny, a path, or a mapping)")
+    base = as_config(base, kwargs.pop("base_overrides") or None)
+    spec = build_spec(base, **kwargs)
+    result = run_sweep(spec, resume="auto" if args.resume == "auto" else bool(args.resume), progress=not args.quiet)
+    if args.quiet:
+        print(result.leaderboard())
+    failed = [r for r in result.trials.to_pylist() if r["status"] == "error"]
+    return 1 if failed and len(failed) == result.trials.num_rows else 0
+
+
 def _cmd_prepare_data(args) -> int:
     from elixir_ray.data.dataset import prepare_dataset, read_metadata
     from elixir_ray.progress import ByteProgress
@@ -216,6 +234,12 @@ def _cmd_doctor(args) -> int:
     return 0
 
 
+def _resume_choice(text: str):
+    if text == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(f"--resume takes no value, or auto; got {text!r}")
+
+
 def at_least(low: int):
     """An argparse type: a whole number of at least `low`."""
     def parse(text: str) -> int:
@@ -252,6 +276,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a resubmitted job goes on where its lost driver got to; a directory named auto: ./auto)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train, parser=p)
+
+    p = sub.add_parser("sweep", help="run a sweep of a config over a search space, on Ray Tune",
+                       description="Run many trials of a base config over a search space (SWEEP.yaml: name, base, "
+                                   "space, num_samples, metric, mode, scheduler, max_concurrent_trials, "
+                                   "trials_per_gpu, storage), each a fault-tolerant run in a placement group of its "
+                                   "own, the weak ones stopped early by the scheduler. Writes trials.parquet and "
+                                   "trials.png in <storage>/<name> and prints a leaderboard. Connects to RAY_ADDRESS "
+                                   "when set, otherwise starts an embedded local Ray cluster.")
+    p.add_argument("sweep_file", metavar="SWEEP.yaml", help="the sweep file (see docs/sweeps.md)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a sweep setting (num_samples=8, scheduler.grace_period=5, space.optim.lr=[...]) "
+                        "or, for any other key, the base config (train.steps=40); repeatable")
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_choice, metavar="auto",
+                   help="continue the sweep of this name: finished trials are kept, running ones continue from "
+                        "their newest checkpoints (--resume auto: continue it if there is one, else start it)")
+    p.add_argument("--quiet", action="store_true", help="no progress from Ray Tune; the leaderboard only")
+    p.set_defaults(func=_cmd_sweep, parser=p)
 
     p = sub.add_parser("prepare-data", help="tokenise text files into a dataset",
                        description="Tokenise documents into an Arrow token dataset: each document's tokens, "

@@ -57,6 +57,9 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     max_grad_norm: Optional[float] = 1.0
+    # the learning-rate schedule's length in steps (warm-up, then cosine decay to its last step); None:
+    # train.steps, or on --resume the length the checkpoint's run had, so that a continued run keeps it
+    schedule_steps: Optional[int] = None
 
 
 @dataclass
@@ -501,6 +504,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _positive("optim.schedule_steps", o.schedule_steps, allow_none=True)
     c = cfg.cluster
     _positive("cluster.num_workers", c.num_workers, allow_none=True)
     if c.cpus_per_worker != "auto":

@@ -31,11 +31,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EVAL_SEED = 0  # the order eval.windows are taken in: fixed, so a held-out set is the same for every run
 
 
+def schedule_steps(cfg: RunConfig) -> int:
+    """The learning-rate schedule's length: optim.schedule_steps, else train.steps."""
+    return cfg.optim.schedule_steps or cfg.train.steps
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step `steps - 1`),
-    also where that step is the only one after the warm-up; a run no longer than its warm-up ends
-    before the decay starts."""
-    o, total = cfg.optim, cfg.train.steps
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the schedule's last step (step
+    `schedule_steps - 1`), also where that step is the only one after the warm-up; a schedule no
+    longer than its warm-up ends before the decay starts, and steps past its end keep its last lr."""
+    o, total = cfg.optim, schedule_steps(cfg)
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     span = total - 1 - o.warmup_steps
@@ -88,6 +93,7 @@ class RankTrainer:
         self.eval_sampler = (BatchSampler(TokenDataset(cfg.eval.path, what="eval.path"), self.seq_len, EVAL_SEED)
                              if cfg.eval.path is not None else None)
         self.state = TrainState()
+        self.stop_agreed = False  # set by step(): some rank asked to stop, and every rank knows it
         torch.manual_seed(cfg.train.seed + 1 + rank)  # dropout streams differ per rank, deterministically
 
     @property
@@ -99,14 +105,20 @@ class RankTrainer:
             self.state.samples_consumed, self.rank, self.plan.micro_batch, self.plan.grad_accum, micro_step
         ).to(self.device, non_blocking=True)
 
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` (any shape, elementwise) over the ranks."""
         if self.world_size > 1:
             value = value.to(self.model.store.comm.device)
             self.model.store.comm.all_reduce_mean(value)
-        return float(value)
+        return value
 
-    def step(self) -> dict:
-        """One optimizer step over this rank's share of the global batch; returns its metrics."""
+    def step(self, *, stop_requested: bool = False) -> dict:
+        """One optimizer step over this rank's share of the global batch; returns its metrics.
+
+        `stop_requested`: this rank was asked to stop. The request rides on the step's loss
+        all-reduce, so after the step every rank has the same `stop_agreed`: all ranks end at the
+        same step, where a rank stopping alone would leave the others waiting in the next step's
+        collectives."""
         start = time.perf_counter()
         lr = lr_at(self.state.step, self.cfg)
         for group in self.optimizer.param_groups:
@@ -118,7 +130,9 @@ class RankTrainer:
             loss_sum += loss.detach().float()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        loss = self._mean_over_ranks(loss_sum / self.plan.grad_accum)
+        reduced = self._mean_over_ranks(torch.stack([loss_sum / self.plan.grad_accum,
+                                                     torch.full((), float(stop_requested), device=self.device)]))
+        loss, self.stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
         if self.cfg.train.stop_on_nonfinite and not math.isfinite(loss):
             # the mean over the ranks: every rank raises here, at the same step, so none is left
             # waiting in a collective for the others
@@ -169,7 +183,7 @@ class RankTrainer:
                 self.on_progress()
         finally:
             self.model.train()
-        return self._mean_over_ranks(total) * world / (windows * self.seq_len)
+        return float(self._mean_over_ranks(total)) * world / (windows * self.seq_len)
 
     def state_shard(self, copy: bool = True, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """This rank's part of the training state: its chunk slices, step counts and RNG (views of the

@@ -133,9 +133,13 @@ def test_a_hugging_face_model_from_its_config_fields_trains_on_two_workers_as_in
 
 def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 3})
-    result = train(cfg, progress=False)
+    rows = []
+    result = train(cfg, progress=False, on_metrics=rows.append)
     table = pq.read_table(result.metrics_uri)
     assert table.column("step").to_pylist() == [1, 2, 3]
+    # on_metrics gets each row as it arrives, with the plan's predicted step time beside the measured one
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["loss"] for r in rows] == table.column("loss").to_pylist()
+    assert all(r["predicted_step_seconds"] == result.plan.predicted_step_seconds for r in rows)
     assert all(v > 0 for v in table.column("tokens_per_s").to_pylist())
     assert all(v > 0 for v in table.column("grad_norm").to_pylist())  # clipped by default: the norm is known
     manifest, tensors = load_checkpoint(result.checkpoint_uri)

@@ -4,6 +4,7 @@
        ^                                                               |
        +------------------------ RESTARTING <--------------------------+  (a rank died, raised or stalled)
                                                           (any state) -> ERRORED
+                                                          (any state) -> STOPPED  (a stop was requested)
 
 Each state is one method that does its work and returns the next state with the reason for it;
 `run()` loops over them until FINISHED, and `_set_state` is the only place the state changes, so
@@ -17,6 +18,10 @@ for the object store (`checkpoint.via`), every worker writes its shard straight 
 while training waits. On a worker-group failure the group is killed, not drained, re-formed
 (fewer workers if `fault.elastic` allows), restored from the newest snapshot (object store first,
 durable storage when those objects are gone or were never made), and continues.
+
+A stop (`request_stop`: `run.stop()`, a Ray Tune scheduler's decision) ends training after the
+step the ranks agree on, persists a checkpoint of that step, and kills the group: STOPPED. In a
+state before training it ends the run at the next state boundary.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import enum
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
@@ -39,6 +45,7 @@ from elixir_ray.cluster.failure import Decision, FailureKind, RestartPolicy, Wor
 from elixir_ray.cluster.cpu_shares import give_ranks_their_threads
 from elixir_ray.cluster.elastic import grows_back, minimum_workers, workers_after_loss
 from elixir_ray.cluster.placement import PlacementTimeoutError, WorkerShape, cpu_thread_hint, workers_that_fit
+from elixir_ray.cluster.plan_cache import CachedPlan, PlanCache, node_kind, plan_key
 from elixir_ray.cluster.shard_parts import all_refs, call_snapshot, chunk_count, with_keys
 from elixir_ray.cluster.shared_storage import check_workers_see_storage
 from elixir_ray.cluster.snapshots import CheckpointPersister, Snapshot
@@ -48,6 +55,7 @@ from elixir_ray.config import RunConfig
 from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
 from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
+from elixir_ray.trainer import schedule_steps
 
 log = logging.getLogger("elixir_ray")
 
@@ -71,6 +79,7 @@ class RunState(enum.Enum):
     TRAINING = "training"  # segments of steps, each ending in a snapshot or checkpoint
     RESTARTING = "restarting"  # the group was killed after a failure: waiting for workers to place again
     FINISHED = "finished"  # trained train.steps, the last checkpoint persisted
+    STOPPED = "stopped"  # stopped on request before train.steps, a checkpoint of the step reached persisted
     ERRORED = "errored"  # the run ended with an error
 
 
@@ -147,6 +156,7 @@ class ControllerOutcome:
     placements: list[Placement] = field(default_factory=list)  # every group placed, the first one's first
     restores: list[RestoreRecord] = field(default_factory=list)  # every restore (not a start from scratch)
     plans: list[RunPlan] = field(default_factory=list)  # every plan trained with, `plan` (the last) last
+    stopped: bool = False  # ended by a stop request, before train.steps
 
 
 class TrainController:
@@ -154,14 +164,25 @@ class TrainController:
 
     `worker_group_cls` is the class that places and watches the ranks (a subclass injects faults);
     `placement` gives it bundles of a placement group reserved elsewhere (a Ray Tune trial's)
-    instead of reserving its own."""
+    instead of reserving its own. `stop_requested`, once set (by this driver's other threads),
+    stops the run as `request_stop` does; `on_checkpoint(step, uri)` hears of each checkpoint
+    committed, from the thread that committed it."""
 
     def __init__(self, cfg: RunConfig, shape: WorkerShape, *, on_metrics: Callable[[dict], None] = lambda m: None,
                  on_note: Callable[[str], None] = lambda text: None, resume: Optional[RestoreSource] = None,
                  poll_interval_s: float = 0.2, worker_group_cls: type[WorkerGroup] = WorkerGroup,
-                 placement: Optional[GivenPlacement] = None):
+                 placement: Optional[GivenPlacement] = None, stop_requested: Optional[threading.Event] = None,
+                 on_checkpoint: Callable[[int, str], None] = lambda step, uri: None,
+                 plan_cache: Optional[PlanCache] = None):
         self.cfg, self.shape = cfg, shape
         self.on_metrics = on_metrics
+        self.on_checkpoint = on_checkpoint
+        self.stop_requested = stop_requested if stop_requested is not None else threading.Event()
+        self.plan_cache = plan_cache  # profiles and plans shared by the runs of a sweep, or None
+        self._plan_key: Optional[str] = None  # the first try's key in plan_cache, once its group has formed
+        self._holds_lease = False  # this run measures for plan_cache's key, and others wait for its entry
+        self._cached: Optional[CachedPlan] = None  # profiles and plan read from plan_cache
+        self._stop_sent = False  # the ranks of the try under way were asked to stop
         self.on_note = on_note  # what the user should see besides steps (a checkpoint that takes a while)
         self.resume = resume
         self.poll_interval_s = poll_interval_s
@@ -184,18 +205,25 @@ class TrainController:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def request_stop(self) -> None:
+        """End the run after the step the ranks agree on, with a checkpoint of it; safe from any thread."""
+        self.stop_requested.set()
+
     def run(self) -> ControllerOutcome:
-        self.persister = CheckpointPersister(self.checkpoint_uri, self.cfg.checkpoint.keep)
+        self.persister = CheckpointPersister(self.checkpoint_uri, self.cfg.checkpoint.keep,
+                                             on_commit=self.on_checkpoint)
         try:
             self._set_state(RunState.PLACING, "the run starts")
-            while self.state is not RunState.FINISHED:
+            while self.state not in (RunState.FINISHED, RunState.STOPPED):
                 self._set_state(*self._step())
+            self.outcome.stopped = self.state is RunState.STOPPED
             return self.outcome
         except BaseException as exc:
             self._set_state(RunState.ERRORED, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             raise
         finally:
             self._kill_group()
+            self._release_lease()
             self.persister.close()
             self.snapshots = []  # the run is over: its states leave the object store now, not at the next gc
             self.outcome.checkpoint_uri = self.persister.newest
@@ -209,15 +237,27 @@ class TrainController:
         log.info("run %s: %s (%s)", self.cfg.name, state.value, reason)
 
     def _step(self) -> NextState:
-        """Run the current state. A worker-group failure in any of them goes to the restart policy."""
+        """Run the current state. A worker-group failure in any of them goes to the restart policy,
+        unless a stop was requested: then the run stops with the checkpoints it has."""
         handlers = {RunState.PLACING: self._place, RunState.RENDEZVOUS: self._rendezvous,
                     RunState.PROFILING: self._profile, RunState.PLANNING: self._plan,
                     RunState.RESTORING: self._restore, RunState.TRAINING: self._train,
                     RunState.RESTARTING: self._restart}
+        if self.stop_requested.is_set() and self.state is not RunState.TRAINING:
+            return NextState(RunState.STOPPED, f"stop requested while {self.state.value}; the newest checkpoint "
+                                               f"is {self._newest_step_said()}")
         try:
             return handlers[self.state]()
         except WorkerGroupFailure as failure:
+            if self.stop_requested.is_set():
+                self._kill_group()
+                return NextState(RunState.STOPPED, f"stop requested, and then {failure}; the newest checkpoint is "
+                                                   f"{self._newest_step_said()}")
             return self._recover_or_raise(failure)
+
+    def _newest_step_said(self) -> str:
+        committed = self.persister.committed if self.persister else []
+        return f"step {committed[-1][0]}" if committed else "none of this run's"
 
     def _recover_or_raise(self, failure: WorkerGroupFailure) -> NextState:
         """Kill the group and ask the policy: RESTARTING, or a `ClusterError` that ends the run."""
@@ -265,7 +305,43 @@ class TrainController:
         if [p.node_id for p in self.outcome.profiles] == self.group.node_ids:
             # a restart onto the same nodes, rank for rank: their rates and links are the ones measured
             return NextState(RunState.PLANNING, "process group formed on the profiled nodes; their profiles are reused")
+        if self.outcome.restarts:  # a restart onto other nodes measures them
+            return NextState(RunState.PROFILING, "process group formed")
+        self._cached = self._cached_plan()
+        if self._cached is not None:
+            self.outcome.profiles = list(self._cached.profiles)
+            where = f"{self._cached.uri} (measured by the run {self._cached.source!r})"
+            log.info("profiles and plan reused from %s: no profiling round", where)
+            self.on_note(f"profiles and plan reused from {where}: no profiling round")
+            return NextState(RunState.PLANNING, f"process group formed; profiles and plan reused from {where}")
         return NextState(RunState.PROFILING, "process group formed")
+
+    def _cached_plan(self) -> Optional[CachedPlan]:
+        """The profiles and plan of an earlier run of this shape from `plan_cache`, waiting for a run
+        that is measuring them now; None when this run is to measure (it then writes the entry)."""
+        if self.plan_cache is None:
+            return None
+        nodes = {info["NodeID"]: info.get("Resources", {}) for info in ray.nodes() if info.get("Alive")}
+        kinds = [node_kind(nodes.get(node, {})) for node, count in self.group.workers_per_node.items()
+                 for _ in range(count)]
+        key = self._plan_key = plan_key(self.cfg, self.shape.num_workers, self.global_batch, kinds)
+        found = self.plan_cache.get(key)
+        if found is not None:
+            return found
+        if self.plan_cache.take_lease(key, self.cfg.name):
+            self._holds_lease = True
+            return None
+        self.on_note(f"another run of this shape is measuring its profiles; waiting for its plan in "
+                     f"{self.plan_cache.entry_uri(key)}")
+        found = self.plan_cache.wait_for(key)
+        if found is None:
+            self._holds_lease = self.plan_cache.take_lease(key, self.cfg.name)
+        return found
+
+    def _release_lease(self) -> None:
+        if self._holds_lease and self.plan_cache is not None and self._plan_key is not None:
+            self.plan_cache.release(self._plan_key)
+        self._holds_lease = False
 
     def _restart(self) -> NextState:
         """Wait for the workers' resources; with fault.elastic, go on with as many as fit."""
@@ -294,12 +370,21 @@ class TrainController:
 
     def _plan(self) -> NextState:
         self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
-        try:
-            plan = make_run_plan(self.cfg, self.outcome.profiles, global_batch=self.global_batch)
-        except ValueError as exc:
-            raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
-        if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
-            plan.notes.append(self._thread_hint)
+        cached = self._cached if not self.outcome.restarts else None  # a restart plans for its own group
+        if cached is not None and cached.plan.world_size == self.shape.num_workers:
+            plan = cached.plan
+        else:
+            searched = time.monotonic()
+            try:
+                plan = make_run_plan(self.cfg, self.outcome.profiles, global_batch=self.global_batch)
+            except ValueError as exc:
+                raise ClusterError(f"cannot plan for {self.shape.num_workers} worker(s): {exc}") from None
+            log.info("plan for %d worker(s) searched in %.1fs", plan.world_size, time.monotonic() - searched)
+            if self._thread_hint:  # plan.json keeps it: the plan was searched at the CPU AdamW rate of those few threads
+                plan.notes.append(self._thread_hint)
+            if self._holds_lease:
+                self.plan_cache.put(self._plan_key, self.outcome.profiles, plan, self.cfg.name)
+                self._release_lease()
         # a restart with fewer workers keeps the global batch: more micro-steps each, a longer step
         before = self.outcome.plan
         where = (f" for {plan.world_size} worker(s) after a restart (before it, {before.world_size})"
@@ -531,16 +616,22 @@ class TrainController:
         return NextState(RunState.TRAINING, f"step {step} from {source}")
 
     def _train(self) -> NextState:
-        """Segments of steps up to train.steps, each ending in a snapshot; then the last one persisted."""
+        """Segments of steps up to train.steps, each ending in a snapshot; then the last one persisted.
+        A stop ends the segment under way at the step the ranks agree on, which is snapshotted too."""
         total, every = self.cfg.train.steps, self.cfg.checkpoint.every_steps
-        while self.step < total:
+        start = self.step
+        while self.step < total and not self.stop_requested.is_set():
             segment = min(total, (self.step // every + 1) * every if every else total) - self.step
             self._run_segment(segment)
             self._snapshot()
-            if self.step < total and self.placement is None and grows_back(self.shape, self.full_workers,
-                                                                           ray.available_resources()):
+            stopping = self.stop_requested.is_set()
+            if self.step < total and self.placement is None and not stopping \
+                    and grows_back(self.shape, self.full_workers, ray.available_resources()):
                 return self._grow()
         self.persister.flush()
+        if self.step < total:
+            return NextState(RunState.STOPPED, f"stopped on request at step {self.step} of {total}"
+                                               + ("" if self.step > start else " (no step trained)"))
         return NextState(RunState.FINISHED, f"trained {total} step(s)")
 
     def _run_segment(self, num_steps: int) -> None:
@@ -548,6 +639,9 @@ class TrainController:
         pending = list(runs)
         last_progress = time.monotonic()
         while pending:
+            if self.stop_requested.is_set() and not self._stop_sent:
+                self.group.call("stop")  # answered at once (threaded actors); the ranks agree in the step
+                self._stop_sent = True
             pending = self.group.wait(pending, self.poll_interval_s)
             if self._drain_metrics():
                 last_progress = time.monotonic()
@@ -595,7 +689,7 @@ class TrainController:
                         on_driver_node=self.group.on_driver_node,
                         extra={"plan": plan.to_dict() if plan else None, "config": self.cfg.to_dict(),
                                "world_size": self.shape.num_workers, "global_batch": self.global_batch,
-                               **self.tokenizer})
+                               "schedule_steps": schedule_steps(self.cfg), **self.tokenizer})
         # across nodes the previous snapshot is kept until this one has its driver-node copy; on the
         # driver's node both would be lost together, so one is enough (a whole state less in memory)
         self.snapshots = [snap] if self.group.on_driver_node else self.snapshots[-1:] + [snap]
@@ -650,7 +744,7 @@ class TrainController:
                 results[0]["layout"], self.shape.num_workers,
                 {"samples_consumed": results[0]["samples_consumed"], "plan": plan.to_dict() if plan else None,
                  "config": self.cfg.to_dict(), "world_size": self.shape.num_workers,
-                 "global_batch": self.global_batch, **self.tokenizer})
+                 "global_batch": self.global_batch, "schedule_steps": schedule_steps(self.cfg), **self.tokenizer})
         except (OSError, CheckpointError) as exc:
             self.persister.forget_unreadable(step)
             self.persister.report(f"could not persist the checkpoint of step {step} to {self.checkpoint_uri}: {exc}")
@@ -731,3 +825,4 @@ class TrainController:
         if self.group is not None:
             self.group.kill()
             self.group = None
+        self._stop_sent = False  # a new group's ranks have not been asked

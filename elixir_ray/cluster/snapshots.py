@@ -90,9 +90,11 @@ class Snapshot:
 class CheckpointPersister:
     """One background thread that makes the driver copy and writes the newest pending snapshot."""
 
-    def __init__(self, uri: str, keep: int, on_error: Callable[[str], None] | None = None):
+    def __init__(self, uri: str, keep: int, on_error: Callable[[str], None] | None = None,
+                 on_commit: Callable[[int, str], None] | None = None):
         self.uri, self.keep = uri, keep
         self.on_error = on_error or (lambda msg: None)
+        self.on_commit = on_commit or (lambda step, path: None)  # a sweep's trial registers each with Ray Tune
         self.errors: list[str] = []
         self.committed: list[tuple[int, str]] = []
         self._pending: Optional[Snapshot] = None
@@ -178,6 +180,7 @@ class CheckpointPersister:
         and older ones pruned as `keep` says."""
         with self._cond:
             self.committed = [(s, p) for s, p in self.committed if p != path] + [(step, path)]
+        self.on_commit(step, path)
         self._prune()
 
     def forget_unreadable(self, step: int) -> None:

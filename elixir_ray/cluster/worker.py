@@ -218,22 +218,22 @@ class RankWorker:
         self._beats += 1
 
     def run(self, num_steps: int) -> int | StepError | NonFiniteLossError:
-        """Train num_steps steps (or until stopped); rank 0 queues each step's metrics for `poll`.
-        Returns the step reached, or the error that ended the steps when every rank meets it (a
-        non-finite loss) or when it is a peer's doing (a collective's error after a peer died or
-        stopped): returned rather than raised, so that the result the driver leaves unread, once it
-        has the one that names the cause, is not printed by Ray as an unhandled error, traceback and
-        all. The run's own errors are raised, with their traceback."""
+        """Train num_steps steps, or fewer when a stop is agreed (see `stop`); rank 0 queues each
+        step's metrics for `poll`. Returns the step reached, or the error that ended the steps when
+        every rank meets it (a non-finite loss) or when it is a peer's doing (a collective's error
+        after a peer died or stopped): returned rather than raised, so that the result the driver
+        leaves unread, once it has the one that names the cause, is not printed by Ray as an
+        unhandled error, traceback and all. The run's own errors are raised, with their traceback."""
         assert self.trainer is not None, "setup() must run before run()"
         self._use_device()
         try:
             for _ in range(num_steps):
-                if self._stop.is_set():
-                    break
-                metrics = self.trainer.step()
+                metrics = self.trainer.step(stop_requested=self._stop.is_set())
                 if self.rank == 0:
                     with self._lock:
                         self._metrics.append(metrics)
+                if self.trainer.stop_agreed:
+                    break
         except NonFiniteLossError as exc:
             return exc
         except Exception as exc:
@@ -251,6 +251,9 @@ class RankWorker:
         return out, self._beats
 
     def stop(self) -> None:
+        """Ask the group to end `run` after the step under way: every rank learns of it in that
+        step's loss all-reduce, so all of them end at the same step (at most one step later, when
+        the request arrives after this rank's all-reduce)."""
         self._stop.set()
 
     def current_step(self) -> int:

@@ -46,7 +46,8 @@ FILES_REMOVE_S = 5.0  # how long a kill waits for a live worker to remove the re
 class GivenPlacement:
     """Bundles of a placement group reserved by the caller (a Ray Tune trial's), one per rank, in
     rank order. The group is ready, and it stays reserved when the workers are killed: a restart
-    places its ranks into the same bundles."""
+    places its ranks into the same bundles. Each rank's actor asks for what its bundle holds (a
+    sweep that packs trials gives each rank a part of a GPU, or of its CPUs)."""
 
     placement_group: PlacementGroup
     bundle_indices: tuple[int, ...]
@@ -117,10 +118,12 @@ class WorkerGroup:
 
     def _start_actor(self, config: dict, rank: int, group: PlacementGroup, bundle: int, name_wait_s: float):
         name, namespace = worker_actor_name(self.cfg.name, rank), self.cfg.cluster.namespace
+        resources = group.bundle_specs[bundle] if self.given is not None else self.shape.bundle
         options = self.actor_cls.options(
-            name=name, namespace=namespace, num_cpus=self.shape.cpus_per_worker,
-            num_gpus=1 if self.shape.use_gpu else 0, max_restarts=0, max_task_retries=0,
-            resources=dict(self.shape.resources), runtime_env=self.cfg.cluster.runtime_env,
+            name=name, namespace=namespace, num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0), max_restarts=0, max_task_retries=0,
+            resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+            runtime_env=self.cfg.cluster.runtime_env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle))
         deadline = time.monotonic() + name_wait_s
         while True:

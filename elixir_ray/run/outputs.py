@@ -26,7 +26,7 @@ log = logging.getLogger("elixir_ray")
 class Result:
     metrics: pa.Table
     checkpoint_uri: Optional[str]  # the newest committed checkpoint; None if none could be written
-    plan: RunPlan
+    plan: Optional[RunPlan]  # None only for a run stopped before it planned
     run_dir: str
     metrics_uri: str
     seconds: float
@@ -41,6 +41,7 @@ class Result:
     placements: list = dataclasses.field(default_factory=list)  # controller.Placement per group placed
     restores: list = dataclasses.field(default_factory=list)  # controller.RestoreRecord per restore
     plans: list = dataclasses.field(default_factory=list)  # every plan trained with (an elastic run's several)
+    stopped: bool = False  # ended on request (`run.stop()`, a sweep's scheduler) before train.steps
 
     @property
     def final_loss(self) -> Optional[float]:
@@ -65,9 +66,11 @@ class Result:
         losses = self.metrics.column("loss").to_pylist()
         steps = self.final_step - self.start_step
         resumed = f", resumed from step {self.start_step}" if self.start_step else ""
+        ended = f"run stopped on request at step {self.final_step}:" if self.stopped else "run finished:"
+        where = (f"on {self.plan.world_size} worker(s) ({self.plan.strategy}, {self.plan.dtype}{resumed})"
+                 if self.plan is not None else "before its plan was made")
         return "\n".join([
-            f"run finished: {steps} steps in {self.seconds:.1f}s on {self.plan.world_size} worker(s) "
-            f"({self.plan.strategy}, {self.plan.dtype}{resumed})",
+            f"{ended} {steps} steps in {self.seconds:.1f}s {where}",
             f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}" if losses else "loss: no steps",
             *_eval_line(self.metrics),
             *_step_time_line(self.metrics, getattr(self.plan, "predicted_step_seconds", 0.0), self.start_step,
@@ -78,7 +81,7 @@ class Result:
             *(f"warning: {e}" for e in self.persist_errors),
             f"metrics:    {shown(self.metrics_uri)}",
             f"checkpoint: {_checkpoint_line(self)}",
-            f"plan:       {shown(os.path.join(self.run_dir, 'plan.json'))}",
+            *([f"plan:       {shown(os.path.join(self.run_dir, 'plan.json'))}"] if self.plan is not None else []),
         ])
 
 
@@ -276,10 +279,12 @@ def write_outputs(run: ResolvedRun, outcome, seconds: float) -> Result:
     table = metrics_table(outcome.metrics)
     uri = metrics_uri_of(cfg)
     write_metrics(table, uri)
-    storage.write_bytes_atomic(fs, f"{run_path}/plan.json", outcome.plan.to_json().encode())
+    if outcome.plan is not None:  # None: stopped before planning
+        storage.write_bytes_atomic(fs, f"{run_path}/plan.json", outcome.plan.to_json().encode())
     return Result(metrics=table, checkpoint_uri=outcome.checkpoint_uri, plan=outcome.plan, run_dir=run_dir,
                   metrics_uri=uri, seconds=seconds, restarts=outcome.restarts,
                   persist_errors=outcome.persist_errors, snapshot_stalls=outcome.snapshot_stalls,
                   checkpoint_via=outcome.checkpoint_via, final_step=outcome.final_step,
                   checkpoint_step=outcome.checkpoint_step, start_step=outcome.start_step, config=cfg,
-                  placements=outcome.placements, restores=outcome.restores, plans=outcome.plans)
+                  placements=outcome.placements, restores=outcome.restores, plans=outcome.plans,
+                  stopped=outcome.stopped)

@@ -65,6 +65,18 @@ class ResolvedRun:
         return MetaModel(module=module, checkpoint_shapes=MappingProxyType(checkpoint_shapes_of(module)),
                          parameters=sum(p.numel() for p in module.parameters()))
 
+    def placed_in(self, placement) -> "ResolvedRun":
+        """The run with its workers in bundles reserved elsewhere (a `GivenPlacement`: a Ray Tune
+        trial's): one rank per bundle, on GPUs when the bundles hold a GPU (or a part of one), each
+        with as many threads as its bundle has whole CPUs (at least one)."""
+        from elixir_ray.cluster.placement import WorkerShape
+
+        specs = [placement.placement_group.bundle_specs[i] for i in placement.bundle_indices]
+        # each rank's threads are its bundle's CPUs: the bundles beside it (other trials') hold the rest
+        return dataclasses.replace(self, worker_shape=WorkerShape(
+            num_workers=len(specs), use_gpu=any(spec.get("GPU", 0) > 0 for spec in specs),
+            cpus_per_worker=max(1, int(min(spec.get("CPU", 1) for spec in specs)))))
+
     def sized_for(self, resources: dict) -> "ResolvedRun":
         """The run with its workers sized against a Ray cluster's resources (`ray.cluster_resources()`)."""
         from elixir_ray.cluster.placement import resolve_worker_shape
