@@ -229,6 +229,17 @@ def count_tokens(uri: str) -> int:
     return len(TokenDataset(uri))
 
 
+def _tokens_of(column: pa.ChunkedArray) -> np.ndarray:
+    """The token column as one numpy array: a view of the file's buffer when it is one chunk.
+    Read from the buffer directly: pyarrow's `to_numpy` imports pandas, a second per worker."""
+    dtype = np.uint16 if column.type == pa.uint16() else np.uint32
+    parts = [np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype().itemsize)
+             for chunk in column.chunks]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
 class TokenDataset:
     """A read-only view of a token file; local files are memory-mapped, remote ones read once."""
 
@@ -251,10 +262,9 @@ class TokenDataset:
         column = table.column("tokens")
         if column.type not in (pa.uint16(), pa.uint32()):
             raise ConfigError(f"{what} {uri!r} holds {column.type} tokens, not uint16 or uint32")
-        if column.num_chunks == 1:
-            self.tokens = column.chunk(0).to_numpy(zero_copy_only=True)
-        else:
-            self.tokens = column.to_numpy()
+        if column.null_count:
+            raise ConfigError(f"{what} {uri!r} has missing tokens (rebuild it with `elixir-ray prepare-data`)")
+        self.tokens = _tokens_of(column)
         self.uri, self.what = uri, what
         self.vocab_size = int(meta.get("vocab_size", 257))
         self.tokenizer = meta.get("tokenizer", "bytes")  # which tokenizer made it: a held-out set must match
