@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # unpinned `torch` keeps whatever torch is installed: pip sees it satisfied).
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: venv demo test clean FORCE
+.PHONY: venv demo test test-all clean FORCE
 
 $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
@@ -44,7 +44,13 @@ demo: venv
 	$(VENV)/bin/elixir-ray train jobs/configs/demo.yaml $(DEMO_ARGS)
 	$(VENV)/bin/elixir-ray sample runs/demo/checkpoints --prompt "def " --tokens 160
 
+# `make test` (CI) leaves out the tests marked `extended`: further scenarios of what the core
+# suite covers (more fault kinds, the benchmark tools' options, property sweeps). `make test-all`
+# runs every test.
 test: venv
+	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+
+test-all: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -32,6 +32,7 @@ needs_h100_runs = pytest.mark.skipif(not os.path.isdir(H100_RUNS), reason="tests
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_passes_the_memory_margin_to_elixir_ray_and_the_allocator_settings_to_every_system(tmp_path):
     from elixir_ray.cli import main
 
@@ -53,6 +54,7 @@ def test_bench_passes_the_memory_margin_to_elixir_ray_and_the_allocator_settings
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_on_real_text_gives_every_step_its_batch_and_sets_the_final_losses_side_by_side(tmp_path, tiny_dataset):
     """--data: every system trains on the dataset's windows in the same order, a new one each step,
     at the run config's defaults (clipping at 1.0); each step's loss is kept, the report sets the
@@ -171,6 +173,7 @@ def _engine(base, placements, dos_gap=0):
     return wrap(base, opt, sample_inputs=sample, plan=plan, max_grad_norm=0.5, device="cpu")
 
 
+@pytest.mark.extended
 def test_bench_with_several_caps_runs_each_capped_system_once_per_cap(tmp_path):
     """Several budgets beside one reference (the planner issue's 16, 24 and 40 GiB in one run):
     each capped result kept under its cap's name and named with it in the report."""
@@ -187,6 +190,7 @@ def test_bench_with_several_caps_runs_each_capped_system_once_per_cap(tmp_path):
     assert "- elixir_ray at 24.0 MiB: predicted step" in md and "- elixir_ray at 48.0 MiB: predicted step" in md
 
 
+@pytest.mark.extended
 def test_a_system_keeps_its_timed_figures_before_the_extra_steps():
     """elixir_ray's breakdown and profiled steps come after the timed ones: the result is handed to
     `keep` before each, so a process that dies there (a profiler's crash) leaves what was measured."""
@@ -286,6 +290,7 @@ def test_nested_regions_count_once_and_unknown_categories_are_refused():
     assert timer.totals() == dict.fromkeys(CATEGORIES, 0.0)
 
 
+@pytest.mark.extended
 def test_plan_comparison_smoke_runs_every_fitting_plan(tmp_path):
     out = tmp_path / "plans.json"
     proc = subprocess.run([sys.executable, "jobs/bench_plans.py", "--smoke", "--out", str(out)],
@@ -304,6 +309,7 @@ def test_plan_comparison_smoke_runs_every_fitting_plan(tmp_path):
     assert "| searched |" in proc.stdout
 
 
+@pytest.mark.extended
 def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_path):
     out = tmp_path / "compute.json"
     proc = subprocess.run([sys.executable, "jobs/bench_compute.py", "--smoke", "--out", str(out)],
@@ -315,6 +321,7 @@ def test_compute_prediction_smoke_sets_both_models_beside_a_measured_step(tmp_pa
     assert "| smoke |" in proc.stdout
 
 
+@pytest.mark.extended
 def test_benchmark_matrix_refuses_unknown_stages_and_packs_what_it_ran(tmp_path):
     out = tmp_path / "matrix"
     env = {**os.environ, "PYTHON": sys.executable}
@@ -337,6 +344,7 @@ def test_benchmark_matrix_refuses_unknown_stages_and_packs_what_it_ran(tmp_path)
         assert "cuda-tests/stale.json" not in archive.getnames()
 
 
+@pytest.mark.extended
 def test_host_adam_bench_times_the_update_alone_and_beside_a_training_thread(tmp_path):
     """`jobs/bench_host_adam.py --smoke`: the engine's CPU update from bf16 gradients, timed on a
     thread of its own alone and beside the training stand-in, for each thread count and kernel."""
@@ -408,6 +416,7 @@ def test_the_memory_model_predicts_the_h100s_measured_peaks_within_ten_percent()
     assert all(0.9 <= r <= 1.1 for r in ratios), out.stdout
 
 
+@pytest.mark.extended
 def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_path):
     """A plan keeps the rates and forward compute it was costed with (version 4), so re-costing it
     with the same model gives back its predicted step and peak: what makes the re-costed figures
@@ -472,6 +481,7 @@ def test_repredict_re_costs_a_plan_of_this_version_to_its_own_prediction(tmp_pat
 
 
 @needs_h100_runs
+@pytest.mark.extended
 def test_repredict_refuses_a_file_that_is_not_a_bench_result_before_tracing_anything(tmp_path):
     """Every input is checked first: a missing file, or JSON that is not an elixir_ray result of a
     CUDA run, is one error line naming it (exit 2), and no model is traced for the good ones."""
@@ -548,6 +558,7 @@ def test_off_cuda_a_mark_records_no_device_event():
     assert [e[0] for e in timer.timeline] == ["step"] and timer.device_marks == [] and timer.device_timeline() == []
 
 
+@pytest.mark.extended
 def test_checkpoint_host_bench_times_every_mode_and_refuses_bad_sizes():
     """jobs/bench_checkpoint_host.py: a row per checkpointing mode with its fastest and median host
     times, the checkpointed modes set against the kept blocks; a bad size is one error, exit 2."""
@@ -564,6 +575,7 @@ def test_checkpoint_host_bench_times_every_mode_and_refuses_bad_sizes():
 
 
 @needs_h100_runs
+@pytest.mark.extended
 def test_engine_host_bench_runs_a_measured_plan_on_a_small_gpt_and_refuses_other_files(tmp_path):
     """jobs/bench_engine_host.py: an H100 run's gpt-1.5b plan (24 GiB, 2026-11-27), its chunks scaled
     to a GPT of the same depth 50 wide, through the engine beside plain PyTorch on the CPU; a file

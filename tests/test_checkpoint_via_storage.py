@@ -59,6 +59,7 @@ def test_a_killed_worker_restores_from_the_shards_the_workers_wrote(ray_cluster,
         np.testing.assert_allclose(mine[k], theirs[k], atol=1e-6, rtol=0, err_msg=k)
 
 
+@pytest.mark.extended
 def test_auto_picks_storage_for_a_state_large_against_the_object_store_and_resume_reads_it(
         ray_cluster, tiny_dataset, tmp_path, monkeypatch, caplog):
     """`auto` has the workers write when the state is over the object-store share (made tiny here);
@@ -125,6 +126,7 @@ def _slow_or_stalled_writer(marker: str, stall_at: int) -> type:
     return group_of(SlowWriter)
 
 
+@pytest.mark.extended
 def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny_dataset, tmp_path):
     """A write is as slow as its storage: one that keeps moving for longer than fault.detect_timeout_s
     completes; one where no rank writes a byte for that long fails the group, which restarts from the
@@ -141,6 +143,7 @@ def test_a_slow_write_is_waited_for_and_a_stalled_one_restarts(ray_cluster, tiny
     assert [p[-8:] for p in list_checkpoints(os.path.dirname(result.checkpoint_uri))] == ["00000002", "00000004"]
 
 
+@pytest.mark.extended
 def test_a_last_checkpoint_that_cannot_be_started_leaves_the_run_unsaved(ray_cluster, tiny_dataset, tmp_path,
                                                                          monkeypatch):
     """A disk that fills after the first checkpoint: the last one's directory cannot be made. The run

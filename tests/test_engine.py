@@ -264,7 +264,7 @@ def _rank_main(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,ckpt", [(2, "selective"), (4, "")])  # selective: all-gathers inside its regions
+@pytest.mark.parametrize("world,ckpt", [(2, "selective"), pytest.param(4, "", marks=pytest.mark.extended)])  # selective: all-gathers inside its regions
 def test_sharded_ranks_match_one_process(world, ckpt, tmp_path):
     torch.manual_seed(0)
     base = Toy(ckpt=ckpt)
@@ -314,6 +314,7 @@ def _routed_rank_main(rank: int, world: int, store: str, out: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(tmp_path):
     """Each rank uses experts the other does not: reductions still pair up (one fixed order, each
     chunk waiting only for what this rank used), and an expert used on one rank only is updated on
@@ -337,6 +338,7 @@ def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(
         assert _max_diff(state, ref.state_dict()) <= 1e-5, ckpt
 
 
+@pytest.mark.extended
 def test_a_learned_router_is_traced_with_its_weights_and_trains_like_torch():
     """Which experts run depends on the router's weights, which the meta trace does not have: the
     step is traced again with the real weights carried beside the meta ones. The engine then trains
@@ -419,6 +421,7 @@ def _learned_router_rank_main(rank: int, world: int, store: str, out: str) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ranks_with_a_learned_router_get_every_chunk_replicated_and_train_like_torch(tmp_path):
     """The ranks' halves of a batch route to different experts (in 5 of the 6 steps): the planner, seeing that the trace
     read values computed from the weights, replicates every chunk, and training matches torch on the
@@ -491,6 +494,7 @@ def _collective_rank_main(rank: int, world: int, store: str, out_dir: str) -> No
     dist.destroy_process_group()
 
 
+@pytest.mark.extended
 def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
     mp.spawn(_collective_rank_main, args=(2, store_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
@@ -498,6 +502,7 @@ def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
         assert any("distinct kernels timed on" in n for n in notes)
 
 
+@pytest.mark.extended
 def test_ranks_without_a_plan_all_run_rank_zeros_search(tmp_path):
     """Measured rates and kernel times differ per rank; one search, broadcast, keeps the chunks alike,
     and rank 0's PlanError reaches every rank instead of leaving the others waiting."""

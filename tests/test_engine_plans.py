@@ -92,6 +92,7 @@ def test_any_plan_trains_like_torch_adamw(ckpt, chunk_size, accum, promised, cli
        promised=st.booleans(), clip=st.sampled_from([None, 0.5, 0.01]), prefetch=st.integers(0, 2),
        dos_gap=st.integers(0, 2), upload_copies=st.booleans(), grads_low=st.booleans(), seed=st.integers(0, 2**16),
        draw=st.data())
+@pytest.mark.extended
 def test_plan_choices_leave_bf16_training_bit_for_bit_the_same(ckpt, chunk_size, accum, promised, clip, prefetch,
                                                                dos_gap, upload_copies, grads_low, seed, draw):
     base, data, placements, n_blocks = _drawn_setup(draw, ckpt, chunk_size, accum, seed)
@@ -135,6 +136,7 @@ def _rank_main(rank: int, world: int, store: str, seeds: list, out: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_random_mixes_of_sharded_and_replicated_chunks_across_two_ranks_match_torch(tmp_path):
     seeds, out = list(range(8)), str(tmp_path / "rank0.pt")
     mp.spawn(_rank_main, args=(2, store_url(tmp_path), seeds, out), nprocs=2, join=True)

@@ -48,6 +48,7 @@ def _steps(result):
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
+@pytest.mark.extended
 def test_a_rank_lost_in_the_last_snapshot_restarts_and_the_last_step_is_persisted(
         ray_cluster, tiny_dataset, tmp_path, how):
     """Only rank 0's result used to be checked: the run reported success with step 2 as its checkpoint
@@ -91,6 +92,7 @@ def test_the_persister_outlives_a_snapshot_it_cannot_fetch(ray_cluster, tmp_path
     assert [step for step, _ in persister.committed] == [2]
 
 
+@pytest.mark.extended
 def test_a_stalled_rank_0_is_a_failure_after_detect_timeout(ray_cluster, tiny_dataset, tmp_path):
     """A SIGSTOPped rank 0 answers nothing: the driver's metrics poll used to wait for it forever."""
     name = "stall"
@@ -128,6 +130,7 @@ def test_a_stalled_rank_0_is_a_failure_after_detect_timeout(ray_cluster, tiny_da
     assert noticed - stopped["at"] < 8 + 30, noticed - stopped["at"]
 
 
+@pytest.mark.extended
 def test_another_runs_workers_on_the_cluster_are_named_in_the_error(ray_cluster, tiny_dataset, tmp_path):
     @ray.remote(num_cpus=0)
     class Holder:
@@ -146,6 +149,7 @@ def test_another_runs_workers_on_the_cluster_are_named_in_the_error(ray_cluster,
     assert _steps(train(other, progress=False)) == [1]
 
 
+@pytest.mark.extended
 def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, tmp_path):
     """An earlier run of the same name left higher steps in the directory: pruning by step deleted the
     new run's own checkpoint, and its result named a directory that no longer existed."""
@@ -260,6 +264,7 @@ def test_a_run_name_cannot_cut_the_rendezvous_files_url_short():
         assert urlparse(f"file://{path}").path == path and "exp_1_x_y" in path and not os.path.exists(path)
 
 
+@pytest.mark.extended
 def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_cluster, tiny_dataset, tmp_path,
                                                                            caplog):
     """Workers in containers of their own (a Ray image_uri) have a /tmp each: rank 1 here does not see
@@ -276,6 +281,7 @@ def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_clu
     assert _steps(result) == [1] and not result.restarts
 
 
+@pytest.mark.extended
 def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray_cluster, tiny_dataset, tmp_path):
     """Profiling, setting up and restoring are waited for as long as they take: a rank that stopped
     answering there (SIGSTOP: a process hung in a driver call looks the same) held the driver forever."""
@@ -307,6 +313,7 @@ def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray
     assert time.monotonic() - started < 120
 
 
+@pytest.mark.extended
 def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray_cluster, tiny_dataset, tmp_path):
     """A step that fails the same way on every try (a bad config, a model too big at this size) used to
     be restarted fault.max_restarts times, each time re-placing, re-profiling and restoring. Whichever

@@ -134,6 +134,7 @@ def test_a_dead_worker_0_then_a_stopped_worker_1_are_named_in_one_line_each(
     assert len(console.splitlines()) < 20, console
 
 
+@pytest.mark.extended
 def test_a_run_that_queues_for_resources_says_it_is_waiting_and_for_how_long(ray_cluster, tiny_dataset, tmp_path,
                                                                                caplog):
     """Another run holds the CPUs (here a placement group, released after a few seconds): the run

@@ -58,6 +58,7 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     print(f"recovery: {record.resumed_at - killer.killed_at:.2f}s from kill to the first step after restore")
 
 
+@pytest.mark.extended
 def test_no_restarts_left_fails_with_the_reason(ray_cluster, tiny_dataset, tmp_path):
     killer = WorkerKiller(worker_actor_name("t", 1), 2)
     killer.start()
@@ -84,6 +85,7 @@ def test_a_cluster_busy_at_the_start_is_not_a_worker_failure(ray_cluster, tiny_d
         remove_placement_group(hold)
 
 
+@pytest.mark.extended
 def test_a_failed_run_keeps_its_metrics_and_says_where_to_resume(ray_cluster, tiny_dataset, tmp_path):
     """A run that gives up writes the metrics of the steps it trained and names its newest
     checkpoint; resumed in the same run directory, its metrics start at step 1 again."""
@@ -134,6 +136,7 @@ def _cli_run_stopped(tiny_dataset, tmp_path, every_steps: int, ready, signal_num
     return proc.returncode, out
 
 
+@pytest.mark.extended
 def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
     """`ray job stop` sends SIGTERM: the run ends as on Ctrl-C, with the metrics so far written."""
     import signal
@@ -150,6 +153,7 @@ def test_a_run_stopped_by_sigterm_keeps_its_metrics(tiny_dataset, tmp_path):
     assert "run stopped (SystemExit)\nthe newest checkpoint is step" in out and "continue with --resume" in out, out
 
 
+@pytest.mark.extended
 def test_ctrl_c_before_the_first_checkpoint_says_so_without_a_traceback(tiny_dataset, tmp_path):
     """Ctrl-C (SIGINT) ends `elixir-ray train` with exit status 130 and what the run kept (its
     metrics; no checkpoint yet, so nothing to resume from), not Python's traceback."""
@@ -199,6 +203,7 @@ def test_resume_continues_a_stopped_run_exactly(ray_cluster, tiny_dataset, tmp_p
     _assert_same_model(_final_model(resumed), _final_model(full), atol=1e-6)
 
 
+@pytest.mark.extended
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(ray_cluster, tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 2, "keep": 3})
     result = train(cfg, progress=False)
@@ -227,6 +232,7 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(ray_cluster, tiny_d
     assert resumed.metrics.column("step").to_pylist() == [3, 4, 5, 6]
 
 
+@pytest.mark.extended
 def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2})
     result = train(cfg, progress=False)
@@ -239,6 +245,7 @@ def test_checkpoint_of_another_model_is_refused(ray_cluster, tiny_dataset, tmp_p
 
 
 @pytest.mark.parametrize("via", ["object_store", "storage"])
+@pytest.mark.extended
 def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_dataset, tmp_path, monkeypatch, capsys,
                                                           via):
     """A checkpoint.uri under a file is refused before the run; storage that fails during the run
@@ -264,6 +271,7 @@ def test_unwritable_checkpoint_uri_does_not_stop_training(ray_cluster, tiny_data
     assert "checkpoint written" not in err
 
 
+@pytest.mark.extended
 def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset, tmp_path):
     import torch
     from safetensors.torch import load_file
@@ -287,6 +295,7 @@ def test_export_gives_a_state_dict_the_module_accepts(ray_cluster, tiny_dataset,
                  "--device", "cpu"]) == 0
 
 
+@pytest.mark.extended
 def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_dataset, tmp_path):
     """A run of the same name left checkpoints in the directory; this one fails before its first."""
     base = dict(train={"steps": 6}, checkpoint={"every_steps": 5}, fault={"max_restarts": 2})
@@ -304,6 +313,7 @@ def test_a_restart_never_restores_an_earlier_runs_checkpoint(ray_cluster, tiny_d
                                first.metrics.column("loss").to_pylist(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.extended
 def test_a_lost_final_checkpoint_is_not_reported_as_the_result(ray_cluster, tiny_dataset, tmp_path, monkeypatch,
                                                                 capsys):
     """Step 2's checkpoint is written and step 4's (the last) fails: the summary names step 2 as NOT
@@ -332,6 +342,7 @@ def test_a_lost_final_checkpoint_is_not_reported_as_the_result(ray_cluster, tiny
     assert "error: training reached step 4, but its checkpoint was not written" in err
 
 
+@pytest.mark.extended
 def test_the_metrics_on_disk_reach_every_checkpoint_step(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
     """A driver killed outright writes nothing more: its metrics file must already hold every step up
     to the checkpoint a resume takes (they were written every 10 s only, and the resume's metrics had
@@ -352,6 +363,7 @@ def test_the_metrics_on_disk_reach_every_checkpoint_step(ray_cluster, tiny_datas
     assert steps[:6] == [1, 2, 3, 4, 5, 6], steps
 
 
+@pytest.mark.extended
 def test_a_resume_from_a_checkpoint_uri_outside_the_run_directory_keeps_the_earlier_metrics(
         ray_cluster, tiny_dataset, tmp_path):
     """The README's s3:// setup puts checkpoints outside the run directory: a resume of the same run
@@ -386,6 +398,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(tiny_dat
         train(cfg, progress=False)
 
 
+@pytest.mark.extended
 def test_a_resume_with_dropout_onto_another_worker_count_warns_that_it_is_not_exact(
         ray_cluster, tiny_dataset, tmp_path, caplog):
     """Each rank's dropout masks come from its own saved random stream: the README said a resume with

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.extended
 def test_full_disk_during_persist_reports_and_keeps_training(tiny_dataset, tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "scripts", "full_disk.py"), tiny_dataset, str(tmp_path)],
@@ -32,6 +33,7 @@ def test_full_disk_during_persist_reports_and_keeps_training(tiny_dataset, tmp_p
     assert report["leftovers"] == []  # and the temporary directories were cleaned away
 
 
+@pytest.mark.extended
 def test_runs_started_from_threads_share_the_ray_that_train_starts(tiny_dataset, tmp_path):
     """A sweep's runs in threads of a process without Ray: the first to end shut Ray down under
     the others (their workers vanished), and two starting at once raced in ray.init."""
@@ -46,6 +48,7 @@ def test_runs_started_from_threads_share_the_ray_that_train_starts(tiny_dataset,
     assert not report["ray_left_running"]  # the last run to end shut it down
 
 
+@pytest.mark.extended
 def test_two_nodes_profile_their_links_and_the_plan_is_made_for_those_nodes(tiny_dataset, tmp_path):
     """The Ray path fills each rank's node from the workers' node ids, and the ranks' measured rates
     (within a node, across all ranks, between the nodes) reach the plan and its explanation."""

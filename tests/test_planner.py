@@ -78,6 +78,7 @@ def _min_budget(model, sample, **kw) -> int:
 @given(widths=st.lists(st.sampled_from([16, 48, 128, 256]), min_size=1, max_size=6),
        rows=st.sampled_from([1, 4, 16]), world=st.sampled_from([1, 2, 4]), factor=st.floats(1.05, 20.0),
        more=st.floats(1.0, 8.0), in_backward=st.booleans())
+@pytest.mark.extended
 def test_plan_properties(widths, rows, world, factor, more, in_backward):
     """The search's properties over random models. Each model is traced once, at every checkpointing
     setting, and searched at three budgets: what `elixir_ray.plan` does per budget (it traces again

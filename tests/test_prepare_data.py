@@ -198,6 +198,7 @@ def test_a_held_out_set_from_another_tokenizer_is_refused(tmp_path):
         check_data(resolve_run(as_config(cfg)))
 
 
+@pytest.mark.extended
 def test_a_run_trains_on_ids_past_65535_from_a_tokenizer_file(ray_cluster, tmp_path):
     """The workers read a uint32 dataset: the first loss is that of a uniform guess over its 70,002 ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers

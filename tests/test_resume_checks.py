@@ -148,6 +148,7 @@ ray.shutdown()
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_without_ray_address_a_new_local_cluster_starts_beside_an_existing_one(ray_cluster):
     """With RAY_ADDRESS unset a bare ray.init() joins the cluster `ray start` recorded on this machine and
     refuses num_cpus there. A `ray start` cluster is recorded in <RAY_TMPDIR>/ray/ray_current_cluster:
@@ -171,6 +172,7 @@ def test_without_ray_address_a_new_local_cluster_starts_beside_an_existing_one(r
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_resume_past_a_damaged_newest_manifest_trains_from_the_previous_one(ray_cluster, tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2, "keep": 3})
     first = train(cfg, progress=False)
@@ -261,6 +263,7 @@ def test_a_checkpoint_whose_model_differs_without_changing_a_shape_is_warned_abo
                      root)
 
 
+@pytest.mark.extended
 def test_a_resume_whose_restore_falls_back_to_another_models_checkpoint_is_refused(ray_cluster, tiny_dataset,
                                                                                    tmp_path):
     """The driver checks the newest checkpoint whose manifest reads; the restore takes the newest whose
