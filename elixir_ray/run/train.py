@@ -49,8 +49,8 @@ class RunOptions:
     plan_cache: Optional[PlanCache] = None  # profiles and plans shared with runs of the same shape
 
 
-def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None,
-          progress: bool = True, resume: Optional[str] = None, *, on_metrics: Optional[Callable[[dict], None]] = None,
+def train(config: Union[RunConfig, dict, str], overrides: Optional[list[str]] = None, *, progress: bool = True,
+          resume: Optional[str] = None, on_metrics: Optional[Callable[[dict], None]] = None,
           worker_group_cls: Optional[type] = None) -> Result:
     """Run training on Ray; `resume` names a checkpoint (or a directory of them) to continue from,
     or is "auto": this run's newest checkpoint if it has one, else a fresh start (said on stderr).
