@@ -333,12 +333,12 @@ def test_an_error_raised_again_at_the_same_step_after_a_restart_ends_the_run(ray
             step, trainer = self.trainer.step, self.trainer
             failing_rank = 1 if len(starts.read_text().split()) == 1 else 0
 
-            def failing_step():
+            def failing_step(**kwargs):
                 if trainer.state.step >= 2 and self.rank == failing_rank:
                     with open(tries, "a") as f:
                         f.write(f"{self.rank}\n")
                     raise FloatingPointError("injected: the loss is not finite")  # the run's error, not a worker's
-                return step()
+                return step(**kwargs)
 
             trainer.step = failing_step
             return super().run(num_steps)
