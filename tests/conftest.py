@@ -42,7 +42,11 @@ def held_out(tmp_path_factory):
 
 
 def tiny_config(dataset: str, tmp_path, **sections) -> dict:
-    """A config dict for a few fast steps of the tiny GPT."""
+    """A config dict for a few fast steps of the tiny GPT. Its plan is searched without
+    activation checkpointing and costed from FLOPs, not from kernels the workers time: each
+    checkpointing setting is one more trace of the model on the driver, and timing kernels one
+    more per setting on every rank, together about 5 s of CPU a run. The tests of those paths
+    turn them on (`engine.search_checkpointing`, `engine.time_kernels`)."""
     cfg = {
         "name": "t",
         "output_dir": str(tmp_path / "runs"),
@@ -50,6 +54,7 @@ def tiny_config(dataset: str, tmp_path, **sections) -> dict:
         "data": {"path": dataset},
         "train": {"steps": 4, "micro_batch": 4, "log_every": 1},
         "cluster": {"num_workers": 2},
+        "engine": {"time_kernels": False, "search_checkpointing": False},
     }
     for key, value in sections.items():
         cfg.setdefault(key, {}).update(value)
