@@ -12,14 +12,12 @@ all ranks, and with one rank per node, its peers are.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
 from elixir_ray.chunk_plan.nodes import NodeLayout
 from elixir_ray.engine.comm import Comm
+from elixir_ray.planner.hardware import median_seconds
 
 REPEATS = 3  # timed calls of each collective, after one warm-up; the median counts
 
@@ -28,18 +26,7 @@ def _median_seconds(fn, device: torch.device, comm: Comm) -> float:
     """Median seconds of REPEATS calls of `fn` after a warm-up, each started together on the group's
     ranks (a tiny all-reduce first): a rank that comes late to a collective would count as slow."""
     token = torch.zeros(1)
-    times = []
-    for i in range(REPEATS + 1):
-        comm.all_reduce_sum(token)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, device, REPEATS, before=lambda: comm.all_reduce_sum(token))
 
 
 def _time_group(comm: Comm, device: torch.device, numel: int, dtype: torch.dtype) -> dict:

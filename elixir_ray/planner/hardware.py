@@ -162,11 +162,14 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
+def median_seconds(fn, device: torch.device, repeats: int, before=None) -> float:
     """Median seconds of `repeats` calls after a warm-up: one slow moment of a shared machine (a
-    VM's neighbour, another rank's update) does not set the rate a whole plan is costed at."""
+    VM's neighbour, another rank's update) does not set the rate a whole plan is costed at.
+    `before`, when given, runs ahead of each call, untimed."""
     times = []
     for i in range(repeats + 1):
+        if before is not None:
+            before()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -202,7 +205,7 @@ def _adam_rate(device: torch.device, numel: int) -> float:
         for _ in range(DEVICE_ADAM_CALLS):
             run_adam([call], master, grad, avg, avg_sq)
 
-    return numel * DEVICE_ADAM_CALLS / _timed(updates, device, repeats=3)
+    return numel * DEVICE_ADAM_CALLS / median_seconds(updates, device, repeats=3)
 
 
 class HostChunkState:
@@ -311,7 +314,8 @@ def _host_update_rate(numel: int, grad_dtype: torch.dtype, upload_dtype: Optiona
     call, scratch = _adam_call(numel), TileScratch()  # the scratch kept between updates, as the engine keeps it
 
     def rate() -> float:
-        return numel / _timed(lambda: state.update(call, scratch), torch.device("cpu"), repeats=HOST_UPDATE_REPEATS)
+        return numel / median_seconds(lambda: state.update(call, scratch), torch.device("cpu"),
+                                      repeats=HOST_UPDATE_REPEATS)
 
     alone = rate()
     if not beside_copies:
@@ -329,8 +333,8 @@ def _copy_rates(copy_bytes: int, device: torch.device) -> tuple[float, float]:
     GPU; its buffers are freed on return, before the rates measured after it."""
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    h2d = copy_bytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
-    d2h = copy_bytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
+    h2d = copy_bytes / median_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeats=5) / 1e9
+    d2h = copy_bytes / median_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeats=5) / 1e9
     return h2d, d2h
 
 
@@ -362,7 +366,7 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the caller's random state alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    tflops = 2 * n**3 / _timed(lambda: a @ b, device, repeats=5) / 1e12
+    tflops = 2 * n**3 / median_seconds(lambda: a @ b, device, repeats=5) / 1e12
     return HardwareProfile(device=str(device), h2d_gbps=h2d, d2h_gbps=d2h, cpu_adam_params_per_s=cpu_adam,
                            device_adam_params_per_s=dev_adam, matmul_tflops=tflops,
                            cpu_threads=torch.get_num_threads(), device_name=device_name(device),
