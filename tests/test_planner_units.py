@@ -677,3 +677,41 @@ def test_a_plan_whose_updates_start_in_backward_re_costs_to_its_prediction_eithe
             assert at_step > released.predicted_peak_bytes
             assert any("released" in note for note in released.notes)
         assert released.predicted_step_seconds <= plans[False].predicted_step_seconds * (1 + 1e-12)
+
+
+def _three_chunk_plan(**fields):
+    from elixir_ray.chunk_plan.plan import Plan
+
+    return Plan(chunk_size=8, n_blocks=1, param_order=["a", "b", "c"], placements=["host", "device", "host"],
+                sharded=[False] * 3, chunk_numels=[8, 8, 8], **fields)
+
+
+def test_a_plans_resident_chunks_round_trip_and_only_host_chunks_may_be_resident():
+    from elixir_ray.chunk_plan.errors import PlanError
+    from elixir_ray.chunk_plan.plan import Plan
+
+    plan = _three_chunk_plan(resident=[True, False, True])
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.resident == [True, False, True]
+    assert [again.is_resident(i) for i in range(3)] == [True, False, True]
+    assert "resident: 2 host chunk(s) keep their compute copy on the device" in plan.explain()
+    assert "chunk(s) 0, 2 (16 parameters)" in plan.explain()
+    # a plan of this version written without the field keeps no chunk resident
+    older = json.loads(plan.to_json())
+    del older["resident"]
+    assert Plan.from_dict(older).resident == [] and not Plan.from_dict(older).is_resident(0)
+    assert "resident:" not in _three_chunk_plan().explain()
+    with pytest.raises(PlanError, match=r"^chunk 1 is resident but its state is on the device: only a host "
+                                        r"chunk's compute copy can stay on the device$"):
+        _three_chunk_plan(resident=[False, True, False])
+    with pytest.raises(PlanError, match="the plan's resident lists 2 chunks, its placements 3"):
+        _three_chunk_plan(resident=[True, False])
+    with pytest.raises(PlanError, match="chunk 0 is resident"):
+        Plan.from_dict({**json.loads(plan.to_json()), "placements": ["device", "device", "host"]})
+
+
+def test_index_ranges_name_runs_of_chunks():
+    from elixir_ray.chunk_plan.plan import index_ranges
+
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert index_ranges([3]) == "3" and index_ranges([]) == ""
