@@ -580,7 +580,8 @@ def _resident_run(device: str, accum: int = 2) -> tuple:
     sample = (batches(1, 8)[0],)
     plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3)
     places = [("host", "host", "device")[i % 3] for i in range(plan.n_chunks)]
-    plan = dataclasses.replace(plan, placements=places, resident=[p == "host" and i % 2 == 0 for i, p in enumerate(places)])
+    resident = [p == "host" and i % 2 == 0 for i, p in enumerate(places)]
+    plan = dataclasses.replace(plan, placements=places, resident=resident)
     wrapped, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=sample, plan=plan,
                         device=device, dtype=torch.float32, accumulation_steps=accum, prefetch=2)
     losses = engine_run(wrapped, opt, data, STEPS, accum, device=device)

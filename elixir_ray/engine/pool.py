@@ -101,7 +101,8 @@ class ChunkPool:
 
     @property
     def resident(self) -> list[Chunk]:
-        """The chunks holding a block: resident ones, but those that stay resident outside the blocks."""
+        """The chunks holding a pool block: those with a compute copy, less those that stay resident
+        outside the blocks."""
         return [c for c in self.store.chunks if c.resident and not c.stays_resident]
 
     def _advance(self, chunk_ids: tuple[int, ...]) -> bool:
@@ -150,7 +151,8 @@ class ChunkPool:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
                 resident = self.resident
-                while len(resident) >= self.n_blocks and not chunk.stays_resident:  # more than one after an overflow (below)
+                # more than one after an overflow (below); a chunk that stays resident takes no block
+                while len(resident) >= self.n_blocks and not chunk.stays_resident:
                     protected = protected if protected is not None else self._protected(chunk_ids)
                     # a recent chunk may go if it must (its saved views are fetched again when
                     # unpacked); a pinned one may not: recomputed views of it are still to be read

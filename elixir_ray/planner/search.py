@@ -880,7 +880,9 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         ok, peaks = ok[take], np.concatenate([peaks, peaks[filled] + added[filled]])
 
         def rows(x, saved=None):  # a per-row part for each candidate, less what its resident chunks save
-            return x if not len(filled) else np.concatenate([x, x[filled] if saved is None else x[filled] - keptf @ saved])
+            if not len(filled):
+                return x
+            return np.concatenate([x, x[filled] if saved is None else x[filled] - keptf @ saved])
 
         stream = rows(on_stream + dosf @ costs.dos_update, parts.kept_gather)
         cpu_adam = rows(plain.astype(np.float64) @ costs.adam_host)
