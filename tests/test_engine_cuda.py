@@ -565,3 +565,53 @@ def test_wrap_trains_on_expandable_segments_and_its_plan_keeps_a_tenth_back(monk
     after_wrap = [seg for seg in torch.cuda.memory_snapshot() if seg.get("is_expandable")]
     assert after_wrap, "no expandable segment after wrap on CUDA"
     assert torch.cuda.max_memory_reserved() <= budget
+
+
+def _resident_run(device: str, accum: int = 2) -> tuple:
+    """Toy with checkpointing over (host, host, device) chunks, every other host chunk resident
+    (Plan.resident), two micro-steps a step with the updates started in the last backward: the
+    engine's losses and weights, torch AdamW's, and the resident loads counted against those
+    expected (one per step for each resident chunk the step uses)."""
+    torch.manual_seed(0)
+    base = Toy(ckpt="non-reentrant")
+    data = batches(STEPS * accum, 8)
+    ref_losses, ref_state = reference_run(base, data, STEPS, accum, None, device=device)
+    model = copy.deepcopy(base)
+    sample = (batches(1, 8)[0],)
+    plan = manual_plan(model, sample, chunk_size=1024, n_blocks=3)
+    places = [("host", "host", "device")[i % 3] for i in range(plan.n_chunks)]
+    resident = [p == "host" and i % 2 == 0 for i, p in enumerate(places)]
+    plan = dataclasses.replace(plan, placements=places, resident=resident)
+    wrapped, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=sample, plan=plan,
+                        device=device, dtype=torch.float32, accumulation_steps=accum, prefetch=2)
+    losses = engine_run(wrapped, opt, data, STEPS, accum, device=device)
+    expected = STEPS * sum(1 for c in wrapped.pool.occurrences if plan.resident[c])
+    return losses, wrapped.state_dict(), ref_losses, ref_state, wrapped.store.counts["resident_loads"], expected
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["plain", "slow-copies-and-updates"])
+def test_resident_host_chunks_on_cuda_match_torch_adamw_and_load_once_a_step(slow, monkeypatch):
+    """A resident chunk's refill runs on the copy stream into storage the last step's kernels read,
+    after its CPU update: with every fill held back on its stream and every CPU update on its
+    thread, a missing wait reads stale or half-written weights."""
+    import time
+
+    from elixir_ray.engine import chunks, optimizer
+
+    if slow:
+        real_fill, real_host_update = chunks.ChunkStore._fill, optimizer.host_update
+
+        def slow_fill(self, c):
+            torch.cuda._sleep(5_000_000)
+            real_fill(self, c)
+
+        def slow_host_update(*args, **kwargs):
+            time.sleep(0.01)
+            real_host_update(*args, **kwargs)
+
+        monkeypatch.setattr(chunks.ChunkStore, "_fill", slow_fill)
+        monkeypatch.setattr(optimizer, "host_update", slow_host_update)
+    losses, state, ref_losses, ref_state, loads, expected = _resident_run("cuda")
+    assert loads == expected > 0
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_FP32_TOL
+    assert _max_diff(state, ref_state) <= CUDA_FP32_TOL

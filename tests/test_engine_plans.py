@@ -151,3 +151,112 @@ def test_random_mixes_of_sharded_and_replicated_chunks_across_two_ranks_match_to
         losses, state = results[seed]
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, setup
         assert _max_diff(state, ref_state) <= 1e-5, setup
+
+
+def _resident_train(base, data, accum, *, chunk_size, n_blocks, placements, resident, world=1, rank=0, sharded=None,
+                    dos_gap=0, clip=None, promise=None, prefetch=1):
+    """`_train` with some host chunks' compute copies kept on the device (Plan.resident): the losses,
+    the weights, the pool's counts and the chunks the traced step uses."""
+    model = copy.deepcopy(base)
+    sample = (data[0][: data[0].shape[0] // world],)
+    plan = manual_plan(model, sample, chunk_size=chunk_size, n_blocks=n_blocks, world_size=world,
+                       placements=placements, sharded=sharded, dos_gap=dos_gap, resident=resident)
+    wrapped, opt = wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-2), sample_inputs=sample, plan=plan,
+                        max_grad_norm=clip, device="cpu", accumulation_steps=promise, prefetch=prefetch)
+    losses = engine_run(wrapped, opt, data, STEPS, accum, rank=rank, world=world)
+    return losses, wrapped.state_dict(), dict(wrapped.store.counts), sorted(wrapped.pool.occurrences)
+
+
+def _resident_loads_per_step(plan_resident: list, used: list) -> int:
+    """What a resident chunk costs: one load per step, of each one the step uses."""
+    return sum(1 for c in used if plan_resident[c])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(ckpt=st.sampled_from(CHECKPOINTING), chunk_size=st.sampled_from(CHUNK_SIZES), accum=st.sampled_from([1, 2]),
+       promised=st.booleans(), clip=st.sampled_from([None, 0.5]), prefetch=st.integers(0, 2),
+       dos_gap=st.integers(0, 2), seed=st.integers(0, 2**16), draw=st.data())
+def test_plans_with_resident_host_chunks_train_like_torch_adamw(ckpt, chunk_size, accum, promised, clip, prefetch,
+                                                                dos_gap, seed, draw):
+    base, data, placements, n_blocks = _drawn_setup(draw, ckpt, chunk_size, accum, seed)
+    kept = draw.draw(st.lists(st.booleans(), min_size=len(placements), max_size=len(placements)), label="resident")
+    resident = [k and p == "host" for k, p in zip(kept, placements)]
+    ref_losses, ref_state = reference_run(base, data, STEPS, accum, clip)
+    losses, state, counts, used = _resident_train(
+        base, data, accum, chunk_size=chunk_size, n_blocks=n_blocks, placements=placements, resident=resident,
+        dos_gap=dos_gap, clip=clip, promise=accum if promised else None, prefetch=prefetch)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_diff(state, ref_state) <= 1e-5
+    # each resident chunk is loaded once per step, however often the pool is asked for it
+    assert counts["resident_loads"] == STEPS * _resident_loads_per_step(resident, used)
+
+
+def test_resident_host_chunks_are_loaded_once_per_step_and_never_evicted():
+    """Every chunk on the host and resident, a pool of one block, recompute in backward: without
+    residency each chunk is loaded again for recompute and backward; with it, once a step each."""
+    torch.manual_seed(0)
+    base, data = Toy(ckpt="non-reentrant"), batches(STEPS * 2, 8, seed=3)
+    common = dict(chunk_size=512, n_blocks=1, placements="host")
+    plain = _resident_train(base, data, 2, resident=False, **common)
+    kept = _resident_train(base, data, 2, resident=True, **common)
+    ref_losses, ref_state = reference_run(base, data, STEPS, 2, None)
+    for losses, state, _, _ in (plain, kept):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+        assert _max_diff(state, ref_state) <= 1e-5
+    used = kept[3]
+    assert kept[2]["resident_loads"] == kept[2]["fetches"] == STEPS * len(used)
+    assert kept[2]["evictions"] == 0
+    assert plain[2]["fetches"] > 2 * STEPS * len(used)  # two micro-steps, each loading every chunk again
+
+
+def _resident_setups() -> list[dict]:
+    """Two-rank set-ups with resident host chunks: sharded and replicated ones, updates in backward
+    (accumulation declared, no clipping) and at step(), one and two micro-steps."""
+    return [dict(seed=11, ckpt="non-reentrant", chunk_size=256, accum=1, promise=1, clip=None, prefetch=1, dos_gap=0),
+            dict(seed=12, ckpt="", chunk_size=512, accum=2, promise=2, clip=None, prefetch=2, dos_gap=0),
+            dict(seed=13, ckpt="reentrant", chunk_size=256, accum=2, promise=None, clip=0.5, prefetch=0, dos_gap=2),
+            dict(seed=14, ckpt="selective", chunk_size=1024, accum=1, promise=None, clip=None, prefetch=1, dos_gap=0)]
+
+
+def _resident_plan(setup: dict, world: int) -> tuple:
+    """The model, batches and plan of a set-up: chunks alternately sharded and replicated, host
+    chunks resident in turn, a pool of the fewest blocks."""
+    rnd = random.Random(setup["seed"])
+    torch.manual_seed(setup["seed"])
+    base = Toy(ckpt=setup["ckpt"])
+    data = batches(STEPS * setup["accum"], 8, seed=setup["seed"])
+    n = _n_chunks(base, data, setup["chunk_size"], world)
+    placements = ["device" if i % 3 == 2 else "host" for i in range(n)]
+    sharded = [i % 2 == 0 for i in range(n)]
+    resident = [p == "host" and (i // 2) % 2 == 0 for i, p in enumerate(placements)]
+    return base, data, dict(placements=placements, sharded=sharded, resident=resident, n_blocks=rnd.randint(1, 2))
+
+
+def _resident_rank_main(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    results = []
+    for setup in _resident_setups():
+        base, data, layout = _resident_plan(setup, world)
+        results.append(_resident_train(base, data, setup["accum"], chunk_size=setup["chunk_size"], world=world,
+                                       rank=rank, clip=setup["clip"], promise=setup["promise"],
+                                       prefetch=setup["prefetch"], dos_gap=setup["dos_gap"], **layout))
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_resident_sharded_and_replicated_chunks_across_two_ranks_match_torch(tmp_path):
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_resident_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    results = torch.load(out)
+    mixes = set()
+    for setup, (losses, state, counts, used) in zip(_resident_setups(), results):
+        base, data, layout = _resident_plan(setup, 2)
+        mixes |= {s for s, r in zip(layout["sharded"], layout["resident"]) if r}
+        ref_losses, ref_state = reference_run(base, data, STEPS, setup["accum"], setup["clip"])
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, setup
+        assert _max_diff(state, ref_state) <= 1e-5, setup
+        assert counts["resident_loads"] == STEPS * _resident_loads_per_step(layout["resident"], used), setup
+    assert mixes == {True, False}  # resident chunks both sharded (gathered at their load) and replicated

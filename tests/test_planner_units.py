@@ -677,3 +677,116 @@ def test_a_plan_whose_updates_start_in_backward_re_costs_to_its_prediction_eithe
             assert at_step > released.predicted_peak_bytes
             assert any("released" in note for note in released.notes)
         assert released.predicted_step_seconds <= plans[False].predicted_step_seconds * (1 + 1e-12)
+
+
+def _three_chunk_plan(**fields):
+    from elixir_ray.chunk_plan.plan import Plan
+
+    return Plan(chunk_size=8, n_blocks=1, param_order=["a", "b", "c"], placements=["host", "device", "host"],
+                sharded=[False] * 3, chunk_numels=[8, 8, 8], **fields)
+
+
+def test_a_plans_resident_chunks_round_trip_and_only_host_chunks_may_be_resident():
+    from elixir_ray.chunk_plan.errors import PlanError
+    from elixir_ray.chunk_plan.plan import Plan
+
+    plan = _three_chunk_plan(resident=[True, False, True])
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.resident == [True, False, True]
+    assert [again.is_resident(i) for i in range(3)] == [True, False, True]
+    assert "resident: 2 host chunk(s) keep their compute copy on the device" in plan.explain()
+    assert "chunk(s) 0, 2 (16 parameters)" in plan.explain()
+    # a plan of this version written without the field keeps no chunk resident
+    older = json.loads(plan.to_json())
+    del older["resident"]
+    assert Plan.from_dict(older).resident == [] and not Plan.from_dict(older).is_resident(0)
+    assert "resident:" not in _three_chunk_plan().explain()
+    with pytest.raises(PlanError, match=r"^chunk 1 is resident but its state is on the device: only a host "
+                                        r"chunk's compute copy can stay on the device$"):
+        _three_chunk_plan(resident=[False, True, False])
+    with pytest.raises(PlanError, match="the plan's resident lists 2 chunks, its placements 3"):
+        _three_chunk_plan(resident=[True, False])
+    with pytest.raises(PlanError, match="chunk 0 is resident"):
+        Plan.from_dict({**json.loads(plan.to_json()), "placements": ["device", "device", "host"]})
+
+
+def test_index_ranges_name_runs_of_chunks():
+    from elixir_ray.chunk_plan.plan import index_ranges
+
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert index_ranges([3]) == "3" and index_ranges([]) == ""
+
+
+def test_the_cache_sim_gives_resident_chunks_no_block_and_no_load():
+    from elixir_ray.planner.cache_sim import loads_per_chunk
+
+    seq = [(0,), (1,), (2,), (0,), (1,), (2,)]
+    assert count_loads(seq, 2) == 4
+    # chunk 0 stays on the device outside the pool: 1 and 2 share two blocks, each loaded once
+    assert loads_per_chunk(seq, 2, resident=[0]) == {1: 1, 2: 1}
+    assert loads_per_chunk([(0, 1), (1, 2)], 1, resident=[1]) == {0: 1, 2: 1}  # an op's resident chunk takes no block
+
+
+# an H100-like box whose host link is slow beside a fast CPU AdamW: the link bounds the step
+SLOW_LINK = HardwareProfile(device="cuda:0", h2d_gbps=1.0, d2h_gbps=22.0, cpu_adam_params_per_s=50e9,
+                            device_adam_params_per_s=60e9, matmul_tflops=400.0, cpu_threads=16)
+
+
+def test_a_resident_chunk_holds_its_compute_copy_and_crosses_the_link_once_a_step():
+    """Memory: exactly the chunk's size in the compute dtype more, every other part the same, and
+    the host state unchanged. Loads: the pool's loads of the other chunks (the resident one takes
+    no block) every micro-step, and the resident chunk's one load per step."""
+    from elixir_ray.planner.cache_sim import loads_per_chunk
+    from elixir_ray.planner.search import Choice, evaluate, loads_at
+
+    _, lay = _gpt_layout(True, chunk_size=2048)
+    n, blocks, accum = len(lay.sizes), lay.min_blocks, 2
+    loads = loads_at(lay, blocks)
+    c = int(np.flatnonzero(loads >= 2)[len(np.flatnonzero(loads >= 2)) // 2])  # a chunk the pool loads twice or more
+    plain = Choice(lay, blocks, np.zeros(n, dtype=bool), 0, upload=True)
+    kept = dataclasses.replace(plain, resident=np.arange(n) == c)
+    memory, time, host, _ = evaluate(plain, SLOW_LINK, 1, 2, accum)
+    memory_kept, time_kept, host_kept, _ = evaluate(kept, SLOW_LINK, 1, 2, accum)
+    assert memory_kept["resident compute copies"] == lay.sizes[c] * 2 and memory["resident compute copies"] == 0
+    assert {k: v for k, v in memory_kept.items() if k != "resident compute copies"} == \
+        {k: v for k, v in memory.items() if k != "resident compute copies"}
+    assert host_kept == host
+    # sharded across two ranks, a resident copy is still the whole chunk: it is gathered at its load
+    from elixir_ray.planner.search import MemorySettings, _memory_rows, make_layout
+
+    halves = make_layout(lay.profile, 2048, 2)
+    one = (np.arange(len(halves.sizes)) == 0)[None, :]
+    rows = _memory_rows(halves, blocks, np.zeros_like(one), MemorySettings(0, 2, 2, True), resident=one)
+    assert rows["resident compute copies"][0] == halves.sizes[0] * 2 == 2 * halves.shards[0] * 2
+    h2d = SLOW_LINK.link_rates()[0] * 1e9
+    others = loads_per_chunk(lay.events, blocks, resident=[c])
+    assert c not in others
+    expected = (accum * sum(k * lay.shards[i] * 2 for i, k in others.items()) + lay.shards[c] * 2) / h2d
+    assert time_kept["copies host->device"] == pytest.approx(expected, rel=1e-12)
+    assert time["copies host->device"] == pytest.approx(accum * float((loads * lay.shards).sum()) * 2 / h2d, rel=1e-12)
+    saved = (accum * loads[c] - 1.5) * lay.shards[c] * 2 / h2d  # its loads but one, less half a load's slack
+    assert time_kept["copies host->device"] < time["copies host->device"] - saved
+
+
+def test_the_search_keeps_host_chunks_resident_where_the_link_bounds_the_step_and_memory_is_left():
+    """Two micro-steps a step over a slow link: a pooled host chunk crosses it every micro-step, a
+    resident one once a step, for two bytes a parameter of device memory the budget has to spare."""
+    from elixir_ray.planner.search import SearchSettings, plan_search, plan_step_seconds, resident_bytes
+
+    profile, lay = _gpt_layout(True, chunk_size=2048)
+    settings = SearchSettings(hw=SLOW_LINK, budget=2 * 2**20, dtype_name="bfloat16", elem_bytes=2, grad_accum=2,
+                              memory_margin=0.1)
+    plan = plan_search([profile], settings, chunk_sizes=[2048])
+    kept = np.array(plan.resident, dtype=bool)
+    assert kept.any() and all(plan.placements[i] == "host" for i in np.flatnonzero(kept))
+    assert plan.memory["resident compute copies"] == resident_bytes(lay, 2)[kept].sum()
+    assert plan.predicted_peak_bytes <= settings.limit
+    # the same plan with its chunks pooled instead is predicted slower: the link is what they relieve
+    pooled = plan_step_seconds(dataclasses.replace(plan, resident=[]), profile, SLOW_LINK, 2)
+    assert pooled > 1.5 * plan.predicted_step_seconds
+    assert plan_step_seconds(plan, profile, SLOW_LINK, 2) == pytest.approx(plan.predicted_step_seconds, rel=1e-12)
+    assert any(note.startswith(f"resident compute copies: {int(kept.sum())} host chunk(s)") for note in plan.notes)
+    assert f"resident: {int(kept.sum())} host chunk(s)" in plan.explain()
+    # with a fast link and the state's memory to spare, nothing is kept resident for nothing
+    roomy = plan_search([profile], dataclasses.replace(settings, budget=64 * 2**20), chunk_sizes=[2048])
+    assert roomy.resident == [] and set(roomy.placements) == {"device"}

@@ -12,10 +12,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
+from elixir_ray.chunk_plan.errors import PlanError
+
 # 6: activation checkpointing per block by mode name, the hardware rates and the forward's compute
 # the predictions rest on, the memory margin the plan was searched with, and how many chunks ahead
 # the pool loads; and, empty in a plan for one node, the node of each rank, the chunks sharded
-# within each node and the collectives' rates. Only this version is read: a plan of another is made again.
+# within each node and the collectives' rates; and, empty in a plan that keeps none, the host chunks
+# whose compute copy stays on the device (a plan of this version without the field keeps none). Only
+# this version is read: a plan of another is made again.
 PLAN_VERSION = 6
 # the share of the budget a plan keeps back for the allocator unless asked otherwise (planner.search.SAFETY)
 DEFAULT_MEMORY_MARGIN = 0.20
@@ -73,8 +77,28 @@ class Plan:
     # the collectives' rates the predictions rest on and the nodes they were measured on
     # (planner.network.Network's fields; empty where none were measured)
     network: dict = field(default_factory=dict)
+    # per chunk (empty: none): True where a host chunk's compute copy stays on the device, outside
+    # the pool's blocks: never evicted, loaded once per step after its CPU update, instead of at
+    # every use the pool cannot serve (forward, recompute, backward), for the chunk's size in the
+    # compute dtype of device memory. Host chunks only: a device chunk's load is a cast on the device
+    resident: list[bool] = field(default_factory=list)
     version: int = PLAN_VERSION
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.resident:
+            return
+        if len(self.resident) != len(self.placements):
+            raise PlanError(f"the plan's resident lists {len(self.resident)} chunks, its placements "
+                            f"{len(self.placements)}")
+        for i, (keep, place) in enumerate(zip(self.resident, self.placements)):
+            if keep and place != "host":
+                raise PlanError(f"chunk {i} is resident but its state is on the {place}: only a host chunk's "
+                                f"compute copy can stay on the device")
+
+    def is_resident(self, chunk: int) -> bool:
+        """Whether the chunk's compute copy stays on the device (`resident`)."""
+        return bool(self.resident) and bool(self.resident[chunk])
 
     @property
     def n_chunks(self) -> int:
@@ -130,6 +154,12 @@ class Plan:
                         if self.dos_gap else "")
                      + ("; host chunks upload from a copy in the compute dtype" if self.upload_copies else "")
                      + ("; host gradients in the compute dtype" if self.host_grads_low else ""))
+        kept = [i for i in range(n) if self.is_resident(i)]
+        if kept:
+            size = sum(self.chunk_numels[i] for i in kept) if self.chunk_numels else 0
+            lines.append(f"  resident: {len(kept)} host chunk(s) keep their compute copy on the device, outside the "
+                         f"pool, loaded once per step: chunk(s) {index_ranges(kept)}"
+                         + (f" ({size:,} parameters)" if size else ""))
         if self.world_size > 1:
             within = self.sharding.count("node_sharded")
             nodes = len(set(self.node_of_rank)) or 1
@@ -177,6 +207,17 @@ def network_lines(network: dict) -> list[str]:
                        f"{rates['reduce_scatter_gbps']:.3g} GB/s, {rates.get('latency_s', 0) * 1e6:,.0f} us a call "
                        f"(measured on {'-'.join(rates.get('nodes') or ['?'])})")
     return out
+
+
+def index_ranges(indices: list[int]) -> str:
+    """Sorted indices as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def ordinal(n: int) -> str:

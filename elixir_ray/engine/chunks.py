@@ -8,6 +8,13 @@ parameter in the chunk is a view of it. Freeing the copy shrinks its storage to 
 fetching regrows and refills the same storage, so tensors autograd saved from the parameters
 see the weights again after a refetch (weights do not change within a step).
 
+A host chunk the plan keeps resident (`Chunk.stays_resident`) keeps its compute copy's storage
+from wrap on, outside the pool's blocks: the pool never evicts it, and after an optimizer step it
+is only marked stale (its parameters guarded as an evicted chunk's are) and filled again, in the
+same storage, by its first access of the next step, as any load is (on CUDA a prefetch on the
+copy stream, after its CPU update; gathered across ranks when sharded). So it is loaded once per
+step, where a pooled chunk is loaded again for recompute and backward once evicted.
+
 When the plan asks for upload copies, a host chunk computed in a lower precision also keeps
 `upload`, its master already cast to the compute dtype (pinned), refreshed after every update: a
 fetch then copies half the bytes of the fp32 master and needs no fp32 buffer on the device.
@@ -127,8 +134,12 @@ class Chunk:
     # landed, and its reads of the host state have finished: one event per DOS stream
     landed: Optional[tuple] = field(default=None, repr=False)
     # its compute copy has storage; kept by the ChunkStore beside every resize, since asking the
-    # storage costs microseconds and the hooks ask for every op in forward
+    # storage costs microseconds and the hooks ask for every op in forward. For a chunk that
+    # `stays_resident`: its compute copy holds this step's weights (the storage is always there)
     resident: bool = False
+    # a host chunk whose compute copy has device memory of its own, outside the pool's blocks
+    # (Plan.resident): never evicted, filled once per step at its first use after the step's update
+    stays_resident: bool = False
     # its parameters that refuse reads while it is not resident (param_guard.py)
     guarded: list = field(default_factory=list, repr=False)
 
@@ -152,8 +163,9 @@ class ChunkStore:
                  upload_copies: bool = False, host_grads_low: bool = False, nodes: Optional[NodeComms] = None):
         self.chunks, self.comm, self.device, self.dtype = chunks, comm, device, dtype
         self.nodes = nodes  # the node and peer groups, where some chunk is sharded within each node
+        # resident_loads: fills of the compute copies of chunks that stay resident (one each per step)
         self.counts = {"fetches": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "blocks_over_plan": 0,
-                       "untraced_accesses": 0, "prefetch_lead": 0}
+                       "untraced_accesses": 0, "prefetch_lead": 0, "resident_loads": 0}
         self.timer = StepTimer(device)
         self.updates = HostUpdates(self.timer, device)
         # CUDA side streams: prefetches host->device, and host chunks' gradient reductions device->host
@@ -167,6 +179,9 @@ class ChunkStore:
         self.weights_version = 0  # counts changes to the masters (each load): see EngineHooks._on_output_grad
         self.grad_reads = GradReads()  # gradients held where a loop may look for them in .grad (param_guard.py)
         for c in chunks:
+            if c.stays_resident and c.placement != "host":
+                raise ValueError(f"chunk {c.index} stays resident but its state is on the {c.placement}: only a "
+                                 f"host chunk's compute copy is kept on the device")
             if c.node_sharded and nodes is None:
                 raise ValueError(f"chunk {c.index} is sharded within each node, and the store was given no node groups")
             shard_comm = self.shard_comm(c)
@@ -315,6 +330,7 @@ class ChunkStore:
                 self._unfill(c)
                 raise
         self.counts["fetches"] += 1
+        self.counts["resident_loads"] += c.stays_resident
 
     @profiled("elixir.prefetch")
     def prefetch(self, c: Chunk) -> None:
@@ -347,6 +363,7 @@ class ChunkStore:
                 raise
         self.counts["fetches"] += 1
         self.counts["prefetches"] += 1
+        self.counts["resident_loads"] += c.stays_resident
 
     def _unfill(self, c: Chunk) -> None:
         """After a fill that raised (out of memory for a staging buffer, a failed all-gather): the
@@ -383,8 +400,10 @@ class ChunkStore:
 
     def _set_resident(self, c: Chunk, resident: bool) -> None:
         """Grow (refill next) or free the compute copy's storage; the chunk's parameters refuse reads
-        while it is freed (param_guard.py)."""
-        c.compute.untyped_storage().resize_(c.size * c.compute.element_size() if resident else 0)
+        while it is freed (param_guard.py). A chunk that stays resident keeps its storage: it is only
+        marked stale (and its parameters refuse reads) until it is filled again."""
+        if not c.stays_resident:
+            c.compute.untyped_storage().resize_(c.size * c.compute.element_size() if resident else 0)
         c.resident = resident
         mark_evicted(c.guarded, not resident or self.grad_reads.held)
 

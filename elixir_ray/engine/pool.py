@@ -23,6 +23,11 @@ GPU. A chunk whose CPU update is still running is not prefetched until it has fi
 training thread would wait for it before queueing the compute the load is to overlap); the access
 that needs it waits if it must. `counts["prefetch_lead"]` sums the accesses between each prefetch
 and the use it is for.
+
+Chunks that stay resident (`Chunk.stays_resident`, host chunks the plan keeps on the device) take
+no block and are never evicted: the pool loads one at its first access of a step (or prefetches
+it, as any other), and after the optimizer step `reset` marks it stale. So the prefetch window
+looks past their later accesses (`chunks_ahead` is given them only at their first).
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from elixir_ray.engine.chunks import Chunk, ChunkStore
 from elixir_ray.units import format_bytes
+
+
+def first_uses_only(events: list[tuple[int, ...]], kept: set[int]) -> list[tuple[int, ...]]:
+    """The events with each of the `kept` chunks left only in the first that uses it: after that
+    access it is resident until the step ends, so nothing is to be loaded for its later ones."""
+    if not kept:
+        return events
+    seen: set[int] = set()
+    out = []
+    for ev in events:
+        out.append(tuple(c for c in ev if c not in kept or c not in seen))
+        seen.update(c for c in ev if c in kept)
+    return out
 
 
 def chunks_ahead(events: list[tuple[int, ...]], depth: int) -> list[tuple[tuple[int, int], ...]]:
@@ -78,11 +96,14 @@ class ChunkPool:
         self.keep_recent = keep_recent
         self.pinned: set[int] = set()  # recomputed chunks whose saved views are still needed
         self.warned_overflow = False
-        self.ahead = chunks_ahead(events, prefetch_depth)
+        kept = {c.index for c in store.chunks if c.stays_resident}
+        self.ahead = chunks_ahead(first_uses_only(events, kept), prefetch_depth)
 
     @property
     def resident(self) -> list[Chunk]:
-        return [c for c in self.store.chunks if c.resident]
+        """The chunks holding a pool block: those with a compute copy, less those that stay resident
+        outside the blocks."""
+        return [c for c in self.store.chunks if c.resident and not c.stays_resident]
 
     def _advance(self, chunk_ids: tuple[int, ...]) -> bool:
         """Move the cursor to the next traced access of these chunks (wrapping into the next step).
@@ -130,7 +151,8 @@ class ChunkPool:
             chunk = self.store.chunks[cid]
             if not chunk.resident:
                 resident = self.resident
-                while len(resident) >= self.n_blocks:  # more than one after an overflow (below)
+                # more than one after an overflow (below); a chunk that stays resident takes no block
+                while len(resident) >= self.n_blocks and not chunk.stays_resident:
                     protected = protected if protected is not None else self._protected(chunk_ids)
                     # a recent chunk may go if it must (its saved views are fetched again when
                     # unpacked); a pinned one may not: recomputed views of it are still to be read
@@ -199,7 +221,7 @@ class ChunkPool:
                 # its CPU update is still running: waiting for it here would stall the training
                 # thread before it has queued the rest of this chunk's compute; a later access tries again
                 return
-            if len(resident) >= self.n_blocks:
+            if len(resident) >= self.n_blocks and not chunk.stays_resident:
                 later = [c for c in resident if c.index not in protected and self.next_use(c.index) > j]
                 if not later:
                     return  # nothing may go without costing a load: give up, as a plain pool would wait
@@ -210,7 +232,8 @@ class ChunkPool:
                 resident.remove(victim)
             self.store.prefetch(chunk)
             self.store.counts["prefetch_lead"] += j - self.cursor
-            resident.append(chunk)
+            if not chunk.stays_resident:
+                resident.append(chunk)
             protected.add(cid)
 
     def _kept_by_plain_pool(self, victim: Chunk, j: int, resident: list) -> bool:
@@ -228,7 +251,8 @@ class ChunkPool:
         self.pinned.clear()
 
     def reset(self) -> None:
-        """After an optimizer step every compute copy is stale: drop them all."""
+        """After an optimizer step every compute copy is stale: drop them all (those that stay resident
+        keep their storage, marked stale, for their first access of the next step to fill)."""
         self.store.free_all()
         self.recent.clear()
         self.pinned.clear()

@@ -562,7 +562,7 @@ def build(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     node_sharded = _node_sharded(plan, len(sizes))
     originals = [p.data for p in ordered]
     chunks = [Chunk(index=i, size=size, sharded=plan.sharded[i], placement=plan.placements[i],
-                    node_sharded=node_sharded[i]) for i, size in enumerate(sizes)]
+                    node_sharded=node_sharded[i], stays_resident=plan.is_resident(i)) for i, size in enumerate(sizes)]
     slots = []
     for p, name, pos in zip(ordered, plan.param_order, layout):
         slot = ParamSlot(name=name, param=p, chunk=pos.chunk, offset=pos.offset, numel=pos.numel, shape=p.shape)
@@ -650,10 +650,12 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_s
                 world_size: int = 1, placements: Union[str, list] = "host", sharded: Union[bool, list, None] = None,
                 dos_gap: int = 0, loss_fn: Optional[Callable] = None, upload_copies: bool = False,
                 host_grads_low: bool = False, prefetch_depth: int = 1, node_sharded: Union[bool, list] = False,
-                node_of_rank: Optional[list] = None) -> Plan:
+                node_of_rank: Optional[list] = None, resident: Union[bool, list] = False) -> Plan:
     """A plan with the given chunk size and pool, packing parameters in traced first-use order.
     `node_sharded` (a bool, or one per chunk, of the sharded ones): split within each node of
-    `node_of_rank` (each rank's node, numbered) and whole on every node."""
+    `node_of_rank` (each rank's node, numbered) and whole on every node. `resident` (a bool for
+    every host chunk, or one per chunk, of the host ones): compute copies kept on the device
+    (Plan.resident)."""
     named = unique_parameters(module)
     trace = trace_step(module, as_sample_inputs(sample_inputs), loss_fn)
     order = [named[i][0] for i in trace.order]
@@ -662,9 +664,12 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_s
     numels = [0] * n
     for slot in slots:
         numels[slot.chunk] += slot.numel
+    places = [placements] * n if isinstance(placements, str) else list(placements)
+    if isinstance(resident, bool):
+        resident = [resident and p == "host" for p in places] if resident else []
     return Plan(
         chunk_size=chunk_size, n_blocks=n_blocks, param_order=order, world_size=world_size, chunk_numels=numels,
-        placements=[placements] * n if isinstance(placements, str) else list(placements),
+        placements=places, resident=[bool(r) for r in resident],
         sharded=[world_size > 1 if sharded is None else sharded] * n if not isinstance(sharded, list) else sharded,
         dos_gap=dos_gap, upload_copies=upload_copies, host_grads_low=host_grads_low, prefetch_depth=prefetch_depth,
         node_sharded=([] if node_sharded is False else [node_sharded] * n if not isinstance(node_sharded, list)

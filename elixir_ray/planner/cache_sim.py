@@ -8,18 +8,26 @@ time. Pure Python with a lazy heap: fast enough for the access sequences of 10B-
 from __future__ import annotations
 
 import heapq
+from typing import Collection
 
 
-def count_loads(accesses: list[tuple[int, ...]], n_blocks: int) -> int:
+def count_loads(accesses: list[tuple[int, ...]], n_blocks: int, resident: Collection[int] = ()) -> int:
     """Loads needed to serve `accesses` (one tuple of chunk ids per op) with n_blocks blocks.
 
     Raises ValueError if one op needs more chunks than there are blocks.
     """
-    return sum(loads_per_chunk(accesses, n_blocks).values())
+    return sum(loads_per_chunk(accesses, n_blocks, resident).values())
 
 
-def loads_per_chunk(accesses: list[tuple[int, ...]], n_blocks: int) -> dict[int, int]:
-    """Like `count_loads`, by chunk: a host chunk's load costs a copy, a device chunk's far less."""
+def loads_per_chunk(accesses: list[tuple[int, ...]], n_blocks: int, resident: Collection[int] = ()) -> dict[int, int]:
+    """Like `count_loads`, by chunk: a host chunk's load costs a copy, a device chunk's far less.
+
+    `resident`: chunks whose compute copy stays on the device outside the blocks (Plan.resident):
+    always present, they take no block and are never loaded here (the caller costs each one's
+    single load per step)."""
+    if resident:
+        kept = set(resident)
+        accesses = [tuple(c for c in a if c not in kept) for a in accesses]
     if not accesses:
         return {}
     widest = max(len(set(a)) for a in accesses)

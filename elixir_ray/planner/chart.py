@@ -12,7 +12,7 @@ from elixir_ray.units import format_bytes
 
 
 def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[str, np.ndarray]:
-    """Per moment of one step: bytes of resident optimizer state and buffers, pool blocks,
+    """Per moment of one step: bytes of device optimizer state, resident compute copies and buffers, pool blocks,
     gradient and copy buffers, and activations.
 
     The moments are the trace's memory samples (each parameter access and each gradient's arrival),
@@ -30,7 +30,8 @@ def memory_timeline(plan: Plan, profile: ModelProfile, elem_bytes: int) -> dict[
     block = int(lay.sizes.max()) * elem_bytes
     device = np.array([p == "device" for p in plan.placements])
     state = plan.memory.get("optimizer state on device", float((STATE_BYTES * lay.shards)[device].sum()))
-    fixed = float(state) + profile.buffer_bytes
+    # resident compute copies (Plan.resident) are held from wrap on, as the state is
+    fixed = float(state) + profile.buffer_bytes + float(plan.memory.get("resident compute copies", 0))
     seen: set[int] = set()
     pool = []
     backward = [i for i, ph in enumerate(trace.phases) if ph != "forward"]
@@ -74,7 +75,9 @@ def write_plan_chart(plan: Plan, profile: ModelProfile, elem_bytes: int, path: s
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     x = np.arange(len(t["pool"]))
     ax.stackplot(x, t["state"] / gib, t["pool"] / gib, t["buffers"] / gib, t["activations"] / gib,
-                 labels=["optimizer state on device + module buffers", "pool blocks",
+                 labels=["optimizer state on device + module buffers"
+                         + (" + resident compute copies" if plan.memory.get("resident compute copies") else ""),
+                         "pool blocks",
                          "gradient and copy buffers, device chunks' gradients", "activations"],
                  colors=["#4c72b0", "#55a868", "#8172b2", "#dd8452"], alpha=0.85)
     if budget_drawn:

@@ -146,6 +146,8 @@ class Layout:
     # bool per chunk: sharded within each node of `ranks_per_node` ranks, replicated across nodes
     node_sharded: Optional[np.ndarray] = None
     ranks_per_node: int = 1
+    # bool per chunk: some traced access uses it (a resident chunk's one load per step is for these)
+    used: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -157,6 +159,14 @@ class Choice:
     upload: bool = False  # host chunks keep a copy in the compute dtype to upload
     grads_low: bool = False  # host chunks' gradients in the compute dtype (Plan.host_grads_low)
     prefetch: Optional[int] = None  # chunks the pool loads ahead (Plan.prefetch_depth); None: `prefetch_depth`
+    # bool per chunk, host chunks only: compute copy kept on the device (Plan.resident); None: none
+    resident: Optional[np.ndarray] = None
+
+    @property
+    def kept(self) -> np.ndarray:
+        """`resident` as a bool per chunk (all False for None)."""
+        n = len(self.layout.sizes)
+        return np.zeros(n, dtype=bool) if self.resident is None else np.asarray(self.resident, dtype=bool)
 
     @property
     def depth(self) -> int:
@@ -192,7 +202,9 @@ def make_layout(profile: ModelProfile, chunk_size: int, world: int, replicated: 
             else np.asarray(node_sharded, dtype=bool) & ~replicated)
     shards = np.where(replicated, sizes_arr, np.where(node, sizes_arr // ranks_per_node, sizes_arr // world))
     moments, handed_at = gradient_buffer_moments(profile.trace.grad_order, chunk_of_param, ordered=world > 1)
-    return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels,
+    used = np.zeros(len(sizes), dtype=bool)
+    used[sorted({c for ev in events for c in ev})] = True
+    return Layout(profile=profile, chunk_size=chunk_size, sizes=sizes_arr, numels=numels, used=used,
                   forward_before=forward_shares(events, profile.trace.phases, len(sizes)),
                   backward_final=backward_shares(profile.trace, chunk_of_param, handed_at, len(sizes)),
                   shards=shards, replicated=replicated, node_sharded=node, ranks_per_node=ranks_per_node,
@@ -317,12 +329,22 @@ def prefetch_depth(n_blocks: int, min_blocks: int) -> int:
     return max(1, n_blocks - max(2, min_blocks - 1) - 1)
 
 
-def loads_at(layout: Layout, n_blocks: int) -> np.ndarray:
-    counts = loads_per_chunk(layout.events, n_blocks)
+def loads_at(layout: Layout, n_blocks: int, resident: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per chunk, its loads in one micro-step with `n_blocks` pool blocks (Belady, cold at the
+    start). `resident` (bool per chunk): compute copies kept on the device, which take no block
+    and are counted 0 here; each is loaded once per step (`resident_loads`)."""
+    kept = [] if resident is None else [int(c) for c in np.flatnonzero(resident)]
+    counts = loads_per_chunk(layout.events, n_blocks, kept)
     out = np.zeros(len(layout.sizes), dtype=np.float64)
     for c, k in counts.items():
         out[c] = k
     return out
+
+
+def resident_loads(layout: Layout, resident: np.ndarray) -> np.ndarray:
+    """Per chunk, the loads per step of a resident compute copy: one, after its update, for each
+    resident chunk the step uses; 0 elsewhere."""
+    return (np.asarray(resident, dtype=bool) & layout.used).astype(np.float64)
 
 
 # -- one configuration, part by part ---------------------------------------------------------------
@@ -462,22 +484,26 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     grad_bytes = host_grad_bytes(choice.grads_low)
     costs = chunk_costs(lay.sizes, lay.shards, lay.replicated, world, elem_bytes, hw, choice.upload, grad_bytes,
                         lay.node_sharded, network)
-    loads = loads_at(lay, choice.n_blocks)
+    kept = choice.kept
+    loads = loads_at(lay, choice.n_blocks, kept)  # per micro-step, of the chunks the pool serves
+    once = resident_loads(lay, kept)  # per step, of the resident ones
     dev, host = choice.device, ~choice.device
     dos = dos_mask(host, choice.dos_gap)
     plain_host = host & ~dos
     copies_in = float((loads * (costs.load_host - costs.load_device))[host].sum())
     gathers = float((loads * costs.load_device).sum())
+    resident_in = float((once * (costs.load_host - costs.load_device))[host].sum())
+    resident_gathers = float((once * costs.load_device).sum())
     reduce_comm = float(costs.reduce_device.sum())
     copies_out = float((costs.reduce_host - costs.reduce_device)[host].sum())
     micro_step, forward = micro_step_compute(lay.profile, hw)
-    load = (costs.load_host - costs.load_device) * (loads > 0)  # one load of each chunk the step loads
+    load = (costs.load_host - costs.load_device) * ((loads > 0) | (once > 0))  # one load of each chunk the step loads
     engine_kernels = grad_accum * float((loads * costs.fill_device + costs.stage)[dev].sum()
                                         + costs.stage_host[host].sum())
     time = {
         "compute": grad_accum * micro_step,
-        "copies host->device": grad_accum * copies_in,
-        "all-gather": grad_accum * gathers,
+        "copies host->device": grad_accum * copies_in + resident_in,
+        "all-gather": grad_accum * gathers + resident_gathers,
         "gradient reduce": grad_accum * reduce_comm,
         "copies device->host": grad_accum * copies_out,
         "CPU AdamW": float(costs.adam_host[plain_host].sum()),
@@ -499,7 +525,7 @@ def evaluate(choice: Choice, hw: HardwareProfile, world: int, elem_bytes: int, g
     held = MemorySettings(choice.dos_gap, elem_bytes, world, choice.upload, grad_bytes,
                           gradients_freed(choice.grads_low, grad_accum),
                           gradients_released(updates_in_backward, grad_accum))
-    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], held)
+    rows = _memory_rows(lay, choice.n_blocks, dev[None, :], held, resident=kept[None, :])
     memory = {part: int(values[0]) for part, values in rows.items()}
     host_bytes = int((host_state_bytes(elem_bytes, choice.upload, grad_bytes) * lay.shards)[host].sum())
     return memory, time, host_bytes, float(seconds)
@@ -525,8 +551,8 @@ def gradients_released(updates_in_backward: bool, grad_accum: int) -> bool:
     return updates_in_backward and grad_accum == 1
 
 
-MEMORY_PARTS = ("pool blocks", "optimizer state on device", "gradients of device chunks", "activations",
-                "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
+MEMORY_PARTS = ("pool blocks", "resident compute copies", "optimizer state on device", "gradients of device chunks",
+                "activations", "gradient staging", "fetch conversion", "Deep Optimizer States buffer", "buffers")
 
 
 @dataclass(frozen=True)
@@ -543,7 +569,7 @@ class MemorySettings:
 
 
 def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySettings,
-                 ranking: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+                 ranking: Optional[np.ndarray] = None, resident: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Peak device bytes by part, for each row of `device` (bool per chunk: state on the device).
 
     Backward peaks at its worst moment (`backward_timeline`): activations alive, gradient buffers
@@ -556,7 +582,9 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySet
     the worst moment holds only the buffers still collecting, and the step none. Host gradients in
     the compute dtype are cast on the device before they leave: each reduction in flight holds
     that copy too. `ranking`: the rows are the prefixes of it (row k: its first k chunks), summed
-    here by running sums instead of a product per row."""
+    here by running sums instead of a product per row. `resident` (bool per row and chunk, host
+    chunks only): each one's compute copy, a whole chunk in the compute dtype, held at every moment
+    beside the pool's blocks (`resident_bytes`)."""
     dos_gap, elem_bytes, world, upload = held.dos_gap, held.elem_bytes, held.world, held.upload
     grad_bytes, freed, released = held.grad_bytes, held.freed, held.released
     size, shard = int(lay.sizes.max()), int(lay.shards.max())
@@ -572,6 +600,8 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySet
     sharded_part = shard * 4 if any_sharded else 0
     out = {part: np.zeros(len(device)) for part in MEMORY_PARTS}
     out["pool blocks"][:] = n_blocks * size * elem_bytes
+    if resident is not None:
+        out["resident compute copies"][:] = np.asarray(resident, dtype=np.float64) @ resident_bytes(lay, elem_bytes)
     out["buffers"][:] = lay.profile.buffer_bytes
     for host in (False, True):
         rows = np.flatnonzero(has_host == host)
@@ -621,6 +651,12 @@ def _memory_rows(lay: Layout, n_blocks: int, device: np.ndarray, held: MemorySet
         out["fetch conversion"][rows] = np.where(in_backward, fetch, 0)
         out["Deep Optimizer States buffer"][rows] = np.where(in_backward, dos_held, dos_buffer)
     return out
+
+
+def resident_bytes(lay: Layout, elem_bytes: int) -> np.ndarray:
+    """Per chunk, the device bytes of its compute copy when resident: the whole chunk (gathered,
+    when sharded) in the compute dtype."""
+    return (lay.sizes * elem_bytes).astype(np.float64)
 
 
 def _fetch_bytes(lay: Layout, elem_bytes: int, world: int, has_host: bool, upload: bool) -> int:
@@ -720,7 +756,8 @@ def _search_layout(lay: Layout, settings: SearchSettings, best: _Best, upload: b
                              grad_accum * (costs.reduce_host - costs.reduce_device), grad_accum * costs.stage_host,
                              grad_accum * (loads * costs.fill_device + costs.stage),
                              grad_accum * (float((loads * costs.load_device).sum()) + float(costs.reduce_device.sum())),
-                             updates_in_backward, upload, grad_accum, grads_low)
+                             updates_in_backward, upload, grad_accum, grads_low,
+                             **_resident_parts(lay, loads, costs, grad_accum, elem_bytes))
         for ranking in (by_benefit, np.arange(n_chunks)):  # per-chunk benefit per byte; Gemini-style order
             _search_prefixes(lay, n, ranking, host_bytes, costs, parts, settings, best)
 
@@ -740,12 +777,56 @@ class _PrefixParts:
     upload: bool
     micro_steps: int
     grads_low: bool = False
+    # a host chunk kept resident (`_resident_parts`): per chunk, the link's and the gathers' seconds
+    # per step it saves, and in which order the search keeps chunks resident (those saving nothing left out)
+    kept_h2d: Optional[np.ndarray] = None
+    kept_gather: Optional[np.ndarray] = None
+    kept_order: Optional[np.ndarray] = None
+
+
+def _resident_parts(lay: Layout, loads: np.ndarray, costs: ChunkCosts, grad_accum: int, elem_bytes: int) -> dict:
+    """What keeping each host chunk's compute copy resident saves, at a pool size whose loads per
+    micro-step are `loads`: every load of the step but the one after its update, each a copy over
+    the link (`kept_h2d`) and, when sharded, an all-gather (`kept_gather`); and the order in which
+    the search makes host chunks resident, by seconds saved per byte of device memory (its
+    compute copy, `resident_bytes`).
+
+    The loads are those with every chunk in the pool: a resident chunk takes no block, so the
+    others are loaded no more often than that, and `evaluate` costs the plan found with the loads
+    as they are (`loads_at` with its resident chunks)."""
+    again = np.maximum(grad_accum * loads - resident_loads(lay, np.ones(len(loads), dtype=bool)), 0.0)
+    kept_h2d, kept_gather = again * (costs.load_host - costs.load_device), again * costs.load_device
+    saved = kept_h2d + kept_gather
+    order = np.argsort(-(saved / resident_bytes(lay, elem_bytes)), kind="stable")
+    return {"kept_h2d": kept_h2d, "kept_gather": kept_gather, "kept_order": order[saved[order] > 0]}
+
+
+def resident_fill(host: np.ndarray, peaks: np.ndarray, limit: float, order: np.ndarray,
+                  nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `host` (bool per chunk: state on the host), the host chunks kept resident: those
+    first in `order` whose compute copies (`nbytes` per chunk) fit beside the row's peak (`peaks`)
+    within `limit`, as many as fit in that order; and the bytes they add to the peak. A row that
+    does not fit keeps none."""
+    rows, n = host.shape
+    resident = np.zeros((rows, n), dtype=bool)
+    if not len(order):
+        return resident, np.zeros(rows)
+    candidates = host[:, order]
+    total = np.cumsum(np.where(candidates, nbytes[order], 0.0), axis=1)
+    # the running totals only grow, so the positions within the limit are a prefix of `order`
+    fits = (peaks[:, None] + total <= limit).sum(axis=1)
+    taken = candidates & (np.arange(len(order))[None, :] < fits[:, None])
+    resident[:, order] = taken
+    return resident, np.where(taken, nbytes[order], 0.0).sum(axis=1)
 
 
 def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.ndarray, costs: ChunkCosts,
                      parts: _PrefixParts, settings: SearchSettings, best: _Best) -> None:
     """Every prefix of `ranking` on the device, with each DOS gap, at pool size n (the settings'
-    margin also sets the smallest need a refusal names)."""
+    margin also sets the smallest need a refusal names); and each of those with host chunks kept
+    resident in the device memory it leaves (`resident_fill`), a candidate beside it: the step's
+    loads of those chunks, and the link's and the gathers' time for them, are saved, for their
+    compute copies' bytes."""
     host_budget, limit, margin, smallest = settings.host_budget, settings.limit, settings.margin, best.smallest
     n_chunks = len(lay.sizes)
     rank_of = np.empty(n_chunks, dtype=np.int64)
@@ -769,6 +850,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     held = {dos: MemorySettings(1 if dos else 0, settings.elem_bytes, settings.world_size, parts.upload, grad_bytes,
                                 freed, released) for dos in (False, True)}
     peaks_with = {dos: sum(_memory_rows(lay, n, device, held[dos], ranking).values()) for dos in (False, True)}
+    nbytes = resident_bytes(lay, settings.elem_bytes)
+    fills = {dos: resident_fill(host, peaks_with[dos], limit, parts.kept_order, nbytes) for dos in (False, True)}
     for gap in DOS_GAPS:
         if gap > 0 and not has_host.any():
             continue
@@ -787,17 +870,33 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         ok = host_ok & (peaks <= limit)
         if not ok.any():
             continue
+        # the candidates: every row as it is, then the rows that keep some host chunks resident
+        # (their copies fit by construction), as the same row with those chunks' loads saved
+        resident, added = fills[gap > 0]
+        filled = np.flatnonzero(ok & resident.any(axis=1))
+        take = np.concatenate([np.arange(len(ok)), filled])  # the row of `device` each candidate is
+        kept = np.concatenate([np.zeros_like(resident), resident[filled]])
+        keptf = kept[len(ok):].astype(np.float64)
+        ok, peaks = ok[take], np.concatenate([peaks, peaks[filled] + added[filled]])
 
-        stream, cpu_adam, dos_queue = on_stream + dosf @ costs.dos_update, plain.astype(np.float64) @ costs.adam_host, \
-            _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
+        def rows(x, saved=None):  # a per-row part for each candidate, less what its resident chunks save
+            if not len(filled):
+                return x
+            return np.concatenate([x, x[filled] if saved is None else x[filled] - keptf @ saved])
+
+        stream = rows(on_stream + dosf @ costs.dos_update, parts.kept_gather)
+        cpu_adam = rows(plain.astype(np.float64) @ costs.adam_host)
+        queue_in, queue_out, after = _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
+        dos_queue = (rows(queue_in), rows(queue_out), after)
+        rows_h2d = rows(h2d, parts.kept_h2d)
 
         def step(cpu_wait):
             return overlapped_step(StepParts(
-                parts.compute, parts.forward, stream, h2d, d2h, cpu_adam, cpu_wait, parts.updates_in_backward,
-                parts.micro_steps, dosf @ costs.dos_in, dosf @ costs.dos_out, forward_loads, dos_at, loads_to_dos,
-                *dos_queue))
+                parts.compute, parts.forward, stream, rows_h2d, rows(d2h), cpu_adam, cpu_wait,
+                parts.updates_in_backward, parts.micro_steps, rows(dosf @ costs.dos_in), rows(dosf @ costs.dos_out),
+                rows(forward_loads), rows(dos_at), rows(loads_to_dos), *dos_queue))
 
-        queue = _update_queue(lay, costs, plain, parts.forward, parts.updates_in_backward, load, host,
+        queue = _update_queue(lay, costs, rows(plain), parts.forward, parts.updates_in_backward, load, rows(host),
                               prefetch_depth(n, lay.min_blocks))
         # the queue played out only where the step could still be the best: each update alone is a
         # lower bound of it (a 10B GPT's search took three times as long playing out every row)
@@ -810,7 +909,8 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
         k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
         if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
             best.seconds, best.peak = float(seconds[k]), int(peaks[k])
-            best.choice = Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low)
+            best.choice = Choice(lay, n, device[take[k]].copy(), gap, parts.upload, parts.grads_low,
+                                 resident=kept[k].copy() if kept[k].any() else None)
 
 
 def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
@@ -907,8 +1007,13 @@ def plan_memory(plan: Plan, profile: ModelProfile, elem_bytes: int, grad_accum: 
     freed, released = _plan_gradients(plan, grad_accum, updates_in_backward)
     held = MemorySettings(plan.dos_gap, elem_bytes, plan.world_size, plan.upload_copies,
                           host_grad_bytes(plan.host_grads_low), freed, released)
-    rows = _memory_rows(lay, plan.n_blocks, device[None, :], held)
+    rows = _memory_rows(lay, plan.n_blocks, device[None, :], held, resident=_plan_resident(plan)[None, :])
     return {part: int(values[0]) for part, values in rows.items()}
+
+
+def _plan_resident(plan: Plan) -> np.ndarray:
+    """The plan's resident chunks as a bool per chunk (none for a plan without the field)."""
+    return np.array([plan.is_resident(i) for i in range(plan.n_chunks)], dtype=bool)
 
 
 def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, elem_bytes: int,
@@ -922,7 +1027,7 @@ def plan_step_seconds(plan: Plan, profile: ModelProfile, hw: HardwareProfile, el
     lay = plan_layout(profile, plan)
     device = np.array([p == "device" for p in plan.placements])
     choice = Choice(lay, plan.n_blocks, device, plan.dos_gap, plan.upload_copies, plan.host_grads_low,
-                    plan.prefetch_depth)
+                    plan.prefetch_depth, _plan_resident(plan))
     network = Network.from_dict(plan.network) if plan.network else None
     return evaluate(choice, hw, plan.world_size, elem_bytes, grad_accum, updates_in_backward, path, network)[3]
 
@@ -1015,6 +1120,8 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
              + f"{start} until the next forward needs each chunk; the step is the critical path, not the sum",
              critical_path_note(path, grad_accum),
              hw.rates()]
+    if choice.kept.any():
+        notes.append(resident_note(choice, grad_accum, elem_bytes))
     if gradients_released(updates_in_backward, grad_accum) and bool(choice.device.any()):
         notes.append("device chunks' gradients: each chunk is updated as soon as its gradient is final in the "
                      "backward and its gradient released then, so none is counted beyond the buffers still "
@@ -1046,6 +1153,7 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
         node_of_rank=list(settings.network.node_of_rank) if settings.network is not None else [],
         network=json.loads(json.dumps(settings.network.to_dict())) if settings.network is not None else {},
         host_grads_low=choice.grads_low and not bool(choice.device.all()), prefetch_depth=choice.depth,
+        resident=[bool(x) for x in choice.kept] if choice.kept.any() else [],
         activation_checkpointing=lay.profile.checkpointing, world_size=world, dtype=dtype_name,
         budget_bytes=int(budget), chunk_numels=[int(x) for x in lay.numels],
         predicted_peak_bytes=int(sum(memory.values())), predicted_step_seconds=seconds,
@@ -1053,6 +1161,18 @@ def choice_to_plan(choice: Choice, settings: SearchSettings, note: str) -> Plan:
         forward_compute_seconds=float(micro_step_compute(lay.profile, hw)[1]), grad_accum=grad_accum,
         updates_in_backward=updates_in_backward, memory_margin=margin,
     )
+
+
+def resident_note(choice: Choice, grad_accum: int, elem_bytes: int) -> str:
+    """Why some host chunks keep their compute copy on the device: the loads a step saves, for how
+    many bytes."""
+    lay, kept = choice.layout, choice.kept
+    pooled = grad_accum * loads_at(lay, choice.n_blocks)  # were they in the pool
+    once = resident_loads(lay, kept)
+    return (f"resident compute copies: {int(kept.sum())} host chunk(s) keep theirs on the device "
+            f"({format_bytes(int(resident_bytes(lay, elem_bytes)[kept].sum()))} beside the pool), loaded "
+            f"{int(once.sum())} time(s) a step, once each after its update, where the pool would load them "
+            f"{int(pooled[kept].sum())} times")
 
 
 def _node_sharding_note(choice: Choice, settings: SearchSettings, seconds: float) -> str:
