@@ -126,7 +126,7 @@ def test_three_nodes_doctor_share_cpus_restore_in_parts_refuse_driver_paths_and_
 
     elastic = report["elastic"]
     assert elastic["node_removed"]
-    assert elastic["steps"] == list(range(1, 31))
+    assert elastic["steps"] == list(range(1, 16))
     assert elastic["world_sizes"] == [2]  # the one restart, after the loss, went on with two
     assert [workers for _, workers in elastic["placed"]] == [3, 2, 3], elastic["placed"]
     grown_at = elastic["placed"][2][0]

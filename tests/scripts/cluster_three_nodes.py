@@ -95,7 +95,7 @@ def elastic_phase(cluster: Cluster, nodes: list, dataset: str, out_dir: str) -> 
                 shrunk.set()
 
     logging.getLogger("elixir_ray").addHandler(ShrinkSeen(level=logging.WARNING))
-    cfg = base_config("elastic", out_dir, data={"path": dataset}, train={"steps": 30, "grad_accum": 2},
+    cfg = base_config("elastic", out_dir, data={"path": dataset}, train={"steps": 15, "grad_accum": 2},
                       cluster={"num_workers": 3, "min_workers": 2, "cpus_per_worker": 1,
                                "resources_per_worker": {"slot": 2}},
                       checkpoint={"every_steps": 3},
