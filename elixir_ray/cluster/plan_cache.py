@@ -29,7 +29,8 @@ from elixir_ray.run_plan import PLAN_VERSION, RunPlan
 
 log = logging.getLogger("elixir_ray")
 
-CACHE_VERSION = 1
+# 2: plans searched with resident compute copies (Plan.resident); an entry of another version is searched again
+CACHE_VERSION = 2
 LEASE_POLL_S = 0.5
 # How long a run waits for another run's entry: a profiling round of a large model on a GPU takes a
 # few minutes; a lease whose holder is gone (another host, SIGKILLed) is given up on after this.
