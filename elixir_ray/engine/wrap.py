@@ -666,7 +666,7 @@ def manual_plan(module: nn.Module, sample_inputs: Union[tuple, dict], *, chunk_s
         numels[slot.chunk] += slot.numel
     places = [placements] * n if isinstance(placements, str) else list(placements)
     if isinstance(resident, bool):
-        resident = [resident and p == "host" for p in places] if resident else []
+        resident = [p == "host" for p in places] if resident else []
     return Plan(
         chunk_size=chunk_size, n_blocks=n_blocks, param_order=order, world_size=world_size, chunk_numels=numels,
         placements=places, resident=[bool(r) for r in resident],
