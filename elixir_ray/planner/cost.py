@@ -316,13 +316,13 @@ def overlapped_step(parts: StepParts, path: Optional[dict] = None):
     return forward + np.maximum(cpu_exposed, link_exposed) + rest
 
 
-def dos_mask(host: np.ndarray, gap: int) -> np.ndarray:
+def dos_mask(host: np.ndarray, gap) -> np.ndarray:
     """Which chunks the engine updates on the device under Deep Optimizer States with this gap.
 
     `host` is a boolean array (one row per candidate, or a single row); the engine counts host
-    chunks in chunk order and sends every gap-th one to the device.
+    chunks in chunk order and sends every gap-th one to the device (none with a gap of 0). `gap`:
+    an int, or an integer array broadcast against `host`'s rows (gaps x 1 x 1: one mask per gap).
     """
-    if gap <= 0:
-        return np.zeros_like(host, dtype=bool)
+    gap = np.asarray(gap)
     position = np.cumsum(host, axis=-1) - 1
-    return host & (position % gap == gap - 1)
+    return host & (gap > 0) & (position % np.maximum(gap, 1) == gap - 1)

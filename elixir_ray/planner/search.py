@@ -826,7 +826,11 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     margin also sets the smallest need a refusal names); and each of those with host chunks kept
     resident in the device memory it leaves (`resident_fill`), a candidate beside it: the step's
     loads of those chunks, and the link's and the gathers' time for them, are saved, for their
-    compute copies' bytes."""
+    compute copies' bytes.
+
+    Every gap's candidates are costed in one pass: the parts a gap changes are computed for all
+    gaps at once (arrays of gap x prefix x chunk), and the best of each gap is then taken in
+    `DOS_GAPS`' order."""
     host_budget, limit, margin, smallest = settings.host_budget, settings.limit, settings.margin, best.smallest
     n_chunks = len(lay.sizes)
     rank_of = np.empty(n_chunks, dtype=np.int64)
@@ -836,81 +840,111 @@ def _search_prefixes(lay: Layout, n: int, ranking: np.ndarray, host_state: np.nd
     host_bytes = host_state.sum() - np.concatenate([[0.0], np.cumsum(host_state[ranking])])
     host_ok = np.ones(len(ks), dtype=bool) if host_budget is None else host_bytes <= host_budget
     host = ~device
-    has_host = host.any(axis=1)
-    hostf = host.astype(np.float64)
-    h2d, d2h = hostf @ parts.h2d, hostf @ parts.d2h
-    # one load of each host chunk the step loads at all (a chunk no traced access uses has none)
-    load = np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
-    forward_loads = hostf @ load
-    on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_kernels)
-                 + hostf @ parts.host_stage)
     grad_bytes = host_grad_bytes(parts.grads_low)
     freed = gradients_freed(parts.grads_low, parts.micro_steps)
     released = gradients_released(parts.updates_in_backward, parts.micro_steps)
-    held = {dos: MemorySettings(1 if dos else 0, settings.elem_bytes, settings.world_size, parts.upload, grad_bytes,
-                                freed, released) for dos in (False, True)}
-    peaks_with = {dos: sum(_memory_rows(lay, n, device, held[dos], ranking).values()) for dos in (False, True)}
     nbytes = resident_bytes(lay, settings.elem_bytes)
-    fills = {dos: resident_fill(host, peaks_with[dos], limit, parts.kept_order, nbytes) for dos in (False, True)}
-    for gap in DOS_GAPS:
-        if gap > 0 and not has_host.any():
-            continue
-        dos = dos_mask(host, gap)
-        plain = host & ~dos
-        dosf = dos.astype(np.float64)
-        dos_at, loads_to_dos = _dos_first(lay, hostf, dos, parts.forward, load)
-        peaks = peaks_with[gap > 0]
+    # the peak and the candidates depend on the gap only through whether some chunks are on DOS
+    gaps = np.array([gap for gap in DOS_GAPS if gap == 0 or host.any()])
+    variants = {}
+    for on_dos in dict.fromkeys(bool(gap > 0) for gap in gaps):
+        held = MemorySettings(1 if on_dos else 0, settings.elem_bytes, settings.world_size, parts.upload, grad_bytes,
+                              freed, released)
+        peaks = sum(_memory_rows(lay, n, device, held, ranking).values())
         unbounded = float(peaks.min()) / (1 - margin)  # as if the host could hold any optimizer state
         smallest["unbounded_need"] = min(smallest.get("unbounded_need", float("inf")), unbounded)
         if host_ok.any():  # the first smallest peak within the host limit (a loop here was a third of the search)
             k = int(np.flatnonzero(host_ok)[np.argmin(peaks[host_ok])])
             need = peaks[k] / (1 - margin)
             if need < smallest.get("need", float("inf")):
+                gap = int(gaps[gaps > 0][0]) if on_dos else 0
                 smallest.update(need=need, choice=Choice(lay, n, device[k].copy(), gap, parts.upload, parts.grads_low))
         ok = host_ok & (peaks <= limit)
-        if not ok.any():
+        if ok.any():
+            variants[on_dos] = _candidates(ok, peaks, *resident_fill(host, peaks, limit, parts.kept_order, nbytes),
+                                           parts)
+    segments = [(i, int(gap), variants[gap > 0]) for i, gap in enumerate(gaps) if (gap > 0) in variants]
+    if not segments:
+        return
+    n_rows = len(ks)
+    at = np.concatenate([i * n_rows + c.take for i, _, c in segments])  # each candidate's (gap, prefix) row
+    prefix = at % n_rows
+    saved_h2d, saved_gather = (np.concatenate([getattr(c, key) for _, _, c in segments])
+                               for key in ("saved_h2d", "saved_gather"))
+
+    def by_gap(x):  # a part of every (gap, prefix) row, for each candidate
+        return x.reshape(-1, *x.shape[2:])[at]
+
+    hostf = host.astype(np.float64)
+    # one load of each host chunk the step loads at all (a chunk no traced access uses has none)
+    load = np.where(parts.h2d > 0, costs.load_host - costs.load_device, 0.0)
+    on_stream = (parts.collectives + device.astype(np.float64) @ (costs.adam_device + parts.device_kernels)
+                 + hostf @ parts.host_stage)
+    dos = dos_mask(host, gaps[:, None, None])  # gap x prefix x chunk
+    plain = host & ~dos
+    dosf = dos.astype(np.float64)
+    dos_at, loads_to_dos = _dos_first(lay, hostf, dos, parts.forward, load)
+    queue_in, queue_out, after = _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
+    stream = by_gap(on_stream + dosf @ costs.dos_update) - saved_gather
+    cpu_adam = by_gap(plain.astype(np.float64) @ costs.adam_host)
+    queue = _update_queue(lay, costs, by_gap(plain), parts.forward, parts.updates_in_backward, load, host[prefix],
+                          prefetch_depth(n, lay.min_blocks))
+    step_parts = partial(
+        StepParts, parts.compute, parts.forward, stream, (hostf @ parts.h2d)[prefix] - saved_h2d,
+        (hostf @ parts.d2h)[prefix], cpu_adam, updates_in_backward=parts.updates_in_backward,
+        micro_steps=parts.micro_steps, dos_in=by_gap(dosf @ costs.dos_in), dos_out=by_gap(dosf @ costs.dos_out),
+        forward_loads=(hostf @ load)[prefix], dos_first_at=by_gap(dos_at), loads_to_dos=by_gap(loads_to_dos),
+        dos_queue_in=by_gap(queue_in), dos_queue_out=by_gap(queue_out), dos_after=after)
+    ok = np.concatenate([c.ok for _, _, c in segments])
+    # the queue played out only where the step could still be the best: each update alone is a
+    # lower bound of it (a 10B GPT's search took three times as long playing out every row)
+    bound = overlapped_step(step_parts(cpu_wait=partial(queue, simulate=np.zeros(len(ok), dtype=bool))))
+    contender = ok & (bound < best.seconds + 1e-12)
+    if not contender.any():
+        return
+    seconds = np.where(contender, overlapped_step(step_parts(cpu_wait=partial(queue, simulate=contender))), np.inf)
+    end = 0
+    for _, gap, c in segments:  # each gap's fastest, taken in the gaps' order
+        start, end = end, end + len(c.ok)
+        fits = contender[start:end]
+        if not fits.any():
             continue
-        # the candidates: every row as it is, then the rows that keep some host chunks resident
-        # (their copies fit by construction), as the same row with those chunks' loads saved
-        resident, added = fills[gap > 0]
-        filled = np.flatnonzero(ok & resident.any(axis=1))
-        take = np.concatenate([np.arange(len(ok)), filled])  # the row of `device` each candidate is
-        kept = np.concatenate([np.zeros_like(resident), resident[filled]])
-        keptf = kept[len(ok):].astype(np.float64)
-        ok, peaks = ok[take], np.concatenate([peaks, peaks[filled] + added[filled]])
+        k = int(np.flatnonzero(fits)[np.argmin(seconds[start:end][fits])])
+        if seconds[start + k] < best.seconds - 1e-12 or (abs(seconds[start + k] - best.seconds) <= 1e-12
+                                                         and c.peaks[k] < best.peak):
+            best.seconds, best.peak = float(seconds[start + k]), int(c.peaks[k])
+            best.choice = Choice(lay, n, device[c.take[k]].copy(), gap, parts.upload, parts.grads_low,
+                                 resident=c.kept[k].copy() if c.kept[k].any() else None)
 
-        def rows(x, saved=None):  # a per-row part for each candidate, less what its resident chunks save
-            if not len(filled):
-                return x
-            return np.concatenate([x, x[filled] if saved is None else x[filled] - keptf @ saved])
 
-        stream = rows(on_stream + dosf @ costs.dos_update, parts.kept_gather)
-        cpu_adam = rows(plain.astype(np.float64) @ costs.adam_host)
-        queue_in, queue_out, after = _dos_queue(lay, dos, costs.dos_in, costs.dos_out)
-        dos_queue = (rows(queue_in), rows(queue_out), after)
-        rows_h2d = rows(h2d, parts.kept_h2d)
+@dataclass(frozen=True)
+class _Candidates:
+    """The candidates of a gap at one pool size (`_candidates`): every prefix row as it is, then
+    the rows that keep some host chunks resident. Per candidate: its prefix row (`take`), its
+    resident chunks (`kept`), whether it fits, its peak, and the link's and the gathers' seconds
+    its resident chunks save (0 for a row as it is)."""
 
-        def step(cpu_wait):
-            return overlapped_step(StepParts(
-                parts.compute, parts.forward, stream, rows_h2d, rows(d2h), cpu_adam, cpu_wait,
-                parts.updates_in_backward, parts.micro_steps, rows(dosf @ costs.dos_in), rows(dosf @ costs.dos_out),
-                rows(forward_loads), rows(dos_at), rows(loads_to_dos), *dos_queue))
+    take: np.ndarray
+    kept: np.ndarray
+    ok: np.ndarray
+    peaks: np.ndarray
+    saved_h2d: np.ndarray
+    saved_gather: np.ndarray
 
-        queue = _update_queue(lay, costs, rows(plain), parts.forward, parts.updates_in_backward, load, rows(host),
-                              prefetch_depth(n, lay.min_blocks))
-        # the queue played out only where the step could still be the best: each update alone is a
-        # lower bound of it (a 10B GPT's search took three times as long playing out every row)
-        bound = step(partial(queue, simulate=np.zeros(len(ok), dtype=bool)))
-        contender = ok & (bound < best.seconds + 1e-12)
-        if not contender.any():
-            continue
-        seconds = np.where(contender, step(partial(queue, simulate=contender)), np.inf)
-        ok = contender
-        k = int(np.flatnonzero(ok)[np.argmin(seconds[ok])])
-        if seconds[k] < best.seconds - 1e-12 or (abs(seconds[k] - best.seconds) <= 1e-12 and peaks[k] < best.peak):
-            best.seconds, best.peak = float(seconds[k]), int(peaks[k])
-            best.choice = Choice(lay, n, device[take[k]].copy(), gap, parts.upload, parts.grads_low,
-                                 resident=kept[k].copy() if kept[k].any() else None)
+
+def _candidates(ok: np.ndarray, peaks: np.ndarray, resident: np.ndarray, added: np.ndarray,
+                parts: _PrefixParts) -> _Candidates:
+    """`_Candidates` from the prefix rows' fit (`ok`) and peaks, and `resident_fill`'s chunks kept
+    resident per row (adding `added` bytes to its peak; their copies fit by construction)."""
+    filled = np.flatnonzero(ok & resident.any(axis=1))
+    keptf = resident[filled].astype(np.float64)
+    zeros = np.zeros(len(ok))
+    return _Candidates(
+        take=np.concatenate([np.arange(len(ok)), filled]),
+        kept=np.concatenate([np.zeros_like(resident), resident[filled]]),
+        ok=np.concatenate([ok, ok[filled]]), peaks=np.concatenate([peaks, peaks[filled] + added[filled]]),
+        saved_h2d=np.concatenate([zeros, keptf @ parts.kept_h2d]),
+        saved_gather=np.concatenate([zeros, keptf @ parts.kept_gather]))
 
 
 def plan_search(profiles: list[ModelProfile], settings: SearchSettings,
