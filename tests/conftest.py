@@ -7,6 +7,18 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_configure(config):
+    """Compile the package's modules once. The suite starts a few hundred Python processes (Ray
+    workers, command-line runs); where PYTHONDONTWRITEBYTECODE is set none of them keeps the
+    bytecode it compiles, so each would compile every module it imports again (about 0.2 s of CPU
+    per process on a 2-core machine)."""
+    import compileall
+
+    import elixir_ray
+
+    compileall.compile_dir(os.path.dirname(elixir_ray.__file__), quiet=1)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster with 4 logical CPUs, shared by every test that needs one: always a new
