@@ -165,19 +165,11 @@ def test_run_writes_metrics_checkpoint_and_plan(ray_cluster, tiny_dataset, tmp_p
     assert result.config.train.steps == 3 and result.config.name == "t"  # what a sweep compares runs by
 
 
-def test_without_clipping_the_gradient_norm_is_not_logged_as_zero(ray_cluster, tiny_dataset, tmp_path):
-    """The engine computes the global norm only to clip by it: unclipped, the metrics hold nulls, not
-    0.0 (which reads as a zero gradient)."""
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2}, optim={"max_grad_norm": None},
-                      cluster={"num_workers": 1})
-    result = train(cfg, progress=False)
-    assert result.metrics.column("grad_norm").to_pylist() == [None, None]
-
-
-def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(ray_cluster, tiny_dataset, tmp_path):
-    """The controller's snapshots were freed only when the garbage collector broke a reference
-    cycle between the controller and the metrics callbacks: a sweep of runs in one process kept
-    every run's last state in the object store."""
+@pytest.fixture(scope="module")
+def unclipped_run(ray_cluster, tiny_dataset, tmp_path_factory):
+    """One run of two steps on one worker, unclipped, with a snapshot at each step; and the objects
+    the driver owned before and after it, with the garbage collector off throughout. One worker:
+    what the driver owns does not depend on how many ranks wrote the snapshots."""
     import gc
 
     from ray._private.worker import global_worker
@@ -185,18 +177,32 @@ def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(ray_cluste
     def owned() -> set:
         return set(global_worker.core_worker.get_all_reference_counts())
 
-    # one worker: what the driver owns does not depend on how many ranks wrote the snapshots
-    cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 2}, checkpoint={"every_steps": 1},
-                      cluster={"num_workers": 1})
+    cfg = tiny_config(tiny_dataset, tmp_path_factory.mktemp("unclipped"), train={"steps": 2},
+                      optim={"max_grad_norm": None}, checkpoint={"every_steps": 1}, cluster={"num_workers": 1})
     gc.collect()
     gc.disable()
     try:
         before = owned()
         result = train(cfg, progress=False)
-        assert result.checkpoint_step == 2
-        assert owned() <= before
+        return result, before, owned()
     finally:
         gc.enable()
+
+
+def test_without_clipping_the_gradient_norm_is_not_logged_as_zero(unclipped_run):
+    """The engine computes the global norm only to clip by it: unclipped, the metrics hold nulls, not
+    0.0 (which reads as a zero gradient)."""
+    result, _, _ = unclipped_run
+    assert result.metrics.column("grad_norm").to_pylist() == [None, None]
+
+
+def test_a_finished_run_leaves_nothing_of_its_own_in_the_object_store(unclipped_run):
+    """The controller's snapshots were freed only when the garbage collector broke a reference
+    cycle between the controller and the metrics callbacks: a sweep of runs in one process kept
+    every run's last state in the object store."""
+    result, before, after = unclipped_run
+    assert result.checkpoint_step == 2
+    assert after <= before
 
 
 def test_too_many_workers_fails_before_any_worker_starts(ray_cluster, tiny_dataset, tmp_path):
