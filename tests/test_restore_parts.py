@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from elixir_ray.cluster.shared_storage import fingerprint
-from elixir_ray.cluster.shard_parts import (CountedReads, RankShardRefs, RestoreReads, fetch_whole, read_snapshot,
-                                            split_shard)
+from elixir_ray.cluster.shard_parts import (CountedReads, RankShardRefs, RestoreReads, copy_here, fetch_whole,
+                                            read_snapshot, split_shard, with_keys)
 
 # two ranks: chunk 0 (8 elements) sharded, 4 each; chunk 1 (4 elements) replicated, whole on rank 0
 LAYOUT = {"world": 2, "buffers": [],
@@ -47,6 +47,31 @@ def test_a_restoring_rank_fetches_only_the_parts_holding_what_it_reads(ray_clust
     # joined whole (the persister's copy, a liveness check), the parts give the shard as it was handed over
     whole = fetch_whole(shards, timeout_s=30)
     assert sorted(whole[0]["tensors"]) == sorted(rank_shard(0)["tensors"]) and whole[0]["layout"] == LAYOUT
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 40, 1 << 30], ids=["one-at-a-time", "some-at-a-time", "all-at-once"])
+def test_the_driver_copies_a_snapshot_in_batches_of_objects_and_keeps_what_it_knows(ray_cluster, batch_bytes):
+    """The persister's copy of a snapshot's shards to the driver's node: the headers say each
+    object's bytes, so that several are pulled with one get (a pull from another node waits for a
+    round of Ray's object manager); the copies hold the same arrays in new objects, with what the
+    headers said. A shard of sizes not said, and a shard that is one object, are copied too."""
+    header, rest, *chunks = split_shard({"step": 1}, rank_shard(0), chunks=2)
+    assert header["part_bytes"] == [16 + 3, 16, 16]  # rest: step counts and random state; each chunk's slices
+    said, = with_keys([RankShardRefs(rest=ray_cluster.put(rest), chunks=tuple(ray_cluster.put(c) for c in chunks),
+                                     chunk_dtypes={})], [header])
+    assert said.part_bytes == (19, 16, 16) and said.chunk_dtypes == header["chunk_dtypes"]
+    unsaid = put_parts(ray_cluster, 1)
+    whole = ray_cluster.put(rank_shard(1))
+    copied_said, copied_unsaid, copied_whole = copy_here([said, unsaid, whole], timeout_s=30, batch_bytes=batch_bytes)
+    assert not ray_cluster.get(copied_whole)["tensors"].keys() ^ rank_shard(1)["tensors"].keys()
+    for shard, copy in ((said, copied_said), (unsaid, copied_unsaid)):
+        assert not set(copy.refs) & set(shard.refs)
+        assert (copy.chunk_dtypes, copy.part_bytes) == (shard.chunk_dtypes, shard.part_bytes)
+        for original, copied in zip(ray_cluster.get(shard.refs), ray_cluster.get(copy.refs)):
+            tensors, copied = original.get("tensors", original), copied.get("tensors", copied)
+            assert sorted(copied) == sorted(tensors)
+            for key, value in tensors.items():
+                np.testing.assert_array_equal(copied[key], value)
 
 
 def test_a_checkpoints_reads_are_counted_and_a_plain_dict_counts_whole():

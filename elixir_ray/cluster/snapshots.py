@@ -151,9 +151,9 @@ class CheckpointPersister:
 
     def _persist(self, snap: Snapshot) -> None:
         if snap.driver_refs is None and not snap.on_driver_node:
-            # one object at a time, so the driver's node holds at most one beyond the copies
+            # a batch of objects at a time (`copy_here`), so the driver's node holds little beyond the copies
             try:
-                copies = [copy_here(shard, FETCH_TIMEOUT_S) for shard in snap.worker_refs]
+                copies = copy_here(snap.worker_refs, FETCH_TIMEOUT_S)
             except (*OBJECT_GONE, ray.exceptions.RayTaskError):
                 copies = None
             if copies is not None:
