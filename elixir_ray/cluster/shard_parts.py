@@ -125,8 +125,8 @@ def copy_here(shards: list, timeout_s: float, batch_bytes: int = COPY_BATCH_BYTE
     their objects some at a time: as many consecutive ones as `batch_bytes` holds (at least one),
     pulled with one `ray.get`. Each pull from another node waits for a round of Ray's object
     manager: one object at a time, chunk objects of 160 KiB took 0.6 s each from a simulated node
-    on the 2-core CPU machine, a four-rank snapshot 20 s. The batches bound what the driver's node
-    holds beyond the copies; an object of unknown size goes alone."""
+    on the 2-core CPU machine, a four-rank snapshot 20 s (2026-11-29). The batches bound what the
+    driver's node holds beyond the copies; an object of unknown size goes alone."""
     refs, sizes = [], []
     for shard in shards:
         if isinstance(shard, RankShardRefs):
