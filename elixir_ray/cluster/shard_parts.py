@@ -68,12 +68,12 @@ def split_shard(header: dict, shard: dict, chunks: int) -> tuple:
         else:
             rest[key] = value
     header = {**header, "chunk_dtypes": {k: np.asarray(v).dtype.str for part in parts for k, v in part.items()},
-              "part_bytes": [_nbytes(part) for part in (rest, *parts)]}
+              "part_bytes": [_nbytes(part.values()) for part in (rest, *parts)]}
     return (header, {"tensors": rest, "layout": shard["layout"]}, *parts)
 
 
-def _nbytes(arrays: dict) -> int:
-    return sum(np.asarray(v).nbytes for v in arrays.values())
+def _nbytes(arrays) -> int:
+    return sum(np.asarray(a).nbytes for a in arrays)
 
 
 def _chunk_of(key: str) -> Optional[int]:
@@ -163,7 +163,7 @@ class RestoreReads:
         self.bytes = 0
 
     def add(self, arrays) -> None:
-        self.bytes += sum(np.asarray(a).nbytes for a in arrays)
+        self.bytes += _nbytes(arrays)
 
 
 class FetchedShard(Mapping):
