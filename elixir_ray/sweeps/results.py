@@ -161,8 +161,10 @@ def write_chart(curves: dict[str, list], statuses: dict[str, str], metric: str, 
     ax.set_ylabel(metric)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    if curves:
+    if any(curves.values()):
         ax.legend(fontsize=7, loc="best")
+    else:  # every trial failed before its first step
+        ax.text(0.5, 0.5, f"no trial reported {metric}", ha="center", va="center", transform=ax.transAxes)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", bbox_inches="tight")
     plt.close(fig)
