@@ -504,12 +504,22 @@ _METHODS = tuple((cls, name, getattr(cls, name)) for cls, names in (
     (nn.Dropout, ("forward",))) for name in names)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding [num, dim]. On the meta device it skips the embedding's own init, which
+    `init_gpt_weights` replaces anyway: `normal_` on meta runs torch's Python reference, whose first
+    call imports torch._dynamo, about 2 s of CPU before the checks `elixir-ray train` makes ahead of
+    starting Ray (its refusals of a bad config come that much sooner)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wte = _embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = _embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
