@@ -47,11 +47,18 @@ demo: venv
 # `make test` (CI) leaves out the tests marked `extended`: further scenarios of what the core
 # suite covers (more fault kinds, the benchmark tools' options, property sweeps). `make test-all`
 # runs every test.
+#
+# Both run on TEST_WORKERS pytest-xdist processes (0: one process). The tests that start Ray run one
+# at a time on one worker, and every other test file whole on whichever worker is free
+# (tests/conftest.py says why).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: venv
-	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extended" $(XDIST) $(PYTEST_ARGS)
 
 test-all: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

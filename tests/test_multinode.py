@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
