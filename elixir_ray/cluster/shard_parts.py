@@ -136,16 +136,15 @@ def copy_here(shards: list, timeout_s: float, batch_bytes: int = COPY_BATCH_BYTE
         else:
             refs.append(shard)
             sizes.append(batch_bytes)
-    copies, batch, held = [], [], 0
+    batches: list[list] = []
+    held = 0
     for ref, size in zip(refs, sizes):
-        if batch and held + size > batch_bytes:
-            copies += [ray.put(value) for value in ray.get(batch, timeout=timeout_s)]
-            batch, held = [], 0
-        batch.append(ref)
+        if not batches or held + size > batch_bytes:
+            batches.append([])
+            held = 0
+        batches[-1].append(ref)
         held += size
-    if batch:
-        copies += [ray.put(value) for value in ray.get(batch, timeout=timeout_s)]
-    made = iter(copies)
+    made = (ray.put(value) for batch in batches for value in ray.get(batch, timeout=timeout_s))
     out = []
     for shard in shards:
         if isinstance(shard, RankShardRefs):
