@@ -15,7 +15,8 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from elixir_ray.engine.op_args import leaves
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -47,7 +48,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for t in leaves(out):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue  # a sparse tensor has no storage of its own
             key = storage_key(t)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from elixir_ray.engine.live_memory import storage_key
+from elixir_ray.engine.op_args import flatten, leaves, unflatten
 
 _NOT_CACHEABLE = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own may compute other layouts
@@ -65,9 +65,9 @@ class MetaKernelCache(TorchDispatchMode):
             fresh = self._fresh[func] = _returns_fresh(func)
         if not fresh:
             return None
-        leaves, spec = tree_flatten((args, kwargs))
+        values, spec = flatten((args, kwargs))
         keys = []
-        for leaf in leaves:
+        for leaf in values:
             k = _arg_key(leaf)
             if k is _NOT_CACHEABLE:
                 return None
@@ -86,7 +86,7 @@ class MetaKernelCache(TorchDispatchMode):
                 return func(*args, **kwargs)
             self.hits += 1
             spec, layouts = answer
-            return tree_unflatten([None if layout is None else _fresh_like(layout) for layout in layouts], spec)
+            return unflatten([None if layout is None else _fresh_like(layout) for layout in layouts], spec)
         self.misses += 1
         out = func(*args, **kwargs)
         self._answers[key] = _record(out, args, kwargs)
@@ -100,11 +100,11 @@ def _fresh_like(layout: tuple) -> torch.Tensor:
 
 def _record(out, args: tuple, kwargs: dict):
     """The outputs' layouts, or None where a fresh copy would not be the same thing."""
-    leaves, spec = tree_flatten(out)
-    inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    outs, spec = flatten(out)
+    inputs = {storage_key(t) for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     seen: set[int] = set()
     layouts = []  # per output leaf: (shape, stride, dtype) of a tensor, or None
-    for leaf in leaves:
+    for leaf in outs:
         if isinstance(leaf, torch.Tensor):
             if type(leaf) not in _PLAIN or leaf.device.type != "meta" or leaf.layout != torch.strided:
                 return None

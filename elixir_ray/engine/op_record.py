@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
+
+from elixir_ray.engine.op_args import leaves, map_leaves
 
 # calls that allocate or alias without touching memory; timing them would only measure Python
 _FREE = {"aten::detach", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::alias"}
@@ -119,11 +120,11 @@ class OpRecorder(TorchDispatchMode):
         name = func.name()
         if not name.startswith("aten::") or func.is_view or name.split(".")[0] in _FREE:
             return out  # collectives (their own cost model), profiler marks, aliases and allocations
-        spec_args, spec_kwargs = tree_map(_spec, args), tree_map(_spec, kwargs)
+        spec_args, spec_kwargs = map_leaves(_spec, args), map_leaves(_spec, kwargs)
         key = _key(name, spec_args, spec_kwargs)
         call = self.calls.get(key)
         if call is None:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0]
+            tensors = [t for t in leaves((args, kwargs, out))
                        if isinstance(t, torch.Tensor) and t.layout == torch.strided]
             flops = _flops(func, name, args, kwargs, out)
             call = self.calls[key] = OpCall(op=name, args=spec_args, kwargs=spec_kwargs, flops=flops,

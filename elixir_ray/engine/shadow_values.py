@@ -24,24 +24,28 @@ from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from elixir_ray.engine.live_memory import storage_key
+from elixir_ray.engine.op_args import leaves, map_leaves
 
 MAX_SHADOW_ELEMENTS = 1 << 24  # values this large are not input bookkeeping; they are not followed
 _UNINITIALISED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
                   "aten::new_empty_strided"}
 
 
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments `func` writes into (in place, or `out=`)."""
+def _written_arguments(func) -> tuple[tuple[int, str, bool], ...]:
+    """Where `func`'s schema says it writes (in place, or `out=`): (position, name, keyword-only)."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _written(spots: tuple, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments at `spots` (from `_written_arguments`)."""
     out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    for i, name, kwarg_only in spots:
+        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        out.extend(t for t in leaves(value) if isinstance(t, torch.Tensor))
     return out
 
 
@@ -60,6 +64,7 @@ class ShadowValues(TorchDispatchMode):
         # meta storages written by a kernel without real values (held, so that no new storage
         # takes the same key; meta storages cost no memory)
         self._poisoned: dict[int, object] = {}
+        self._writes: dict = {}  # operator -> its _written_arguments (reading a schema is slow)
 
     def add(self, meta: torch.Tensor, real: torch.Tensor) -> None:
         if self._small(real) and storage_key(meta) not in self._poisoned:
@@ -78,7 +83,7 @@ class ShadowValues(TorchDispatchMode):
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if not self.follow_all and (seeded or func.name().split(".")[0] in _UNINITIALISED):
             return None
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tensors and not all(self._has(t) for t in tensors):
             return None
         if not tensors:  # a factory (arange, ones, full) is made again where the values live
@@ -95,13 +100,16 @@ class ShadowValues(TorchDispatchMode):
 
         try:
             with _disable_current_modes(), torch.random.fork_rng(devices=[], enabled=seeded):
-                return func(*tree_map(swap, args), **tree_map(swap, kwargs))  # not part of the traced step
+                return func(*map_leaves(swap, args), **map_leaves(swap, kwargs))  # not part of the traced step
         except Exception:  # a kernel the CPU cannot run on these values: this chain of values ends here
             return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        written = _written(func, args, kwargs)
+        spots = self._writes.get(func)
+        if spots is None:
+            spots = self._writes[func] = _written_arguments(func)
+        written = _written(spots, args, kwargs)
         if any(t.device.type == "cpu" for t in written):  # a real tensor written: not a kernel of the trace's
             return func(*args, **kwargs)
         try:
@@ -110,9 +118,9 @@ class ShadowValues(TorchDispatchMode):
             real = None if written else self._real(func, args, kwargs)  # a write there would change shapes
             if real is None:
                 raise
-            return tree_map(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
+            return map_leaves(lambda r: self._stand_in(r) if isinstance(r, torch.Tensor) else r, real)
         # a kernel on real CPU tensors alone (made in the step from Python values) has real outputs already
-        metas = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        metas = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         real = None
         if metas and all(self._small(t) for t in metas):
             real = self._real(func, args, kwargs)
@@ -121,7 +129,7 @@ class ShadowValues(TorchDispatchMode):
                 if t.layout == torch.strided:
                     self._poisoned[storage_key(t)] = t.untyped_storage()
             return out
-        for meta, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+        for meta, value in zip(leaves(out), leaves(real)):
             if isinstance(meta, torch.Tensor) and meta.device.type == "meta" and isinstance(value, torch.Tensor):
                 self.add(meta, value)
         return out
