@@ -105,6 +105,14 @@ def rank_network(profiles: list[WorkerProfile]) -> Optional["Network"]:
     return Network.from_ranks(node_of_rank, names, [p.network for p in profiles])
 
 
+def device_budget(cfg: RunConfig, profiles: list) -> int:
+    """Each rank's device-memory budget: the least free among the profiles, within `engine.device_memory`."""
+    budget = min(p.device_memory_free for p in profiles)
+    if cfg.engine.device_memory is not None:
+        budget = min(budget, parse_bytes(cfg.engine.device_memory))
+    return budget
+
+
 def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: Optional[int] = None) -> RunPlan:
     """Plan for the weakest worker: the smallest free memory and the slowest measured rates, each
     with the node it was measured on, and the collectives at the rates the ranks measured.
@@ -127,9 +135,7 @@ def make_run_plan(cfg: RunConfig, profiles: list[WorkerProfile], global_batch: O
     micro, accum = split_global_batch(global_batch, world, cfg.train.micro_batch)
     device_type = profiles[0].device.split(":")[0]
     dtype = resolve_dtype(cfg.train.dtype, device_type)
-    budget = min(p.device_memory_free for p in profiles)
-    if cfg.engine.device_memory is not None:
-        budget = min(budget, parse_bytes(cfg.engine.device_memory))
+    budget = device_budget(cfg, profiles)
     rates = HardwareProfile.slowest([p.rates for p in profiles])
     per_host = {h: sum(p.hostname == h for p in profiles) for h in {p.hostname for p in profiles}}
     host_budget = min(default_host_budget(per_host[p.hostname], p.host_memory_free) for p in profiles)

@@ -29,7 +29,7 @@ def _assert_same_model(a: dict, b: dict, atol: float) -> None:
         np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0, err_msg=k)
 
 
-def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_dataset, tmp_path):
+def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_dataset, tmp_path, caplog):
     every = 3
     seed = int(os.environ.get("ELIXIR_RAY_TEST_SEED", random.randrange(1 << 30)))
     kill_step = random.Random(seed).randint(1, 10)
@@ -38,10 +38,14 @@ def test_sigkill_of_worker_1_recovers_with_identical_result(ray_cluster, tiny_da
     clean = train(tiny_config(tiny_dataset, tmp_path / "clean", **base), progress=False)
     killer = WorkerKiller(worker_actor_name("t", 1), kill_step)
     killer.start()
-    result = train(tiny_config(tiny_dataset, tmp_path / "killed", **base), progress=False)
+    with caplog.at_level("INFO", logger="elixir_ray"):
+        result = train(tiny_config(tiny_dataset, tmp_path / "killed", **base), progress=False)
     killer.join(timeout=5)
     assert killer.killed_at is not None, "the worker was never killed"
     assert len(result.restarts) == 1, result.restarts
+    # the restart is onto the profiled node with as many workers: the plan is not searched again
+    assert caplog.text.count("plan for 2 worker(s) searched in") == 1, caplog.text
+    assert "the plan for 2 worker(s) searched before from the same profiles, budget and batch is kept" in caplog.text
     record = result.restarts[0]
     # the survivor's collective fails first ("connection reset by peer"): the reason names the dead one
     assert "rank 0" not in record.reason, record.reason

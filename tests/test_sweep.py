@@ -175,6 +175,12 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     assert "worker group failed" in log and "restarting (worker 0 died" in log, log
     # it goes on from its newest checkpoint (the one seen before the kill, or one written just after)
     assert "continues from its own newest checkpoint" in log, log
+    # its restart inside the trial kept its plan, and the resumed run measured nothing again: the
+    # sweep's plan cache has its shape's profiles (its budget, cut again from the memory free now,
+    # may differ: then only its plan is searched)
+    before_resume, after_resume = log.split("continues from its own newest checkpoint", 1)
+    assert "searched before from the same profiles, budget and batch is kept" in before_resume, log
+    assert "reused from" in after_resume and "profiling (" not in after_resume, log
     resumed_at = [int(s) for s in re.findall(r"starting at step (\d+) \(from durable\)", log)]
     assert len(resumed_at) == 1 and second <= resumed_at[0] < 40, (second, log)
     steps = [r["step"] for r in pq.read_table(os.path.join(sweep_dir, ids[1], "metrics.parquet")).to_pylist()]

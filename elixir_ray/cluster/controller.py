@@ -54,7 +54,7 @@ from elixir_ray.cluster.worker_profile import WorkerProfile
 from elixir_ray.config import RunConfig
 from elixir_ray.data.dataset import data_tokenizer
 from elixir_ray.errors import ClusterError, nothing_left_to_train
-from elixir_ray.run_plan import RunPlan, make_run_plan, split_global_batch
+from elixir_ray.run_plan import RunPlan, device_budget, make_run_plan, split_global_batch
 from elixir_ray.trainer import schedule_steps
 
 log = logging.getLogger("elixir_ray")
@@ -182,6 +182,7 @@ class TrainController:
         self._plan_key: Optional[str] = None  # the first try's key in plan_cache, once its group has formed
         self._holds_lease = False  # this run measures for plan_cache's key, and others wait for its entry
         self._cached: Optional[CachedPlan] = None  # profiles and plan read from plan_cache
+        self._planned_from: Optional[list] = None  # the profiles outcome.plan was searched from
         self._stop_sent = False  # the ranks of the try under way were asked to stop
         self.on_note = on_note  # what the user should see besides steps (a checkpoint that takes a while)
         self.resume = resume
@@ -311,9 +312,10 @@ class TrainController:
         if self._cached is not None:
             self.outcome.profiles = list(self._cached.profiles)
             where = f"{self._cached.uri} (measured by the run {self._cached.source!r})"
-            log.info("profiles and plan reused from %s: no profiling round", where)
-            self.on_note(f"profiles and plan reused from {where}: no profiling round")
-            return NextState(RunState.PLANNING, f"process group formed; profiles and plan reused from {where}")
+            reused = "profiles and plan" if self._plan_found_before() is not None else "profiles (not the plan: another budget)"
+            log.info("%s reused from %s: no profiling round", reused, where)
+            self.on_note(f"{reused} reused from {where}: no profiling round")
+            return NextState(RunState.PLANNING, f"process group formed; {reused} reused from {where}")
         return NextState(RunState.PROFILING, "process group formed")
 
     def _cached_plan(self) -> Optional[CachedPlan]:
@@ -337,6 +339,19 @@ class TrainController:
         if found is None:
             self._holds_lease = self.plan_cache.take_lease(key, self.cfg.name)
         return found
+
+    def _plan_found_before(self) -> Optional[RunPlan]:
+        """A plan searched from what this search would take (the same profiles, world size, global
+        batch and budget), which the search would only find again: a restart onto the ranks' own
+        nodes keeps its plan, and a run takes the plan cache's plan when its budget is the one that
+        plan was searched for (a resumed sweep cuts its budgets again from the memory free then)."""
+        if self.outcome.restarts:
+            plan = self.outcome.plan if self.outcome.profiles is self._planned_from else None
+        else:
+            plan = self._cached.plan if self._cached is not None else None
+        if plan is None or plan.world_size != self.shape.num_workers:
+            return None
+        return plan if plan.device_memory_bytes == device_budget(self.cfg, self.outcome.profiles) else None
 
     def _release_lease(self) -> None:
         if self._holds_lease and self.plan_cache is not None and self._plan_key is not None:
@@ -369,11 +384,12 @@ class TrainController:
         return NextState(RunState.PLANNING, f"{len(self.outcome.profiles)} profile(s)")
 
     def _plan(self) -> NextState:
-        self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
-        cached = self._cached if not self.outcome.restarts else None  # a restart plans for its own group
-        if cached is not None and cached.plan.world_size == self.shape.num_workers:
-            plan = cached.plan
+        plan = self._plan_found_before()
+        if plan is not None:
+            log.info("the plan for %d worker(s) searched before from the same profiles, budget and batch is kept",
+                     plan.world_size)
         else:
+            self.on_note(f"searching the plan for {self.group.world_size} worker(s)")
             searched = time.monotonic()
             try:
                 plan = make_run_plan(self.cfg, self.outcome.profiles, global_batch=self.global_batch)
@@ -385,6 +401,7 @@ class TrainController:
             if self._holds_lease:
                 self.plan_cache.put(self._plan_key, self.outcome.profiles, plan, self.cfg.name)
                 self._release_lease()
+        self._planned_from = self.outcome.profiles
         # a restart with fewer workers keeps the global batch: more micro-steps each, a longer step
         before = self.outcome.plan
         where = (f" for {plan.world_size} worker(s) after a restart (before it, {before.world_size})"

@@ -1,10 +1,12 @@
 """Profiles and plans shared by runs of the same shape: the trials of a sweep.
 
 A run's profiling round (every rank measures its copy, AdamW and matmul rates and times the model's
-kernels) and its plan search depend on the model, the micro-batch, the world size, the budget and
-the hardware, not on the learning rate or the seed. So the first run of a shape writes its profiles
-and plan here, under a hash of what they depend on, and a later run of that shape reads them
-instead of measuring again. On a local disk the first run also holds a lease on its key while it
+kernels) depends on the model, the micro-batch, the world size and the hardware, not on the
+learning rate, the seed or the memory budget. So the first run of a shape writes its profiles and
+plan here, under a hash of what they depend on, and a later run of that shape reads them instead
+of measuring again. It takes the plan too when its budget is the one the plan was searched for;
+with another (a resumed sweep cuts its budgets again from the memory free then) it searches its
+own from the profiles. On a local disk the first run also holds a lease on its key while it
 measures, and a run of the same shape starting meanwhile waits for its entry rather than measuring
 beside it (on one machine the two measurements would also disturb each other). Object stores have
 no exclusive create: there concurrent runs may both measure, and the last entry written is kept.
@@ -29,8 +31,9 @@ from elixir_ray.run_plan import PLAN_VERSION, RunPlan
 
 log = logging.getLogger("elixir_ray")
 
-# 2: plans searched with resident compute copies (Plan.resident); an entry of another version is searched again
-CACHE_VERSION = 2
+# 2: plans searched with resident compute copies (Plan.resident); 3: keys without engine.device_memory.
+# An entry of another version is measured again.
+CACHE_VERSION = 3
 LEASE_POLL_S = 0.5
 # How long a run waits for another run's entry: a profiling round of a large model on a GPU takes a
 # few minutes; a lease whose holder is gone (another host, SIGKILLed) is given up on after this.
@@ -38,13 +41,15 @@ LEASE_WAIT_S = 600.0
 
 
 def plan_key(cfg: RunConfig, world_size: int, global_batch: int, node_kinds: list[str]) -> str:
-    """The hash of what a run's profiles and plan depend on: the model, the batch split, the dtype,
-    the engine's settings (its budget among them), clipping (whether updates may start in the
-    backward), the CPUs each rank has, and the kind of node each rank is on."""
+    """The hash of what a run's profiles (and, its budget apart, its plan) depend on: the model, the
+    batch split, the dtype, the engine's settings but its budget, clipping (whether updates may
+    start in the backward), the CPUs each rank has, and the kind of node each rank is on."""
+    engine = dataclasses.asdict(cfg.engine)
+    del engine["device_memory"]  # the plan records its budget (RunPlan.device_memory_bytes)
     fields = {
         "cache": CACHE_VERSION, "plan": PLAN_VERSION, "model": dataclasses.asdict(cfg.model),
         "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum, "dtype": cfg.train.dtype,
-        "engine": dataclasses.asdict(cfg.engine), "clips": cfg.optim.max_grad_norm is not None,
+        "engine": engine, "clips": cfg.optim.max_grad_norm is not None,
         "cpus_per_worker": cfg.cluster.cpus_per_worker, "world_size": world_size, "global_batch": global_batch,
         "nodes": sorted(node_kinds),
     }
