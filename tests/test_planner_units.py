@@ -1,7 +1,7 @@
 import dataclasses
 import json
 import re
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 import pytest
@@ -536,6 +536,7 @@ def test_gradient_buffer_moments_follow_each_chunk_from_first_gradient_to_hand_o
     assert moments == [(0, 0), (1, 0), (0, 2), (1, 2), (0, 3)] and handed_at == {2: 2, 1: 2, 0: 4}
 
 
+@cache  # traced once per setting: the planner's functions leave a profile and its layout as they are
 def _gpt_layout(checkpointing, chunk_size=4096):
     from elixir_ray.model.gpt import build_gpt
     from elixir_ray.planner.model_profile import profile_model
