@@ -1,11 +1,13 @@
 """Models and a plain-torch reference loop shared by the engine tests (and their spawned ranks)."""
 
 import copy
+import multiprocessing
 import os
 import tempfile
 from functools import partial
 
 import torch
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -174,6 +176,21 @@ def engine_run(model, opt, data: list[torch.Tensor], steps: int, accum: int, ran
         opt.zero_grad()
         losses.append(float(total))
     return losses
+
+
+# What spawned ranks import, imported once by the server they are forked from (`spawn_ranks`)
+RANK_IMPORTS = ["torch", "torch._dynamo", "torch.distributed", "numpy", "pytest", "elixir_ray.engine.wrap",
+                "engine_models"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """`mp.spawn(fn, args=args, nprocs=nprocs)`, the ranks forked from a server process that imported
+    RANK_IMPORTS once: a fresh interpreter per rank imports torch and the engine again, about 5 s of
+    CPU a rank, most of a short two-rank test. The server (one per pytest process, started at its
+    first call) runs no torch kernel, so it holds no thread pool a fork could break; a rank sees the
+    environment as it was when the server started."""
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def store_url(directory: str) -> str:

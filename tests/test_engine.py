@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from elixir_ray import Plan, PlanError, wrap
@@ -19,7 +18,7 @@ from elixir_ray.engine.trace import ValueReadError, trace_step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import (LearnedRouter, Routed, Toy, batches, engine_run, param_groups,  # noqa: E402
-                           reference_run, store_url, train_side_by_side)
+                           reference_run, spawn_ranks, store_url, train_side_by_side)
 
 STEPS, ACCUM, MAX_NORM = 20, 2, 0.5
 
@@ -271,7 +270,7 @@ def test_sharded_ranks_match_one_process(world, ckpt, tmp_path):
     ref_losses, ref_state, ref_optim = reference_run(base, batches(STEPS * ACCUM, 8), STEPS, ACCUM, MAX_NORM,
                                                      with_optimizer=True)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(world, store_url(tmp_path), out, ckpt), nprocs=world, join=True)
+    spawn_ranks(_rank_main, (world, store_url(tmp_path), out, ckpt), world)
     result = torch.load(out)
     assert result["stats"]["evictions"] >= STEPS
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
@@ -320,7 +319,7 @@ def test_ranks_routing_to_different_experts_train_like_torch_on_the_whole_batch(
     chunk waiting only for what this rank used), and an expert used on one rank only is updated on
     both with half its gradient, as plain training on the whole batch would."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_routed_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_routed_rank_main, (2, store_url(tmp_path), out), 2)
     results = torch.load(out)
     data, _ = _routed_batches()
     for ckpt, (losses, state) in results.items():
@@ -427,7 +426,7 @@ def test_ranks_with_a_learned_router_get_every_chunk_replicated_and_train_like_t
     read values computed from the weights, replicates every chunk, and training matches torch on the
     whole batch."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_learned_router_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_learned_router_rank_main, (2, store_url(tmp_path), out), 2)
     result = torch.load(out)
     assert not any(result["sharded"])
     assert any("read values computed from the weights" in n for n in result["notes"])
@@ -496,7 +495,7 @@ def _collective_rank_main(rank: int, world: int, store: str, out_dir: str) -> No
 
 @pytest.mark.extended
 def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
-    mp.spawn(_collective_rank_main, args=(2, store_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_collective_rank_main, (2, store_url(tmp_path), str(tmp_path)), 2)
     for r in (0, 1):
         notes = json.loads((tmp_path / f"rank{r}.json").read_text())["notes"]
         assert any("distinct kernels timed on" in n for n in notes)
@@ -506,7 +505,7 @@ def test_planning_a_module_with_collectives_does_not_replay_them(tmp_path):
 def test_ranks_without_a_plan_all_run_rank_zeros_search(tmp_path):
     """Measured rates and kernel times differ per rank; one search, broadcast, keeps the chunks alike,
     and rank 0's PlanError reaches every rank instead of leaving the others waiting."""
-    mp.spawn(_searching_rank_main, args=(2, store_url(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_searching_rank_main, (2, store_url(tmp_path), str(tmp_path)), 2)
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert first["4KiB"].startswith("PlanError: ") and "too small" in first["4KiB"]
     assert second["4KiB"].startswith("PlanError: rank 0 could not plan: PlanError: ")

@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -24,7 +23,7 @@ from elixir_ray.engine import manual_plan
 from elixir_ray.engine.hooks import _parameters_reached
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import VOCAB, Toy, batches, param_groups, store_url, train_side_by_side  # noqa: E402
+from engine_models import VOCAB, Toy, batches, param_groups, spawn_ranks, store_url, train_side_by_side  # noqa: E402
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -251,7 +250,7 @@ def test_ranks_wait_only_for_the_gradients_their_graph_gives(tmp_path):
     through one graph, and a no_grad forward before each step all train like torch, and a probe head
     used in forward but never in the loss does not hold any chunk's gradient buffer open."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (2, store_url(tmp_path), out), 2)
     results = torch.load(out)
     data = batches(4, 8, seed=4)
     for name in CASES:
@@ -396,7 +395,7 @@ def test_ranks_wait_for_every_output_of_a_forward():
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_two_heads_rank_main, args=(2, store_url(tmp), out), nprocs=2, join=True)
+        spawn_ranks(_two_heads_rank_main, (2, store_url(tmp), out), 2)
         state, reduces, n_chunks = torch.load(out)
     assert reduces == [2 * n_chunks] * 2
     torch.manual_seed(0)

@@ -10,12 +10,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elixir_ray.engine.comm import Comm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import store_url  # noqa: E402
+from engine_models import spawn_ranks, store_url  # noqa: E402
 
 ROUNDS = 200
 
@@ -47,7 +46,7 @@ def _rank_main(rank: int, world: int, store: str, out: str) -> None:
 @pytest.mark.slow
 def test_gloo_collectives_return_after_gloo_lets_go_of_their_tensors(tmp_path):
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (2, store_url(tmp_path), out), 2)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         # without the wait, a few of every hundred calls returned with gloo still holding a tensor

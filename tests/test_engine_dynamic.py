@@ -296,12 +296,10 @@ def _ranks_trace_their_own_samples(rank: int, world: int, store: str, out: str, 
 
 @pytest.mark.parametrize("same", [True, False])
 def test_ranks_that_traced_other_paths_are_refused_on_every_rank_before_a_hang(tmp_path, same):
-    import torch.multiprocessing as mp
-
-    from engine_models import store_url
+    from engine_models import spawn_ranks, store_url
 
     out = str(tmp_path / "result")
-    mp.spawn(_ranks_trace_their_own_samples, args=(2, store_url(str(tmp_path)), out, same), nprocs=2, join=True)
+    spawn_ranks(_ranks_trace_their_own_samples, (2, store_url(str(tmp_path)), out, same), 2)
     results = [open(f"{out}.{rank}").read() for rank in range(2)]
     if same:
         assert results == ["trained", "trained"]

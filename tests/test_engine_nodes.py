@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import elixir_ray
 from elixir_ray import wrap
@@ -26,7 +25,7 @@ from elixir_ray.planner.hardware import HardwareProfile
 from elixir_ray.planner.network import GroupRates, Network
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
+from engine_models import Toy, batches, engine_run, param_groups, reference_run, spawn_ranks, store_url  # noqa: E402
 
 WORLD, STEPS, ACCUM, MAX_NORM = 4, 2, 2, 0.05
 # rank -> node: two nodes of two ranks; the mixed plan's ranks alternate between them ("searched": the plan's)
@@ -99,7 +98,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("nodes")
     out = str(tmp / "rank")
     searched = _searched(between_nodes_gbps=0.001).to_json()
-    mp.spawn(_rank_main, args=(store_url(str(tmp)), out, searched), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (store_url(str(tmp)), out, searched), WORLD)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
 
 

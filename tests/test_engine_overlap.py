@@ -17,7 +17,6 @@ from concurrent.futures import Future
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elixir_ray import wrap
 from elixir_ray.engine import engine_state, load_engine_state, manual_plan
@@ -26,7 +25,7 @@ from elixir_ray.engine.timing import StepTimer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_models import (Toy, batches, count_updates_started_before_step, engine_run, param_groups,  # noqa: E402
-                           reference_run, store_url)
+                           reference_run, spawn_ranks, store_url)
 
 STEPS = 12
 
@@ -432,7 +431,7 @@ def test_two_ranks_with_updates_in_backward_and_prefetch_match_one_process(tmp_p
     base = Toy()
     ref_losses, ref_state = reference_run(base, batches(STEPS * 2, 8), STEPS, 2, None)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (2, store_url(tmp_path), out), 2)
     result = torch.load(out)
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses)) <= 1e-5
     assert _max_diff(result["state"], ref_state) <= 1e-5

@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +25,7 @@ from elixir_ray import wrap
 from elixir_ray.engine import manual_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_models import Toy, batches, engine_run, param_groups, reference_run, store_url  # noqa: E402
+from engine_models import Toy, batches, engine_run, param_groups, reference_run, spawn_ranks, store_url  # noqa: E402
 
 STEPS = 4
 CHECKPOINTING = ["", "non-reentrant", "reentrant", "selective"]
@@ -139,7 +138,7 @@ def _rank_main(rank: int, world: int, store: str, seeds: list, out: str) -> None
 @pytest.mark.extended
 def test_random_mixes_of_sharded_and_replicated_chunks_across_two_ranks_match_torch(tmp_path):
     seeds, out = list(range(8)), str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, store_url(tmp_path), seeds, out), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (2, store_url(tmp_path), seeds, out), 2)
     results = torch.load(out)
     setups = [_random_plan(seed, 2)[2] for seed in seeds]
     # the draws cover what this test is for: chunks sharded and replicated, on the host and the device
@@ -249,7 +248,7 @@ def _resident_rank_main(rank: int, world: int, store: str, out: str) -> None:
 @pytest.mark.slow
 def test_resident_sharded_and_replicated_chunks_across_two_ranks_match_torch(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_resident_rank_main, args=(2, store_url(tmp_path), out), nprocs=2, join=True)
+    spawn_ranks(_resident_rank_main, (2, store_url(tmp_path), out), 2)
     results = torch.load(out)
     mixes = set()
     for setup, (losses, state, counts, used) in zip(_resident_setups(), results):
