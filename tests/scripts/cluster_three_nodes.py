@@ -146,7 +146,7 @@ def elastic_phase(cluster: Cluster, nodes: list, dataset: str, out_dir: str) -> 
 def main(dataset: str, out_dir: str) -> None:
     os.environ["XDG_CACHE_HOME"] = os.path.join(out_dir, "cache-driver")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 150 * 2**20,
+        "num_cpus": 0, "object_store_memory": 150 * 2**20, "include_dashboard": False,
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                            "health_check_timeout_ms": 500},
     })

@@ -16,7 +16,8 @@ import elixir_ray
 
 
 def main(dataset: str, out_dir: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 150 * 2**20})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 150 * 2**20,
+                                                                 "include_dashboard": False})
     for _ in range(2):
         cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
     cluster.wait_for_nodes()
