@@ -37,21 +37,30 @@ RAY_FILES = frozenset({
     "test_restore_parts.py", "test_resume_auto.py", "test_resume_checks.py", "test_run_handle.py",
     "test_sweep.py", "test_train_ray.py", "test_worker_group.py",
 })
+# Of RAY_FILES, those whose tests use no shared cluster, only one of their own: each is a unit of its
+# own, run beside the Ray unit on the other worker. The Ray unit is the longest, and while it runs
+# alone at the end a Ray test leaves part of the machine idle (it waits on its processes).
+BESIDE_THE_RAY_UNIT = frozenset({"test_job_submit.py"})
 
 
 def pytest_collection_modifyitems(config, items):
-    """RAY_FILES first, so that their unit is the first one handed out; each checked to be listed."""
+    """The Ray unit's files first, so that their unit is the first one handed out; each file that
+    starts Ray checked to be listed in RAY_FILES."""
     for item in items:
         starts_ray = "ray_cluster" in item.fixturenames or item.get_closest_marker("ray") is not None
         if starts_ray and item.path.name not in RAY_FILES:
             raise pytest.UsageError(f"{item.nodeid} starts Ray: add {item.path.name} to RAY_FILES in "
                                     f"tests/conftest.py")
-    items.sort(key=lambda item: item.path.name not in RAY_FILES)
+    items.sort(key=lambda item: not _in_the_ray_unit(item.path.name))
+
+
+def _in_the_ray_unit(name: str) -> bool:
+    return name in RAY_FILES and name not in BESIDE_THE_RAY_UNIT
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, except that all of RAY_FILES are one unit (see RAY_FILES)."""
+    """`--dist loadfile`, except that RAY_FILES but BESIDE_THE_RAY_UNIT are one unit (see RAY_FILES)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -59,7 +68,7 @@ def pytest_xdist_make_scheduler(config, log):
     class RayFilesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "ray" if os.path.basename(path) in RAY_FILES else path
+            return "ray" if _in_the_ray_unit(os.path.basename(path)) else path
 
     return RayFilesTogether(config, log)
 
