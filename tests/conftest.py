@@ -38,20 +38,29 @@ RAY_FILES = frozenset({
     "test_sweep.py", "test_train_ray.py", "test_worker_group.py",
 })
 # Of RAY_FILES, those whose tests use no shared cluster, only one of their own: each is a unit of its
-# own, run beside the Ray unit on the other worker. The Ray unit is the longest, and while it runs
-# alone at the end a Ray test leaves part of the machine idle (it waits on its processes).
-BESIDE_THE_RAY_UNIT = frozenset({"test_job_submit.py"})
+# own, handed out right after the Ray unit, longest first, so that they run beside it on the other
+# worker. With them the Ray unit was the longest by far, and while it ran alone at the end a Ray
+# test left part of the machine idle (it waits on its processes).
+BESIDE_THE_RAY_UNIT = ("test_multinode.py", "test_job_submit.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Ray unit's files first, so that their unit is the first one handed out; each file that
-    starts Ray checked to be listed in RAY_FILES."""
+    """The Ray unit's files first, so that their unit is the first one handed out, then
+    BESIDE_THE_RAY_UNIT in its order; each file that starts Ray checked to be listed in RAY_FILES."""
     for item in items:
         starts_ray = "ray_cluster" in item.fixturenames or item.get_closest_marker("ray") is not None
         if starts_ray and item.path.name not in RAY_FILES:
             raise pytest.UsageError(f"{item.nodeid} starts Ray: add {item.path.name} to RAY_FILES in "
                                     f"tests/conftest.py")
-    items.sort(key=lambda item: not _in_the_ray_unit(item.path.name))
+    items.sort(key=lambda item: _hand_out_order(item.path.name))
+
+
+def _hand_out_order(name: str) -> int:
+    if _in_the_ray_unit(name):
+        return 0
+    if name in BESIDE_THE_RAY_UNIT:
+        return 1 + BESIDE_THE_RAY_UNIT.index(name)
+    return 1 + len(BESIDE_THE_RAY_UNIT)
 
 
 def _in_the_ray_unit(name: str) -> bool:
