@@ -312,7 +312,8 @@ class TrainController:
         if self._cached is not None:
             self.outcome.profiles = list(self._cached.profiles)
             where = f"{self._cached.uri} (measured by the run {self._cached.source!r})"
-            reused = "profiles and plan" if self._plan_found_before() is not None else "profiles (not the plan: another budget)"
+            reused = ("profiles and plan" if self._plan_found_before() is not None
+                      else "profiles (not the plan: another budget)")
             log.info("%s reused from %s: no profiling round", reused, where)
             self.on_note(f"{reused} reused from {where}: no profiling round")
             return NextState(RunState.PLANNING, f"process group formed; {reused} reused from {where}")
