@@ -125,8 +125,9 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
         ray_cluster, tiny_dataset, tmp_path, capsys):
     storage = tmp_path / "sweeps"
     namespace = "sweep-resume"
+    steps = 24
     path = _sweep_file(tmp_path / "sweep.yaml", tiny_dataset, storage, name="resumed", lrs=[2e-3, 2e-3, 1e-4],
-                       scheduler="none", steps=40, every=4, workers=1, namespace=namespace,
+                       scheduler="none", steps=steps, every=4, workers=1, namespace=namespace,
                        trials_per_gpu=2)
     sweep_dir = str(storage / "resumed")
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "PYTHONPATH": REPO}
@@ -148,7 +149,7 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
                 second = _newest_step(glob.glob(os.path.join(sweep_dir, "*_00001"))[0]) or None
             time.sleep(0.05)
         driver.send_signal(signal.SIGKILL)
-        assert second is not None and second < 40, ("".join(output), second)
+        assert second is not None and second < steps, ("".join(output), second)
         driver.wait(timeout=30)
     finally:
         if driver.poll() is None:
@@ -165,7 +166,7 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     # exactly the configured trials, each finished, none failed, the finished one not run again
     ids = sorted(table)
     assert len(ids) == 3 and ids[:2] == started and ids[2].endswith("_00002"), (started, table)
-    assert all(r["status"] == "finished" and r["steps"] == 40 and not r["error"] for r in table.values()), table
+    assert all(r["status"] == "finished" and r["steps"] == steps and not r["error"] for r in table.values()), table
     assert os.path.getmtime(first_metrics) == before
     assert _log(first).count("placing (the run starts)") == 1, _log(first)
     # the trial that lost a worker (and then its driver) ends where the undisturbed one did
@@ -182,9 +183,9 @@ def test_a_sweep_resumed_after_its_driver_is_killed_finishes_and_a_worker_lost_i
     assert "searched before from the same profiles, budget and batch is kept" in before_resume, log
     assert "reused from" in after_resume and "profiling (" not in after_resume, log
     resumed_at = [int(s) for s in re.findall(r"starting at step (\d+) \(from durable\)", log)]
-    assert len(resumed_at) == 1 and second <= resumed_at[0] < 40, (second, log)
-    steps = [r["step"] for r in pq.read_table(os.path.join(sweep_dir, ids[1], "metrics.parquet")).to_pylist()]
-    assert steps == list(range(1, 41)), steps
+    assert len(resumed_at) == 1 and second <= resumed_at[0] < steps, (second, log)
+    logged = [r["step"] for r in pq.read_table(os.path.join(sweep_dir, ids[1], "metrics.parquet")).to_pylist()]
+    assert logged == list(range(1, steps + 1)), logged
     assert not _worker_actors(), "workers of the sweep's trials are still alive"
 
 
