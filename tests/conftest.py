@@ -42,12 +42,12 @@ RAY_FILES = frozenset({
 # other worker. With it the Ray unit was the longest by far, and while it ran alone at the end a Ray
 # test left part of the machine idle (it waits on its processes). The three-node test stays in the
 # Ray unit: beside it, the Ray unit's tests took up to 1.7 times as long (the sweep-resume test 100 s).
-BESIDE_THE_RAY_UNIT = ("test_job_submit.py",)
+BESIDE_THE_RAY_UNIT = frozenset({"test_job_submit.py"})
 
 
 def pytest_collection_modifyitems(config, items):
     """The Ray unit's files first, so that their unit is the first one handed out, then
-    BESIDE_THE_RAY_UNIT in its order; each file that starts Ray checked to be listed in RAY_FILES."""
+    BESIDE_THE_RAY_UNIT; each file that starts Ray checked to be listed in RAY_FILES."""
     for item in items:
         starts_ray = "ray_cluster" in item.fixturenames or item.get_closest_marker("ray") is not None
         if starts_ray and item.path.name not in RAY_FILES:
@@ -57,11 +57,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _hand_out_order(name: str) -> int:
-    if _in_the_ray_unit(name):
-        return 0
-    if name in BESIDE_THE_RAY_UNIT:
-        return 1 + BESIDE_THE_RAY_UNIT.index(name)
-    return 1 + len(BESIDE_THE_RAY_UNIT)
+    return 0 if _in_the_ray_unit(name) else 1 if name in BESIDE_THE_RAY_UNIT else 2
 
 
 def _in_the_ray_unit(name: str) -> bool:
