@@ -443,9 +443,9 @@ def test_keep_never_removes_the_step_just_saved(tmp_path):
 
 
 def test_a_step_saved_again_replaces_it_and_a_replace_cut_short_loses_neither_copy(tmp_path):
-    """A local save of a step that exists used to delete the old copy, then rename the new one in: a
-    kill between the two left no checkpoint of that step, and the complete new copy was removed as a
-    crashed save's leftover an hour later."""
+    """A local save of a step that exists replaces the old copy without a moment with neither: were the
+    old one deleted before the new one is renamed in, a kill between the two would leave no checkpoint
+    of that step, and the complete new copy would be removed as a crashed save's leftover an hour later."""
     root = tmp_path / "ck"
     save_checkpoint(str(root), 200, _tensors(), {"which": "old"})
     save_checkpoint(str(root), 200, _tensors(1), {"which": "new"})

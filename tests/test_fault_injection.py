@@ -51,8 +51,9 @@ def _steps(result):
 @pytest.mark.extended
 def test_a_rank_lost_in_the_last_snapshot_restarts_and_the_last_step_is_persisted(
         ray_cluster, tiny_dataset, tmp_path, how):
-    """Only rank 0's result used to be checked: the run reported success with step 2 as its checkpoint
-    ("exit"), or the persister thread died on the bad shard and the run hung ("raise")."""
+    """Every rank's result is checked, not only rank 0's: otherwise the run would report success with
+    step 2 as its checkpoint ("exit"), or the persister thread would die on the bad shard and the run
+    hang ("raise")."""
     faulty = _faulty_workers(tmp_path / "fired", rank=1, at_step=4, how=how)
     cfg = tiny_config(tiny_dataset, tmp_path, train={"steps": 4}, checkpoint={"every_steps": 2},
                       fault={"max_restarts": 1})
@@ -94,7 +95,7 @@ def test_the_persister_outlives_a_snapshot_it_cannot_fetch(ray_cluster, tmp_path
 
 @pytest.mark.extended
 def test_a_stalled_rank_0_is_a_failure_after_detect_timeout(ray_cluster, tiny_dataset, tmp_path):
-    """A SIGSTOPped rank 0 answers nothing: the driver's metrics poll used to wait for it forever."""
+    """A SIGSTOPped rank 0 answers nothing: the driver's metrics poll must not wait for it forever."""
     name = "stall"
     stopped = {}
 
@@ -151,8 +152,8 @@ def test_another_runs_workers_on_the_cluster_are_named_in_the_error(ray_cluster,
 
 @pytest.mark.extended
 def test_keep_never_deletes_what_this_run_just_wrote(ray_cluster, tiny_dataset, tmp_path):
-    """An earlier run of the same name left higher steps in the directory: pruning by step deleted the
-    new run's own checkpoint, and its result named a directory that no longer existed."""
+    """An earlier run of the same name left higher steps in the directory: pruning by step alone would
+    delete the new run's own checkpoint, and its result would name a directory that is gone."""
     first = train(tiny_config(tiny_dataset, tmp_path, train={"steps": 6}, checkpoint={"every_steps": 3, "keep": 2}),
                   progress=False)
     with pytest.warns(UserWarning, match=r"already holds 2 checkpoint\(s\) of an earlier run"):  # and goes on
@@ -284,7 +285,8 @@ def test_ranks_that_do_not_share_a_temp_directory_meet_over_loopback_tcp(ray_clu
 @pytest.mark.extended
 def test_a_rank_that_hangs_while_profiling_is_a_failure_and_the_run_restarts(ray_cluster, tiny_dataset, tmp_path):
     """Profiling, setting up and restoring are waited for as long as they take: a rank that stopped
-    answering there (SIGSTOP: a process hung in a driver call looks the same) held the driver forever."""
+    answering there (SIGSTOP: a process hung in a driver call looks the same) must not hold the driver
+    forever."""
     marker = tmp_path / "stopped"
 
     class HangingWorker(RankWorker):
