@@ -142,8 +142,10 @@ def test_bench_smoke_writes_json_markdown_and_png(tmp_path, capsys):
     for system in ("reference", "fsdp2_offload", "elixir_ray"):  # the training thread's CPU time, and the process's
         r = rows[system]
         assert 0 < r["host_thread_cpu_seconds"] <= r["process_cpu_seconds"] * (1 + 1e-6) + 1e-6, r
-    engine_files = ("hooks.py", "pool.py", "chunks.py", "optimizer.py")  # the engine's own Python is among the busiest
-    assert any(row[0].startswith(engine_files) for row in ex["python_profile"][1:]), ex["python_profile"]
+    # the profiled thread is the one running the engine's hooks: they add Python calls to the same
+    # model's step (which of them rank among the busiest by self time depends on the machine's load)
+    assert ex["python_profile"][0][1] > rows["reference"]["python_profile"][0][1], (ex["python_profile"][0],
+                                                                                  rows["reference"]["python_profile"][0])
     for system in rows:  # each system's whole output, beside the report
         log = (out / f"{system}.log").read_text()
         assert log.startswith("$ ") and "--system " + system in log and "# exit 0" in log
