@@ -347,6 +347,12 @@ class WorkerGroup:
             stalled = [rank for rank in others if self.heartbeats.silent_for(rank) - waited > STALL_NAMING_S]
             if not stalled and time.monotonic() >= deadline:
                 stalled = [rank for rank in others if self.heartbeats.silent_for(rank) > STALL_NAMING_S]
+            recent = self.cfg.fault.detect_timeout_s / 2  # a stopped rank's peers time out after detect_timeout_s
+            if stalled and waited < DEATH_NAMING_S and all(self.heartbeats.silent_for(r) < recent for r in stalled):
+                # a rank killed over a second before the failure was seen (a busy driver) is as silent
+                # as a stopped one until Ray reports its death, a moment later: wait for that news
+                time.sleep(0.05)
+                continue
             if stalled:
                 seconds = max(self.heartbeats.silent_for(rank) for rank in stalled)
                 return WorkerGroupFailure(what, _did_not_answer(stalled, round(seconds, 1))
