@@ -225,7 +225,7 @@ def test_the_timed_window_stops_before_the_last_steps_updates_are_waited_for():
     step.settle = settle
     times, loss, _, _, last_updates = _timed_window(step, [None] * 3, torch.device("cpu"))
     assert calls == ["step"] * 3 + ["settle"]
-    assert len(times) == 3 and sum(times) < 0.3 and last_updates >= 1.0
+    assert len(times) == 3 and sum(times) < 1.0 <= last_updates  # a window with settle in it would take 1 s
 
 
 def test_the_step_interval_leaves_out_the_first_step():

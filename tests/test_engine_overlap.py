@@ -376,19 +376,28 @@ def test_the_next_chunk_is_prefetched_at_the_first_access_of_the_chunk_before_it
     assert ahead["prefetch_lead"] / ahead["prefetches"] >= 2.5  # three layers a chunk: about 3 accesses ahead
 
 
+class _FinishedWhenWaitedFor(Future):
+    """A CPU update that runs until someone waits for its result: however slowly the training
+    thread goes, a prefetch that looks at it finds it running."""
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.set_result(None)
+        return super().result(timeout)
+
+
 def test_a_chunk_whose_cpu_update_is_still_running_is_not_prefetched_until_it_has_finished():
     """Prefetching it would make the training thread wait for the update before it has queued the
     compute the load is to overlap. The access that needs it waits instead, as without prefetch."""
     torch.manual_seed(0)
     model, opt, data = _stack_engine(Stack(), 1)
-    per_step, delayed = [], Future()
+    per_step, delayed = [], _FinishedWhenWaitedFor()
     for step in range(3):
         before = model.engine_stats()["prefetches"]
         model(data).backward()
         opt.step()  # host chunks' updates start on the background thread
         model.store.settle_all()  # all finished: no prefetch waits for a real one by chance
-        if step == 1:  # the next forward finds chunk 2's update still running for a while
-            threading.Timer(0.3, lambda: delayed.set_result(None)).start()
+        if step == 1:  # the next forward finds chunk 2's update running until an access waits for it
             model.store.chunks[2].update = delayed
         opt.zero_grad()
         per_step.append(model.engine_stats()["prefetches"] - before)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elixir_ray.planner.cache_sim import count_loads
@@ -22,7 +22,7 @@ def test_cache_sim_basic():
     assert count_loads([(0, 1), (1, 2), (0, 2)], 2) == 4
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=3).map(tuple), min_size=1, max_size=40))
 def test_cache_sim_bounds_and_monotonic(seq):
     distinct = len({c for op in seq for c in op})
@@ -562,7 +562,7 @@ def test_memory_samples_cover_the_whole_activation_peak(checkpointing):
     assert lay.event_activations is not None and len(lay.event_activations) == len(trace.memory_samples)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.booleans())
 def test_prefix_peaks_are_the_peaks_of_each_prefix_alone(seed, freed, dos, released):
     """The search sums the peaks of every prefix of a ranking at once (running sums); each must be the
@@ -618,7 +618,7 @@ def test_the_charted_memory_reaches_the_predicted_peak_and_never_passes_it(budge
     assert np.isclose(total.max(), plan.predicted_peak_bytes, rtol=1e-9)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.sampled_from([1, 2]))
 def test_device_gradients_released_in_backward_never_raise_the_peak(seed, freed, dos, world):
     """With updates started in backward and one micro-step, a device chunk's gradient goes as soon as

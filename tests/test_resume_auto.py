@@ -23,7 +23,8 @@ def test_a_killed_driver_started_again_with_resume_auto_continues_its_run(ray_cl
     from elixir_ray.checkpoint import list_checkpoints
     from elixir_ray.cli import main
 
-    base = dict(train={"steps": 12}, checkpoint={"every_steps": 2, "keep": 3}, cluster={"num_workers": 1})
+    steps = 20  # time for the test to see the first checkpoint and kill the driver before its end
+    base = dict(train={"steps": steps}, checkpoint={"every_steps": 2, "keep": 3}, cluster={"num_workers": 1})
     clean = train(tiny_config(tiny_dataset, tmp_path / "clean", **base), progress=False)
 
     cfg = tiny_config(tiny_dataset, tmp_path, **{**base, "cluster": {"num_workers": 1, "local_num_cpus": 2}})
@@ -39,12 +40,12 @@ def test_a_killed_driver_started_again_with_resume_auto_continues_its_run(ray_cl
     deadline = time.monotonic() + 240
     while not (checkpoints.exists() and list_checkpoints(str(checkpoints))) and time.monotonic() < deadline:
         assert driver.poll() is None, driver.stdout.read()
-        time.sleep(0.2)
+        time.sleep(0.05)
     driver.send_signal(signal.SIGKILL)
     out, _ = driver.communicate(timeout=60)
     assert "--resume auto: run 't' has no checkpoint in" in out and "starting afresh" in out, out
     killed_at = max(int(os.path.basename(p)[5:]) for p in list_checkpoints(str(checkpoints)))
-    assert killed_at < 12, out
+    assert killed_at < steps, out
 
     # the same command again (here in this process, on the test's Ray cluster)
     assert main(argv) == 0
@@ -53,5 +54,5 @@ def test_a_killed_driver_started_again_with_resume_auto_continues_its_run(ray_cl
     from elixir_ray.run.outputs import read_metrics
 
     rows = read_metrics(str(tmp_path / "runs" / "t" / "metrics.parquet"))
-    assert [row["step"] for row in rows] == list(range(1, 13)), rows
+    assert [row["step"] for row in rows] == list(range(1, steps + 1)), rows
     np.testing.assert_allclose(rows[-1]["loss"], clean.final_loss, rtol=0, atol=1e-5)
