@@ -101,10 +101,17 @@ def elastic_phase(cluster: Cluster, nodes: list, dataset: str, out_dir: str) -> 
                       checkpoint={"every_steps": 3},
                       fault={"max_restarts": 2, "wait_for_resources_s": 3, "detect_timeout_s": 30})
     outcome, removed, added = {}, {}, {}
+    back = threading.Event()  # the removed node is in the cluster again
+
+    def until_the_node_is_back(row: dict) -> None:
+        """The run's first step on two workers waits for the node's return (up to 20 s, within
+        fault.detect_timeout_s): however long the node takes to start, checkpoints are left to grow at."""
+        if shrunk.is_set() and not back.is_set():
+            back.wait(timeout=20)
 
     def run() -> None:
         try:
-            outcome["result"] = elixir_ray.train(cfg, progress=False)
+            outcome["result"] = elixir_ray.train(cfg, progress=False, on_metrics=until_the_node_is_back)
         finally:
             shrunk.set()  # a run that ended without shrinking lets the main thread go on
 
@@ -124,6 +131,7 @@ def elastic_phase(cluster: Cluster, nodes: list, dataset: str, out_dir: str) -> 
     if shrunk.wait(timeout=180) and training.is_alive():
         add_node(cluster, out_dir, index, NODE_CPUS[index])
         added["at"] = time.time()
+    back.set()
     training.join()
     result = outcome["result"]
     shrunk_plan = next(plan for plan in result.plans if plan.world_size == 2)
