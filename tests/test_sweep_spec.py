@@ -1,6 +1,8 @@
 """A sweep's input refused in one line before Ray starts: the space's keys and domains, the metric,
 the scheduler, trials_per_gpu. No Ray cluster here."""
 
+import os
+
 import pytest
 
 from elixir_ray.cli import main
@@ -98,6 +100,36 @@ def test_packed_trials_reserve_shares_ray_can_count(tiny_dataset):
     with pytest.raises(ConfigError, match=r"trials_per_gpu=10001: Ray reserves a GPU \(or CPU\) in steps of "
                                           r"1/10000, so at most 10000 trials can share one"):
         trial_resources(cfg, 10001, {"CPU": 8})
+
+
+def test_a_resumed_sweep_keeps_the_budget_its_trials_started_with_while_it_fits(tiny_dataset, tmp_path):
+    """Its continued trials then find their plans in the plan cache. A recorded budget above what
+    is free now, one recorded for another trials_per_gpu, or a record that does not read is cut
+    again from the memory free now."""
+    from elixir_ray.config import config_from_dict
+    from elixir_ray.sweeps.packing import PACKING_FILE, packed, read_packing, trial_resources, write_packing
+
+    cfg = config_from_dict({**_base(tiny_dataset), "cluster": {"num_workers": 1}})
+    two, gib = trial_resources(cfg, 2, {"CPU": 4}), 2**30
+    first = packed(cfg, two, 8 * gib)
+    assert first.device_memory == 4 * gib and not first.budget_kept
+    sweep_dir = str(tmp_path / "sweep")
+    assert read_packing(sweep_dir) is None
+    write_packing(sweep_dir, first)
+    assert os.listdir(sweep_dir) == [PACKING_FILE]  # no temporary file left beside it
+    recorded = read_packing(sweep_dir)
+    assert recorded == {"trials_per_gpu": 2, "device_memory": 4 * gib, "device_free": 8 * gib}
+
+    more = packed(cfg, two, 8 * gib + 300 * 2**20, started_with=recorded)  # a little more free now
+    assert more.device_memory == 4 * gib and more.budget_kept
+    assert "budget of 4.0 GiB each (the one its trials started with, within 1/2 of 8.3 GiB free now)" \
+        in more.describe(), more.describe()
+    less = packed(cfg, two, 8 * gib - 2**20, started_with=recorded)  # less: another process took some
+    assert less.device_memory == (8 * gib - 2**20) // 2 and not less.budget_kept
+    three = packed(cfg, trial_resources(cfg, 3, {"CPU": 4}), 9 * gib, started_with=recorded)
+    assert three.device_memory == 3 * gib and not three.budget_kept
+    (tmp_path / "sweep" / PACKING_FILE).write_text("{not json")
+    assert read_packing(sweep_dir) is None
 
 
 def test_a_trial_continues_from_the_checkpoint_its_tune_pointer_names_or_its_own_newest(tiny_dataset, tmp_path):

@@ -345,7 +345,7 @@ class TrainController:
         """A plan searched from what this search would take (the same profiles, world size, global
         batch and budget), which the search would only find again: a restart onto the ranks' own
         nodes keeps its plan, and a run takes the plan cache's plan when its budget is the one that
-        plan was searched for (a resumed sweep cuts its budgets again from the memory free then)."""
+        plan was searched for (a resumed sweep keeps its trials' budget while it still fits)."""
         if self.outcome.restarts:
             plan = self.outcome.plan if self.outcome.profiles is self._planned_from else None
         else:

@@ -5,10 +5,10 @@ kernels) depends on the model, the micro-batch, the world size and the hardware,
 learning rate, the seed or the memory budget. So the first run of a shape writes its profiles and
 plan here, under a hash of what they depend on, and a later run of that shape reads them instead
 of measuring again. It takes the plan too when its budget is the one the plan was searched for;
-with another (a resumed sweep cuts its budgets again from the memory free then) it searches its
-own from the profiles. On a local disk the first run also holds a lease on its key while it
-measures, and a run of the same shape starting meanwhile waits for its entry rather than measuring
-beside it (on one machine the two measurements would also disturb each other). Object stores have
+with another (a resumed sweep whose budget no longer fits in what is free cuts another) it
+searches its own from the profiles. On a local disk the first run also holds a lease on its key
+while it measures, and a run of the same shape starting meanwhile waits for its entry rather than
+measuring beside it (on one machine the two measurements would also disturb each other). Object stores have
 no exclusive create: there concurrent runs may both measure, and the last entry written is kept.
 """
 

@@ -64,12 +64,14 @@ def run_sweep(spec, *, resume: Union[bool, str], progress: bool) -> SweepResult:
     try:
         import ray
 
-        from elixir_ray.sweeps.packing import free_device_memory, packed, trial_resources
+        from elixir_ray.sweeps.packing import free_device_memory, packed, read_packing, trial_resources, write_packing
 
         resources = trial_resources(cfg, spec.trials_per_gpu, ray.cluster_resources())
         if spec.trials_per_gpu > 1:
             free = free_device_memory(resources, cfg.cluster.placement_timeout_s)
-            resources = packed(cfg, resources, free)
+            resources = packed(cfg, resources, free, started_with=read_packing(spec.sweep_dir) if restoring else None)
+            if not resources.budget_kept:  # what a later resume keeps: the budget the trials run with now
+                write_packing(spec.sweep_dir, resources)
         if progress:
             print(f"sweep {spec.name}: each trial reserves {resources.describe()}", file=sys.stderr, flush=True)
         tuner = _tuner(spec, resources, scheduler, every, restoring, progress)

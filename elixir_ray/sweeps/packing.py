@@ -6,12 +6,16 @@ given a device-memory budget of 1/k of the GPU's free memory: the engine never e
 budget, so k trials share a GPU without risking an out-of-memory error. A k the model cannot be
 planned within is refused before any trial starts, naming the largest k that fits. On a CPU-only
 cluster a rank's "device" is a slot of `cluster.cpus_per_worker` CPUs (one with `auto`): each rank reserves 1/k of
-them, and its budget is 1/k of the host memory free.
+them, and its budget is 1/k of the host memory free. The budget is recorded in the sweep's
+directory (`packing.json`), and a resumed sweep keeps it while it still fits in what is free then:
+its continued trials run the plans they started with.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +23,7 @@ from elixir_ray.config import RunConfig
 from elixir_ray.errors import ConfigError
 from elixir_ray.units import format_bytes, parse_bytes
 
+PACKING_FILE = "packing.json"  # in the sweep's directory: the budget its trials started with
 TRIAL_DRIVER_CPUS = 1.0  # the trial's driver: Tune's trainable, the controller and its checkpoint writes
 RESOURCE_STEPS = 10_000  # Ray counts a fractional resource in steps of 0.0001
 
@@ -37,6 +42,7 @@ class TrialResources:
     trials_per_gpu: int
     device_memory: Optional[int] = None  # each rank's budget in bytes when packed (k > 1); None: the engine's own
     device_free: Optional[int] = None  # the free memory of a GPU (or the host) the budget was cut from
+    budget_kept: bool = False  # a resumed sweep's budget, the one its trials started with (device_free: free now)
 
     @property
     def bundles(self) -> list[dict]:
@@ -48,8 +54,10 @@ class TrialResources:
 
     def describe(self) -> str:
         per = ", ".join(f"{v:g} {k}" for k, v in self.rank_bundle.items())
-        budget = (f", a device-memory budget of {format_bytes(self.device_memory)} each (1/{self.trials_per_gpu} of "
-                  f"{format_bytes(self.device_free)} free)") if self.device_memory else ""
+        cut = (f"the one its trials started with, within 1/{self.trials_per_gpu} of {format_bytes(self.device_free)} "
+               f"free now" if self.budget_kept else f"1/{self.trials_per_gpu} of {format_bytes(self.device_free)} free")
+        budget = f", a device-memory budget of {format_bytes(self.device_memory)} each ({cut})" \
+            if self.device_memory else ""
         return f"a driver ({TRIAL_DRIVER_CPUS:g} CPU) and {self.num_workers} rank(s) of {per}{budget}"
 
 
@@ -80,11 +88,13 @@ def free_device_memory(resources: TrialResources, timeout_s: float) -> int:
 
     @ray.remote(max_retries=0)
     def measure(use_gpu: bool) -> int:
+        if not use_gpu:  # the host's free memory, as a rank's profile reads it, without importing torch
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         import torch
 
         from elixir_ray.cluster.worker_profile import device_memory
 
-        return device_memory(torch.device("cuda", 0) if use_gpu else torch.device("cpu"))[1]
+        return device_memory(torch.device("cuda", 0))[1]
 
     task = measure.options(num_cpus=resources.rank_bundle.get("CPU", 0), num_gpus=1 if resources.use_gpu else 0)
     ref = task.remote(resources.use_gpu)
@@ -96,14 +106,21 @@ def free_device_memory(resources: TrialResources, timeout_s: float) -> int:
     return int(ray.get(ref))
 
 
-def packed(cfg: RunConfig, resources: TrialResources, free: int) -> TrialResources:
+def packed(cfg: RunConfig, resources: TrialResources, free: int, *, started_with: Optional[dict] = None
+           ) -> TrialResources:
     """`resources` with each rank's budget, 1/k of `free` (within the config's own
-    engine.device_memory, if smaller); refused when the model has no plan within it."""
+    engine.device_memory, if smaller); refused when the model has no plan within it. A resumed
+    sweep passes the packing its trials started with (`read_packing`): its budget is kept where
+    it is no larger than the one cut now, so that continued trials find their plans in the plan
+    cache rather than search new ones for a budget a few megabytes apart."""
     from dataclasses import replace
 
     k = resources.trials_per_gpu
     fits = PlanFit(cfg, resources)
     budget = _capped(cfg, free // k)
+    kept = kept_budget(started_with, k, budget)
+    if kept is not None and fits(kept):
+        return replace(resources, device_memory=kept, device_free=free, budget_kept=True)
     if not fits(budget):
         most = largest_fitting(lambda j: fits(_capped(cfg, free // j)), k)
         device = "GPU" if resources.use_gpu else "CPU slot (the host's memory)"
@@ -113,6 +130,42 @@ def packed(cfg: RunConfig, resources: TrialResources, free: int) -> TrialResourc
                           f"{format_bytes(free)} free, and the planner finds no plan of this model within it: "
                           f"{advice}")
     return replace(resources, device_memory=budget, device_free=free)
+
+
+def kept_budget(started_with: Optional[dict], k: int, budget_now: int) -> Optional[int]:
+    """The budget a resumed sweep keeps: the one recorded at its start, for the same k and no
+    larger than `budget_now` (the memory free now may be less: other work took some); else None."""
+    if not started_with or started_with.get("trials_per_gpu") != k:
+        return None
+    budget = started_with.get("device_memory")
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 0 < budget <= budget_now:
+        return None
+    return budget
+
+
+def write_packing(sweep_dir: str, resources: TrialResources) -> None:
+    """Record the trials' budget in the sweep's directory (temporary name, then rename)."""
+    from elixir_ray import storage
+
+    record = {"trials_per_gpu": resources.trials_per_gpu, "device_memory": resources.device_memory,
+              "device_free": resources.device_free}
+    fs, path = storage.resolve(f"{sweep_dir}/{PACKING_FILE}")
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    storage.write_bytes_atomic(fs, path, json.dumps(record, indent=1).encode())
+
+
+def read_packing(sweep_dir: str) -> Optional[dict]:
+    """The packing recorded at the sweep's start; None where there is none or it does not read as
+    one (the budget is then cut again)."""
+    from elixir_ray import storage
+
+    fs, path = storage.resolve(f"{sweep_dir}/{PACKING_FILE}")
+    try:
+        with fs.open_input_stream(path) as f:
+            record = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _capped(cfg: RunConfig, budget: int) -> int:
