@@ -31,7 +31,7 @@ def _sweep_file(path, tiny_dataset, storage, *, name, lrs, scheduler, steps, eve
             "train": {"steps": steps, "micro_batch": 4, "log_every": 1}, "optim": {"warmup_steps": 0},
             "cluster": {"num_workers": workers, "namespace": namespace},
             "checkpoint": {"every_steps": every, "keep": 2},
-            "engine": {"time_kernels": False, "search_checkpointing": False}}  # as tiny_config, and why
+            "engine": {"time_kernels": False, "search_checkpointing": False}}  # as tiny_config (conftest.py: why)
     spec = {"name": name, "base": base, "space": {"optim.lr": {"grid": lrs}}, "scheduler": scheduler,
             "max_concurrent_trials": 2, "trials_per_gpu": trials_per_gpu, "storage": str(storage)}
     path.write_text(json.dumps(spec))  # JSON is YAML
