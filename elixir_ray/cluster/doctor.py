@@ -23,13 +23,13 @@ from elixir_ray.cluster.placement import resolve_worker_shape
 from elixir_ray.cluster.shared_storage import look_from_the_ranks
 from elixir_ray.cluster.worker_group import WorkerGroup
 from elixir_ray.config import RunConfig
+from elixir_ray.host_ram import host_ram_bytes
 
 
 def host_facts() -> dict:
     """Run on a rank: its machine's cores and RAM (total and free), as the operating system says."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    return {"cores": os.cpu_count() or 0, "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
-            "ram_free": os.sysconf("SC_AVPHYS_PAGES") * page}
+    total, free = host_ram_bytes()
+    return {"cores": os.cpu_count() or 0, "ram_total": total, "ram_free": free}
 
 
 @dataclass

@@ -9,7 +9,6 @@ traces it and times its kernels on its device, which the driver's plan uses for 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -17,6 +16,7 @@ from typing import Optional
 import torch
 
 from elixir_ray.config import RunConfig
+from elixir_ray.host_ram import available_host_bytes, host_ram_bytes
 from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(total), int(free)
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages), int(avail)
+    return host_ram_bytes()
 
 
 def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, cfg: Optional[RunConfig] = None,
@@ -79,5 +77,5 @@ def profile_worker(rank: int, device: torch.device, dtype: torch.dtype, cfg: Opt
                         rank, type(exc).__name__, exc)
     return WorkerProfile(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=name,
                          device_memory_total=total, device_memory_free=free, cpu_threads=torch.get_num_threads(),
-                         host_memory_free=os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+                         host_memory_free=available_host_bytes(),
                          hardware=asdict(hw), kernel_seconds=kernels)

@@ -13,7 +13,8 @@ from elixir_ray.chunk_plan.plan import Plan
 from elixir_ray.engine.device import random_state_kept, resolve_device
 from elixir_ray.engine.op_record import call_key
 from elixir_ray.engine.sample import SampleInputs, as_sample_inputs
-from elixir_ray.planner.hardware import HardwareProfile, available_host_bytes, profile_hardware
+from elixir_ray.host_ram import available_host_bytes
+from elixir_ray.planner.hardware import HardwareProfile, profile_hardware
 from elixir_ray.planner.model_profile import ModelProfile, checkpointing_variants, profile_model
 from elixir_ray.planner.network import Network
 from elixir_ray.planner.op_timing import compute_from_table, device_is_here, kernel_table, time_ops

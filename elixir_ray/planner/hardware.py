@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import statistics
 import threading
@@ -23,6 +22,7 @@ from elixir_ray.engine.device import resolve_device
 from elixir_ray.engine.host_memory import HostArena
 from elixir_ray.engine.host_updates import update_threads
 from elixir_ray.engine.optimizer import TileScratch, host_update, run_adam
+from elixir_ray.host_ram import available_host_bytes
 
 
 @dataclass
@@ -374,7 +374,3 @@ def profile_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
                            cpu_adam_beside_copies=min(1.0, beside / cpu_adam_low) if beside else 0.0,
                            copies_beside_cpu_adam_gbps=copies_beside, host_memory_free=available_host_bytes())
 
-
-def available_host_bytes() -> int:
-    """The host RAM free now (the page cache not counted)."""
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

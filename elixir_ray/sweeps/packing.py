@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,8 +87,10 @@ def free_device_memory(resources: TrialResources, timeout_s: float) -> int:
 
     @ray.remote(max_retries=0)
     def measure(use_gpu: bool) -> int:
-        if not use_gpu:  # the host's free memory, as a rank's profile reads it, without importing torch
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if not use_gpu:  # as a rank's profile reads it, without importing torch
+            from elixir_ray.host_ram import available_host_bytes
+
+            return available_host_bytes()
         import torch
 
         from elixir_ray.cluster.worker_profile import device_memory
@@ -150,7 +151,6 @@ def write_packing(sweep_dir: str, resources: TrialResources) -> None:
     record = {"trials_per_gpu": resources.trials_per_gpu, "device_memory": resources.device_memory,
               "device_free": resources.device_free}
     fs, path = storage.resolve(f"{sweep_dir}/{PACKING_FILE}")
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     storage.write_bytes_atomic(fs, path, json.dumps(record, indent=1).encode())
 
 
