@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from typing import Optional
@@ -52,6 +53,19 @@ def writable_local_dir(uri: str, what: str, fix: str) -> Optional[str]:
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_json(uri: str):
+    """The JSON value stored at `uri`; None where there is none or it does not read (a small record
+    of the project's own, such as a trial's summary)."""
+    try:
+        fs, path = resolve(uri)
+        if not exists(fs, path):
+            return None
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def sync_to_disk(fs: pafs.FileSystem, path: str) -> None:

@@ -159,12 +159,7 @@ def read_packing(sweep_dir: str) -> Optional[dict]:
     one (the budget is then cut again)."""
     from elixir_ray import storage
 
-    fs, path = storage.resolve(f"{sweep_dir}/{PACKING_FILE}")
-    try:
-        with fs.open_input_stream(path) as f:
-            record = json.loads(f.read(1 << 16))
-    except (OSError, ValueError):
-        return None
+    record = storage.read_json(f"{sweep_dir}/{PACKING_FILE}")
     return record if isinstance(record, dict) else None
 
 

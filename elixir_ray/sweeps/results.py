@@ -9,7 +9,6 @@ sweep ran in one go or was resumed.
 from __future__ import annotations
 
 import io
-import json
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -86,7 +85,7 @@ def trial_row(sweep_dir: str, trial_id: str, values: dict, metric: str, mode: st
     except (OSError, ValueError):
         rows = []
     curve = [(int(r["step"]), float(r[metric])) for r in rows if r.get(metric) is not None]
-    summary = _read_json(f"{run_dir}/{TRIAL_SUMMARY}") or {}
+    summary = storage.read_json(f"{run_dir}/{TRIAL_SUMMARY}") or {}
     steps = max((int(r["step"]) for r in rows), default=0)
     if error:
         status = "error"
@@ -101,17 +100,6 @@ def trial_row(sweep_dir: str, trial_id: str, values: dict, metric: str, mode: st
              f"best_{metric}": pick(v for _, v in curve) if curve else None,
              "checkpoint_uri": newest[0] if newest else None, "error": error,
              "stop_seconds": summary.get("stop_seconds")}, curve)
-
-
-def _read_json(uri: str) -> Optional[dict]:
-    try:
-        fs, path = storage.resolve(uri)
-        if not storage.exists(fs, path):
-            return None
-        with fs.open_input_stream(path) as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def trials_table(rows: list[dict], keys: list[str], metric: str) -> pa.Table:
